@@ -1,0 +1,96 @@
+// FlashDelta: the delta-rule family of linear attention, in one recurrence.
+//
+// Per sequence n and value head hv (key head h = hv / (HV / H)), with state S in R^{K x V}
+// and tokens t = 1..T_n, every entry point computes
+//
+//   1. S <- Diag(exp(g_t)) S                 forget (no gate | scalar g_t | vector g_t over K)
+//   2. delta:  r_t = beta_t (v_t - S^T k_t)  predict from the retained state, then correct
+//              S <- S + k_t r_t^T
+//      linear: S <- S + k_t v_t^T
+//   3. o_t = S^T (scale * q_t)               read after the write
+//
+// after the optional fused input transforms of Options (q/k L2 norm, beta sigmoid, gate
+// activation). The mechanism (Options::mechanism) fixes the gate kind and the write rule.
+//
+// Tensors (fla layout), all views with arbitrary element strides:
+//   q, k     [B, T, H, K]      float32 | bfloat16 | float16 | float64
+//   v, o     [B, T, HV, V]     HV a multiple of H (grouped value attention)
+//   g        [B, T, HV, K] (vector gate) or [B, T, HV] (scalar gate), log space
+//   beta     [B, T, HV]        delta mechanisms only
+//   state    [N, HV, K, V] (k_first) or [N, HV, V, K] (v_first), float32 (float64 accepted)
+//   cu_seqlens int32 | int64 [N + 1], only with B = 1: sequences packed along T
+//              (N = B without it); a zero-length sequence passes its state through.
+//   A_log    [HV]; dt_bias [HV, K] or [HV * K] (vector gate), [HV] (scalar gate)
+// K and V are 1..256. Nothing is written unless every argument is valid; errors are
+// thrown as flashdelta::Error with a message naming the argument.
+#pragma once
+
+#include "flashdelta/options.h"
+#include "flashdelta/types.h"
+
+namespace flashdelta {
+
+struct ForwardArgs {
+  TensorView q, k, v;
+  TensorView g;              // required for gated mechanisms, absent otherwise
+  TensorView beta;           // required for delta mechanisms, absent otherwise
+  TensorView initial_state;  // optional; zeros when absent
+  TensorView cu_seqlens;     // optional
+  TensorView A_log;          // optional, only with Options::gate_in_kernel
+  TensorView dt_bias;        // optional, only with Options::gate_in_kernel
+  TensorView o;              // output [B, T, HV, V], any float dtype
+  TensorView final_state;    // optional output, same shape as the state; may alias
+                             // initial_state exactly (in-place update)
+};
+
+// Runs the recurrence with the chosen schedule. All schedules compute the same function;
+// Schedule::reference runs the fp64 scalar recurrence in place of any fast path.
+void forward(const ForwardArgs& args, const Options& options,
+             Schedule schedule = Schedule::chunk);
+
+// Stateful serving (decode and speculative multi-token steps) over a state pool.
+//   q, k [N, T, H, K], v, o [N, T, HV, V], g, beta as in forward (or B = 1 with
+//   cu_seqlens for sequences of different lengths, each at most the slot count).
+//   state_pool  [P, HV, K, V] (or V-first) float32 (bfloat16 opt-in), updated in place.
+//   state_indices int32 | int64:
+//     [N]:     row n reads slot s = state_indices[n] and writes its final state back to s.
+//     [N, S]:  per-token slots: row n starts from slot state_indices[n, a_n - 1], with
+//              a_n = num_accepted_tokens[n] (1 when absent), and after its token t writes
+//              the state to slot state_indices[n, t] (if >= 0). S >= tokens per row.
+//   A start slot of -1 marks a padding row: it is skipped and its outputs are zeros.
+//   Slots written by different rows must differ (checked).
+struct DecodeArgs {
+  TensorView q, k, v, g, beta;
+  TensorView cu_seqlens;           // optional
+  TensorView A_log, dt_bias;       // optional, only with Options::gate_in_kernel
+  TensorView state_pool;
+  TensorView state_indices;
+  TensorView num_accepted_tokens;  // optional, only with [N, S] state_indices
+  TensorView o;
+};
+
+void decode(const DecodeArgs& args, const Options& options,
+            Schedule schedule = Schedule::recurrent);
+
+// Gradients of the forward's outputs (o and final state) with respect to every input.
+// Inputs as in ForwardArgs, plus d_o [B, T, HV, V] and optional d_final_state. Each
+// gradient output is optional (absent = not wanted) and has its input's shape:
+// dq, dk, dv with respect to the raw q, k, v (through the L2 norm); dg with respect to the
+// raw gate (through the activation); dbeta with respect to the raw beta (through the
+// sigmoid); d_initial_state, dA_log, ddt_bias. Gradient dtypes are any float dtype.
+// Only Schedule::reference exists on the CPU today.
+struct BackwardArgs {
+  TensorView q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias;
+  TensorView d_o;
+  TensorView d_final_state;  // optional
+  TensorView dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias;
+};
+
+void backward(const BackwardArgs& args, const Options& options,
+              Schedule schedule = Schedule::reference);
+
+// Library version and the SIMD target the CPU schedules dispatch to on this machine.
+const char* version();
+const char* cpu_simd_target();
+
+}  // namespace flashdelta

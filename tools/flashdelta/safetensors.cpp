@@ -1,0 +1,1 @@
+// TEMPORARY scaffold, replaced by the safetensors reader and writer.
