@@ -1,1 +1,2 @@
-// TEMPORARY scaffold, replaced by the safetensors reader and writer.
+// Placeholder until the reader lands.
+#include "flashdelta/safetensors.h"

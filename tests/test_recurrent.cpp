@@ -1,0 +1,2 @@
+// Placeholder until its owner lands it.
+#include <gtest/gtest.h>
