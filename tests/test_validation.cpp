@@ -1,2 +1,323 @@
-// Placeholder until its owner lands it.
+// Bad input through the library API: every case raises flashdelta::Error whose message
+// names the argument, and nothing is written.
 #include <gtest/gtest.h>
+
+#include <functional>
+
+#include "test_util.h"
+
+namespace flashdelta::testing {
+namespace {
+
+constexpr double kPoison = 12345.0;
+
+// Runs forward on a mutated copy of a valid case and asserts that it throws an Error
+// mentioning every string of `needles`, leaving o and the final state untouched.
+void expect_forward_error(const CaseConfig& cfg, const std::function<void(Case&, ForwardArgs&, Options&)>& mutate,
+                          std::vector<std::string> needles, Schedule schedule = Schedule::chunk) {
+  Case c = make_case(cfg);
+  HostTensor o = c.make_output(DType::f32);
+  HostTensor s = c.make_state();
+  o.fill(kPoison);
+  s.fill(kPoison);
+  ForwardArgs a = c.args(o, &s);
+  Options opt = c.options;
+  mutate(c, a, opt);
+  try {
+    forward(a, opt, schedule);
+    FAIL() << "expected an error mentioning '" << needles.front() << "'";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const std::string& n : needles)
+      EXPECT_NE(msg.find(n), std::string::npos) << "message: " << msg << "\nmissing: " << n;
+  }
+  for (double x : o.to_double()) ASSERT_EQ(x, kPoison) << "o was written on error";
+  for (double x : s.to_double()) ASSERT_EQ(x, kPoison) << "final_state was written on error";
+}
+
+CaseConfig kda() {
+  CaseConfig c;
+  c.H = 2;
+  c.HV = 4;
+  c.T = 9;
+  c.K = 8;
+  c.V = 6;
+  return c;
+}
+
+TEST(Validation, WrongRank) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) { a.q.rank = 3; },
+                       {"'q'", "rank 4", "rank 3"});
+}
+
+TEST(Validation, KeyShapeMismatch) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) { a.k.shape[3] = 7; },
+                       {"'k'", "[1, 9, 2, 8]", "[1, 9, 2, 7]"});
+}
+
+TEST(Validation, HVNotAMultipleOfH) {
+  CaseConfig cfg = kda();
+  cfg.H = 3;
+  cfg.HV = 4;
+  expect_forward_error(cfg, [](Case&, ForwardArgs&, Options&) {}, {"'v'", "multiple of H = 3", "HV = 4"});
+}
+
+TEST(Validation, GateMissingForGatedMechanism) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) { a.g = TensorView{}; },
+                       {"'g'", "required", "kda"});
+}
+
+TEST(Validation, GateGivenForUngatedMechanism) {
+  CaseConfig cfg = kda();
+  cfg.mechanism = Mechanism::deltanet;
+  expect_forward_error(cfg, [](Case& c, ForwardArgs& a, Options&) {
+    c.g = HostTensor(DType::f32, {1, 9, 4, 8});
+    a.g = c.g.view;
+  }, {"'g'", "absent", "deltanet"});
+}
+
+TEST(Validation, VectorGateGivenAsScalar) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) { a.g.rank = 3; },
+                       {"'g'", "[B, T, HV, K]"});
+}
+
+TEST(Validation, BetaMissingOrMisshaped) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) { a.beta = TensorView{}; },
+                       {"'beta'", "required"});
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) { a.beta.shape[2] = 2; },
+                       {"'beta'", "[B, T, HV]"});
+}
+
+TEST(Validation, HeadDimensionAbove256) {
+  CaseConfig cfg = kda();
+  cfg.K = 257;
+  expect_forward_error(cfg, [](Case&, ForwardArgs&, Options&) {}, {"'q'", "1..256", "K = 257"});
+  cfg = kda();
+  cfg.V = 300;
+  expect_forward_error(cfg, [](Case&, ForwardArgs&, Options&) {}, {"'v'", "1..256", "V = 300"});
+}
+
+TEST(Validation, CuSeqlens) {
+  CaseConfig cfg = kda();
+  cfg.seqlens = {4, 5};
+  auto set_cu = [](std::vector<int64_t> values) {
+    return [values](Case& c, ForwardArgs& a, Options&) {
+      c.cu_seqlens = HostTensor(DType::i64, {static_cast<int64_t>(values.size())});
+      std::copy(values.begin(), values.end(), static_cast<int64_t*>(c.cu_seqlens.view.data));
+      a.cu_seqlens = c.cu_seqlens.view;
+    };
+  };
+  expect_forward_error(cfg, set_cu({0, 6, 4, 9}), {"'cu_seqlens'", "non-decreasing"});
+  expect_forward_error(cfg, set_cu({0, 4, 8}), {"'cu_seqlens'", "T = 9", "got 8"});
+  expect_forward_error(cfg, set_cu({1, 4, 9}), {"'cu_seqlens'", "= 0"});
+  expect_forward_error(cfg, set_cu({0, 4, 12}), {"'cu_seqlens'", "exceeds T = 9"});
+  expect_forward_error(cfg, [](Case& c, ForwardArgs& a, Options&) {
+    c.cu_seqlens = HostTensor(DType::f32, {3});
+    a.cu_seqlens = c.cu_seqlens.view;
+  }, {"'cu_seqlens'", "int32 or int64", "float32"});
+}
+
+TEST(Validation, CuSeqlensNeedsBatchOne) {
+  CaseConfig cfg = kda();
+  cfg.B = 2;
+  expect_forward_error(cfg, [](Case& c, ForwardArgs& a, Options&) {
+    c.cu_seqlens = HostTensor(DType::i64, {2});
+    static_cast<int64_t*>(c.cu_seqlens.view.data)[1] = 9;
+    a.cu_seqlens = c.cu_seqlens.view;
+  }, {"'cu_seqlens'", "B = 1", "B = 2"});
+}
+
+TEST(Validation, StateOfTheWrongSize) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) { a.initial_state.shape[2] = 7; },
+                       {"'initial_state'", "[N, HV, K, V]", "[1, 4, 8, 6]"});
+  expect_forward_error(kda(), [](Case&, ForwardArgs&, Options& o) { o.state_layout = StateLayout::v_first; },
+                       {"'initial_state'", "V-first", "[1, 4, 6, 8]"});
+}
+
+TEST(Validation, IntegerQuery) {
+  expect_forward_error(kda(), [](Case& c, ForwardArgs& a, Options&) {
+    c.q = HostTensor(DType::i32, {1, 9, 2, 8});
+    a.q = c.q.view;
+  }, {"'q'", "float", "int32"});
+}
+
+TEST(Validation, OutputOverlappingAnInput) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) {
+    a.o = a.v;
+    a.o.dtype = DType::f32;
+  }, {"'o'", "overlaps", "'v'"});
+}
+
+TEST(Validation, BroadcastOutput) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) { a.o.stride[1] = 0; },
+                       {"'o'", "stride 0"});
+}
+
+TEST(Validation, GateOptions) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs&, Options& o) { o.lower_bound = -5.0; },
+                       {"'lower_bound'", "gate_in_kernel"});
+  expect_forward_error(kda(), [](Case&, ForwardArgs&, Options& o) {
+    o.gate_in_kernel = true;
+    o.lower_bound = 0.5;
+  }, {"'lower_bound'", "< 0", "0.5"});
+  expect_forward_error(kda(), [](Case&, ForwardArgs&, Options& o) { o.gate_in_kernel = true; },
+                       {"'A_log'", "required"});
+  CaseConfig cfg = kda();
+  cfg.gate_in_kernel = true;
+  expect_forward_error(cfg, [](Case&, ForwardArgs& a, Options&) { a.dt_bias.shape[0] = 5; },
+                       {"'dt_bias'", "[HV * K]", "[5]"});
+  CaseConfig lin = kda();
+  lin.mechanism = Mechanism::deltanet;
+  expect_forward_error(lin, [](Case&, ForwardArgs&, Options& o) { o.gate_in_kernel = true; },
+                       {"'gate_in_kernel'", "gated mechanism"});
+}
+
+TEST(Validation, ScaleAndChunkSize) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs&, Options& o) { o.scale = INFINITY; },
+                       {"'scale'", "finite"});
+  expect_forward_error(kda(), [](Case&, ForwardArgs&, Options& o) { o.chunk_size = 48; },
+                       {"'chunk_size'", "48"});
+}
+
+TEST(Validation, NullData) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) { a.k.data = nullptr; },
+                       {"'k'", "null"});
+}
+
+TEST(Validation, UnknownNames) {
+  EXPECT_THROW(parse_mechanism("mamba"), Error);
+  EXPECT_EQ(parse_mechanism("gated_deltanet"), Mechanism::gated_deltanet);
+  EXPECT_EQ(parse_schedule("chunk"), Schedule::chunk);
+  try {
+    parse_schedule("fast");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'fast'"), std::string::npos);
+  }
+}
+
+// --- decode ---
+
+struct DecodeCase {
+  Case c;
+  HostTensor pool, indices, accepted, o;
+  DecodeArgs args() {
+    DecodeArgs a;
+    a.q = c.q.view;
+    a.k = c.k.view;
+    a.v = c.v.view;
+    a.g = c.g.view;
+    a.beta = c.beta.view;
+    a.state_pool = pool.view;
+    a.state_indices = indices.view;
+    a.o = o.view;
+    return a;
+  }
+};
+
+DecodeCase make_decode(int64_t N, int64_t T, int64_t P, std::vector<int64_t> idx, std::vector<int64_t> shape) {
+  CaseConfig cfg = kda();
+  cfg.B = N;
+  cfg.T = T;
+  DecodeCase d{make_case(cfg), HostTensor(DType::f32, {P, cfg.HV, cfg.K, cfg.V}),
+               HostTensor(DType::i64, shape), HostTensor(), HostTensor()};
+  std::copy(idx.begin(), idx.end(), static_cast<int64_t*>(d.indices.view.data));
+  d.pool.fill(kPoison);
+  d.o = d.c.make_output(DType::f32);
+  d.o.fill(kPoison);
+  return d;
+}
+
+void expect_decode_error(DecodeCase& d, const DecodeArgs& a, std::vector<std::string> needles) {
+  try {
+    decode(a, d.c.options);
+    FAIL() << "expected an error mentioning " << needles.front();
+  } catch (const Error& e) {
+    for (const std::string& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+  }
+  for (double x : d.pool.to_double()) ASSERT_EQ(x, kPoison);
+  for (double x : d.o.to_double()) ASSERT_EQ(x, kPoison);
+}
+
+TEST(DecodeValidation, SlotOutOfRange) {
+  DecodeCase d = make_decode(2, 1, 4, {1, 4}, {2});
+  expect_decode_error(d, d.args(), {"'state_indices'", "slot 4", "P = 4"});
+}
+
+TEST(DecodeValidation, DuplicateSlots) {
+  DecodeCase d = make_decode(3, 1, 4, {2, -1, 2}, {3});
+  expect_decode_error(d, d.args(), {"'state_indices'", "slot 2", "rows 0 and 2"});
+}
+
+TEST(DecodeValidation, AcceptedTokensNeedPerTokenSlots) {
+  DecodeCase d = make_decode(2, 1, 4, {0, 1}, {2});
+  d.accepted = HostTensor(DType::i32, {2});
+  DecodeArgs a = d.args();
+  a.num_accepted_tokens = d.accepted.view;
+  expect_decode_error(d, a, {"'num_accepted_tokens'", "[N, S]"});
+}
+
+TEST(DecodeValidation, AcceptedTokensInRange) {
+  DecodeCase d = make_decode(2, 2, 8, {0, 1, 2, 3}, {2, 2});
+  d.accepted = HostTensor(DType::i64, {2});
+  static_cast<int64_t*>(d.accepted.view.data)[0] = 1;
+  static_cast<int64_t*>(d.accepted.view.data)[1] = 3;
+  DecodeArgs a = d.args();
+  a.num_accepted_tokens = d.accepted.view;
+  expect_decode_error(d, a, {"'num_accepted_tokens'", "1..2", "got 3"});
+}
+
+TEST(DecodeValidation, TooFewSlotsPerRow) {
+  DecodeCase d = make_decode(2, 3, 8, {0, 1, 2, 3}, {2, 2});
+  expect_decode_error(d, d.args(), {"'state_indices'", "at least 3"});
+}
+
+TEST(DecodeValidation, PoolDtypeAndChunkSchedule) {
+  DecodeCase d = make_decode(1, 1, 2, {0}, {1});
+  DecodeArgs a = d.args();
+  a.state_pool.dtype = DType::f16;
+  expect_decode_error(d, a, {"'state_pool'", "float32 or bfloat16", "float16"});
+  try {
+    decode(d.args(), d.c.options, Schedule::chunk);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'schedule'"), std::string::npos);
+  }
+}
+
+// --- backward ---
+
+TEST(BackwardValidation, GradientShapeAndPresence) {
+  CaseConfig cfg = kda();
+  cfg.dtype = DType::f64;
+  const Case c = make_case(cfg);
+  HostTensor d_o = c.make_output(DType::f64);
+  HostTensor dq(DType::f64, {1, 9, 2, 7});
+  HostTensor dA(DType::f64, {4});
+  BackwardArgs a;
+  a.q = c.q.view;
+  a.k = c.k.view;
+  a.v = c.v.view;
+  a.g = c.g.view;
+  a.beta = c.beta.view;
+  a.d_o = d_o.view;
+  a.dq = dq.view;
+  try {
+    backward(a, c.options);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'dq'"), std::string::npos) << e.what();
+  }
+  a.dq = TensorView{};
+  a.dA_log = dA.view;
+  try {
+    backward(a, c.options);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'A_log' is absent"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace flashdelta::testing

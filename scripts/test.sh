@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every test: the ctest suite (Release, warnings as errors), the same suite under
+# AddressSanitizer + UndefinedBehaviorSanitizer, and the libFuzzer targets for a bounded
+# time. FUZZ_SECONDS (default 60) bounds each fuzzer; JOBS defaults to the core count.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=${JOBS:-$(nproc)}
+fuzz_seconds=${FUZZ_SECONDS:-60}
+
+scripts/install-deps.sh
+
+echo "== build and test (Release, -Werror)"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DFLASHDELTA_WERROR=ON
+cmake --build build -j "$jobs"
+ctest --test-dir build --output-on-failure -j "$jobs"
+
+echo "== build and test under AddressSanitizer + UndefinedBehaviorSanitizer"
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHDELTA_WERROR=ON \
+  -DFLASHDELTA_SANITIZE=address,undefined
+cmake --build build-asan -j "$jobs"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$jobs"
+
+echo "== fuzz the file reader and argument validation (${fuzz_seconds} s each)"
+CC=clang CXX=clang++ cmake -S . -B build-fuzz -DFLASHDELTA_FUZZ=ON \
+  -DFLASHDELTA_BUILD_TESTS=OFF -DFLASHDELTA_BUILD_TOOLS=OFF
+cmake --build build-fuzz -j "$jobs"
+fuzz/run_fuzzers.sh build-fuzz "$fuzz_seconds"
+echo "== all tests passed"
