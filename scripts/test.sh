@@ -26,4 +26,6 @@ CC=clang CXX=clang++ cmake -S . -B build-fuzz -DFLASHDELTA_FUZZ=ON \
   -DFLASHDELTA_BUILD_TESTS=OFF -DFLASHDELTA_BUILD_TOOLS=OFF
 cmake --build build-fuzz -j "$jobs"
 fuzz/run_fuzzers.sh build-fuzz "$fuzz_seconds"
+echo "== Python package: pip install . and pytest"
+scripts/test-python.sh
 echo "== all tests passed"
