@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "core/state_io.h"
 #include "core/token_inputs.h"
 #include "reference/reference.h"
 
@@ -162,16 +163,6 @@ void reverse_step(const Problem& p, const double* S0, const Token& x, double* dS
 }
 
 // ---- One sequence, one key head ----
-
-void load_state(const StateView& s, int64_t n, int64_t hv, int64_t K, int64_t V, double* S) {
-  for (int64_t i = 0; i < K; ++i)
-    load_row(s.t, s.offset(n, hv, i, 0), V, s.value_step(), S + i * V);
-}
-
-void store_state(const StateView& s, int64_t n, int64_t hv, int64_t K, int64_t V, const double* S) {
-  for (int64_t i = 0; i < K; ++i)
-    store_row(s.t, s.offset(n, hv, i, 0), V, s.value_step(), S + i * V);
-}
 
 // Number of dt_bias entries per value head: one per key channel (vector gate) or one.
 int64_t bias_width(const Problem& p) { return p.gate == GateKind::vector ? p.K : 1; }

@@ -2,6 +2,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "core/state_io.h"
 #include "core/token_inputs.h"
 #include "reference/reference.h"
 
@@ -17,7 +18,8 @@ void reference_step(const Problem& p, double* S, const double* q, const double* 
       for (int64_t j = 0; j < V; ++j) S[i * V + j] *= d;
     }
   // 2. write: delta rule r = beta (v - S^T k), or plain r = v
-  std::vector<double> r(v, v + V);
+  double r[256];  // V <= 256 (validated)
+  std::copy(v, v + V, r);
   if (p.delta) {
     for (int64_t j = 0; j < V; ++j) {
       double pred = 0;
@@ -36,15 +38,6 @@ void reference_step(const Problem& p, double* S, const double* q, const double* 
 }
 
 namespace {
-
-void load_state(const StateView& s, int64_t n, int64_t hv, int64_t K, int64_t V, double* S) {
-  for (int64_t i = 0; i < K; ++i) load_row(s.t, s.offset(n, hv, i, 0), V, s.value_step(), S + i * V);
-}
-
-void store_state(const StateView& s, int64_t n, int64_t hv, int64_t K, int64_t V,
-                 const double* S) {
-  for (int64_t i = 0; i < K; ++i) store_row(s.t, s.offset(n, hv, i, 0), V, s.value_step(), S + i * V);
-}
 
 // Per-token buffers of one (sequence, head) worker.
 struct TokenBuffers {
