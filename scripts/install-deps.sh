@@ -3,7 +3,7 @@
 # The CUDA toolkit is optional and not installed here.
 set -euo pipefail
 packages=(cmake g++ make libhwy-dev nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev
-          clang libclang-rt-dev libomp-dev)
+          clang libclang-rt-dev libomp-dev python3 python3-dev python3-venv python3-pip)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,6 +1,7 @@
 // FlashDelta options: which mechanism, which fused input transforms, which schedule.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>

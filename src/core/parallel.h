@@ -25,6 +25,10 @@ inline int resolve_threads(int requested) {
 // Calls f(i) for i in [0, n). Exceptions thrown by f are re-thrown on the calling thread.
 template <class F>
 void parallel_for(int64_t n, int num_threads, F&& f) {
+  if (n <= 1 || resolve_threads(num_threads) == 1) {  // no thread team for serial work
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
   std::exception_ptr error;
   std::mutex error_mutex;
 #ifdef _OPENMP
