@@ -3,8 +3,7 @@
 # the test dependencies from PyPI (torch, numpy, pytest, and flash-linear-attention's ops
 # for the comparison with its naive references), `pip install .`, then pytest.
 #   PYTHON           interpreter for the environment (default python3; needs venv and headers)
-#   TORCH_INDEX_URL  where torch comes from (default PyPI; e.g. the CPU wheels at
-#                    https://download.pytorch.org/whl/cpu)
+#   TORCH_INDEX_URL  an alternative package index for torch (default: PyPI)
 #   JOBS             build parallelism (default: the core count)
 set -euo pipefail
 cd "$(dirname "$0")/.."
