@@ -1,0 +1,615 @@
+// Fuzz target: argument validation of flashdelta::forward. The input chooses a problem:
+// options, sizes, cu_seqlens values, and for every tensor its presence, dtype, shape
+// (correct or changed), strides (contiguous, permuted, padded, negative, broadcast,
+// arbitrary), device, a null pointer, and whether it shares memory with another. Each view
+// is backed by a heap buffer exactly as large as the elements it reaches, then forward runs
+// with Schedule::reference.
+//
+// Findings: a crash, a sanitizer report (a read outside a view, an overflow), an exception
+// other than flashdelta::Error, and a disagreement with the documented contract: the harness
+// judges each case on its own (judge() below, written from flashdelta.h) and aborts when a
+// case it knows to be valid is rejected, or one it knows to be invalid runs.
+//
+// Choices are read front to back, one byte each; a missing byte reads as 0 and choice 0 is
+// always the ordinary one, so the empty input is a valid small KDA problem and a seed is a
+// short list of choices (see fuzz/corpus/README.md).
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/half.h"
+#include "flashdelta/flashdelta.h"
+
+namespace {
+
+using namespace flashdelta;
+
+// Keep one case small: elements a view may reach, and the multiply-adds of the reference
+// run (B * T * HV * K * V for the tokens, N * HV * K * V for the states).
+constexpr int64_t kMaxSpan = int64_t{1} << 16;
+constexpr int64_t kMaxWork = int64_t{1} << 18;
+
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Sizes: ordinary ones first, then the edges validation must catch (zero, negative, above
+// the K/V limit, large enough to overflow products).
+constexpr int64_t kPow31 = int64_t{1} << 31, kPow32 = int64_t{1} << 32, kPow62 = int64_t{1} << 62;
+constexpr int64_t kDims[] = {2,  1,   3,   4,  5,  0,      7,          8,      16,
+                             64, 256, 257, -1, -5, kPow31, kPow32 + 1, kPow62, kInt64Max};
+constexpr int64_t kGroups[] = {1, 2, 4};
+constexpr int64_t kSequenceLengths[] = {1, 2, 0, 3, 5};
+constexpr Mechanism kMechanisms[] = {Mechanism::kda,        Mechanism::linear_attention,
+                                     Mechanism::simple_gla, Mechanism::gla,
+                                     Mechanism::deltanet,   Mechanism::gated_deltanet};
+const std::optional<double> kLowerBounds[] = {std::nullopt, -5.0, -1.0,  -0.25,  0.0,
+                                              1.0,          kNaN, -kInf, -1e-300};
+const std::optional<double> kScales[] = {std::nullopt, 1.0, 0.125, 0.0, -2.0, kNaN, kInf, 1e300};
+constexpr int kChunkSizes[] = {64, 16, 32, 128, 0, -64, 48, 256};
+constexpr int kThreadCounts[] = {1, 0, 2, -1};
+
+class ChoiceReader {
+ public:
+  ChoiceReader(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  uint8_t byte() { return pos_ < size_ ? data_[pos_++] : 0; }
+  int pick(int n) { return byte() % n; }
+  bool flag() { return byte() & 1; }
+  template <class T, size_t N>
+  T choose(const T (&options)[N]) {
+    return options[pick(static_cast<int>(N))];
+  }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t pos_ = 0;
+};
+
+// a * b and a + b, clamped to int64 max on overflow (sizes here are never negative).
+int64_t saturating_mul(int64_t a, int64_t b) {
+  int64_t out = 0;
+  return __builtin_mul_overflow(a, b, &out) ? kInt64Max : out;
+}
+int64_t saturating_add(int64_t a, int64_t b) {
+  int64_t out = 0;
+  return __builtin_add_overflow(a, b, &out) ? kInt64Max : out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Tensors
+
+// Stride layouts. dense_by_product is what flashdelta::make_view builds (a size-0
+// dimension makes the strides before it 0); contiguous is PyTorch's (sizes count as >= 1).
+enum class Layout {
+  contiguous,
+  permuted,
+  padded,
+  negative,
+  broadcast,
+  arbitrary,
+  dense_by_product
+};
+
+// One tensor argument as the input asked for it, and where its memory comes from.
+struct Plan {
+  TensorView view;  // rank -1: absent
+  Layout layout = Layout::contiguous;
+  bool null_data = false;
+  int group = -1;           // plans of one group share a buffer
+  int64_t lo = 0, hi = -1;  // element offsets reached, relative to data; hi < lo: none
+
+  bool reaches_memory() const { return hi >= lo; }
+  std::vector<int64_t> shape() const {
+    return std::vector<int64_t>(view.shape.begin(), view.shape.begin() + view.rank);
+  }
+};
+
+void choose_strides(ChoiceReader& r, Plan& p) {
+  TensorView& v = p.view;
+  p.layout = static_cast<Layout>(r.pick(7));
+  std::array<int, kMaxRank> order = {0, 1, 2, 3};  // memory order, outermost first
+  if (p.layout == Layout::permuted)
+    for (int i = v.rank - 1; i > 0; --i) std::swap(order[i], order[r.pick(i + 1)]);
+  int64_t step = 1;
+  for (int i = v.rank - 1; i >= 0; --i) {
+    const int d = order[i];
+    v.stride[d] = step;
+    const int64_t padding = p.layout == Layout::padded ? r.pick(3) : 0;
+    const int64_t size = p.layout == Layout::dense_by_product ? std::max<int64_t>(v.shape[d], 0)
+                                                              : std::max<int64_t>(v.shape[d], 1);
+    step = saturating_mul(step, saturating_add(size, padding));
+  }
+  if (v.rank == 0) return;
+  if (p.layout == Layout::negative) v.stride[r.pick(v.rank)] *= -1;
+  if (p.layout == Layout::broadcast) v.stride[r.pick(v.rank)] = 0;
+  if (p.layout == Layout::arbitrary)
+    for (int d = 0; d < v.rank; ++d) v.stride[d] = r.pick(7) - 3;
+}
+
+// A tensor that the problem expects (usually present) or does not (rarely present), with
+// its dtype, shape, strides, device and pointer possibly changed from the ordinary.
+Plan plan_tensor(ChoiceReader& r, bool expected, DType dtype, std::vector<int64_t> shape) {
+  Plan p;
+  const bool present = expected ? r.pick(16) != 15 : r.pick(16) == 15;
+  if (!present) return p;
+  constexpr DType kDTypes[] = {DType::f32, DType::bf16, DType::f16,
+                               DType::f64, DType::i32,  DType::i64};
+  const int dtype_choice = r.pick(8);  // 0 and 7: the ordinary dtype
+  p.view.dtype = dtype_choice >= 1 && dtype_choice <= 6 ? kDTypes[dtype_choice - 1] : dtype;
+  switch (r.pick(8)) {
+    case 6:  // one dimension changed
+      if (!shape.empty()) shape[r.pick(static_cast<int>(shape.size()))] = r.choose(kDims);
+      break;
+    case 7:  // one dimension dropped or added
+      if (r.flag() && !shape.empty())
+        shape.pop_back();
+      else if (shape.size() < static_cast<size_t>(kMaxRank))
+        shape.push_back(r.choose(kDims));
+      break;
+    default: break;
+  }
+  p.view.rank = static_cast<int>(shape.size());
+  for (int d = 0; d < p.view.rank; ++d) p.view.shape[d] = shape[d];
+  choose_strides(r, p);
+  p.view.device = r.pick(32) == 31 ? Device::cuda : Device::cpu;
+  p.null_data = r.pick(32) == 31;
+  return p;
+}
+
+// Number of elements of a view; 0 when a size is 0 or negative (no memory), saturating.
+int64_t element_count(const TensorView& v) {
+  int64_t n = 1;
+  for (int d = 0; d < v.rank; ++d) n = v.shape[d] <= 0 ? 0 : saturating_mul(n, v.shape[d]);
+  return v.present() ? n : 0;
+}
+
+// Finds the element offsets a view reaches; false when the view is too large for a case.
+bool measure(Plan& p) {
+  const TensorView& v = p.view;
+  p.lo = 0;
+  p.hi = -1;
+  if (element_count(v) == 0) return true;
+  // Many elements over little memory (broadcast strides) still cost time to walk.
+  if (element_count(v) > kMaxSpan) return false;
+  int64_t lo = 0, hi = 0;
+  for (int d = 0; d < v.rank; ++d) {
+    int64_t extent = 0;
+    if (__builtin_mul_overflow(v.shape[d] - 1, v.stride[d], &extent)) return false;
+    if (__builtin_add_overflow(extent < 0 ? lo : hi, extent, extent < 0 ? &lo : &hi)) return false;
+  }
+  int64_t span = 0;
+  if (__builtin_sub_overflow(hi, lo, &span) || span >= kMaxSpan) return false;
+  p.lo = lo;
+  p.hi = hi;
+  return true;
+}
+
+// Deterministic values for the buffers, seeded from the input.
+struct ValueSource {
+  uint64_t state;
+  int mode;          // 0 small, 1 wide, 2 special values, 3 raw bit patterns
+  uint64_t next() {  // splitmix64
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform(double lo, double hi) {
+    return lo + (hi - lo) * static_cast<double>(next() >> 11) * 0x1.0p-53;
+  }
+  double value() {
+    constexpr double kSpecial[] = {kNaN, kInf, -kInf, 0.0, 1e30, -1e-40, 65504.0, -1.0};
+    switch (mode) {
+      case 1: return uniform(-30, 30);
+      case 2: return kSpecial[next() % 8];
+      default: return uniform(-1, 1);
+    }
+  }
+  void fill(unsigned char* p, size_t bytes, DType dtype) {
+    const size_t size = static_cast<size_t>(dtype_size(dtype));
+    for (size_t at = 0; at + size <= bytes; at += size) {
+      const uint64_t raw = next();
+      const double x = value();
+      const float f = static_cast<float>(x);
+      uint32_t f_bits = 0;
+      std::memcpy(&f_bits, &f, 4);
+      uint16_t half = 0;
+      switch (dtype) {
+        case DType::f32:
+          std::memcpy(p + at, mode == 3 ? &raw : static_cast<const void*>(&f), 4);
+          break;
+        case DType::f64:
+          std::memcpy(p + at, mode == 3 ? &raw : static_cast<const void*>(&x), 8);
+          break;
+        case DType::bf16:
+          half = mode == 3 ? static_cast<uint16_t>(raw) : static_cast<uint16_t>(f_bits >> 16);
+          std::memcpy(p + at, &half, 2);
+          break;
+        case DType::f16:
+          half = mode == 3 ? static_cast<uint16_t>(raw) : detail::float_to_f16(f);
+          std::memcpy(p + at, &half, 2);
+          break;
+        case DType::i32:
+        case DType::i64: std::memcpy(p + at, &raw, size); break;
+      }
+    }
+  }
+};
+
+unsigned char* index_address(const TensorView& v, int64_t i) {
+  return static_cast<unsigned char*>(v.data) + i * v.stride[0] * dtype_size(v.dtype);
+}
+
+void store_index(const TensorView& v, int64_t i, int64_t value) {
+  if (v.dtype == DType::i32) {
+    const auto x = static_cast<int32_t>(value);
+    std::memcpy(index_address(v, i), &x, 4);
+  } else {
+    std::memcpy(index_address(v, i), &value, 8);
+  }
+}
+
+int64_t load_index(const TensorView& v, int64_t i) {
+  if (v.dtype == DType::i32) {
+    int32_t x = 0;
+    std::memcpy(&x, index_address(v, i), 4);
+    return x;
+  }
+  int64_t x = 0;
+  std::memcpy(&x, index_address(v, i), 8);
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------
+// A case
+
+enum Role { q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o, final_state, kRoles };
+constexpr const char* kRoleNames[] = {
+    "q",          "k",     "v",       "g", "beta",       "initial_state",
+    "cu_seqlens", "A_log", "dt_bias", "o", "final_state"};
+
+enum class Sharing { none, in_place_state, output_over_input, outputs_together };
+
+struct Case {
+  Options options;
+  bool varlen = false;
+  int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, N = 0;
+  std::array<Plan, kRoles> plans;
+  Sharing sharing = Sharing::none;
+  std::array<std::unique_ptr<unsigned char[]>, kRoles> buffers;
+
+  ForwardArgs args() const {
+    ForwardArgs a;
+    TensorView* fields[] = {
+        &a.q,          &a.k,     &a.v,       &a.g, &a.beta,       &a.initial_state,
+        &a.cu_seqlens, &a.A_log, &a.dt_bias, &a.o, &a.final_state};
+    for (int role = 0; role < kRoles; ++role) *fields[role] = plans[role].view;
+    return a;
+  }
+};
+
+Options decode_options(ChoiceReader& r) {
+  Options opt;
+  opt.mechanism = r.choose(kMechanisms);
+  opt.state_layout = r.flag() ? StateLayout::v_first : StateLayout::k_first;
+  opt.qk_l2norm = r.flag();
+  opt.beta_sigmoid = r.flag();
+  opt.allow_neg_eigval = r.flag();
+  opt.gate_in_kernel = r.flag();
+  opt.lower_bound = r.choose(kLowerBounds);
+  opt.scale = r.choose(kScales);
+  opt.chunk_size = r.choose(kChunkSizes);
+  opt.num_threads = r.choose(kThreadCounts);
+  return opt;
+}
+
+// Decodes a case and backs its views with memory; false when it is too large to run.
+bool decode_case(ChoiceReader& r, Case& c) {
+  c.options = decode_options(r);
+  const MechanismTraits mt = traits(c.options.mechanism);
+
+  // Sizes. Variable length packs N sequences of chosen lengths into one batch row.
+  c.varlen = r.flag();
+  std::vector<int64_t> cu = {0};
+  if (c.varlen) {
+    const int n = r.pick(5);
+    for (int i = 0; i < n; ++i) cu.push_back(cu.back() + r.choose(kSequenceLengths));
+    c.B = 1;
+    c.T = cu.back();
+  } else {
+    c.B = r.choose(kDims);
+    c.T = r.choose(kDims);
+  }
+  c.H = r.choose(kDims);
+  c.HV = r.flag() ? r.choose(kDims) : saturating_mul(c.H, r.choose(kGroups));
+  c.K = r.choose(kDims);
+  c.V = r.choose(kDims);
+  c.N = c.varlen ? static_cast<int64_t>(cu.size()) - 1 : c.B;
+  const auto [B, T, H, HV, K, V, N] = std::array<int64_t, 7>{c.B, c.T, c.H, c.HV, c.K, c.V, c.N};
+  // Work: the tokens, and a K x V state per (sequence, head) even when there are no tokens.
+  int64_t token_work = 1, state_work = 1;
+  for (int64_t s : {B, T, HV, K, V}) token_work = s <= 0 ? 0 : saturating_mul(token_work, s);
+  for (int64_t s : {N, HV, K, V}) state_work = s <= 0 ? 0 : saturating_mul(state_work, s);
+  if (token_work > kMaxWork || state_work > kMaxWork) return false;
+
+  const bool with_initial_state = !r.flag();
+  const bool with_final_state = !r.flag();
+  const std::vector<int64_t> state = c.options.state_layout == StateLayout::k_first
+                                         ? std::vector<int64_t>{N, HV, K, V}
+                                         : std::vector<int64_t>{N, HV, V, K};
+  std::vector<int64_t> dt_bias_shape = {HV};
+  if (mt.gate == GateKind::vector)
+    dt_bias_shape =
+        r.flag() ? std::vector<int64_t>{HV, K} : std::vector<int64_t>{saturating_mul(HV, K)};
+
+  const DType f32 = DType::f32;
+  auto& plans = c.plans;
+  plans[q] = plan_tensor(r, true, f32, {B, T, H, K});
+  plans[k] = plan_tensor(r, true, f32, {B, T, H, K});
+  plans[v] = plan_tensor(r, true, f32, {B, T, HV, V});
+  plans[g] = plan_tensor(r, mt.gate != GateKind::none, f32,
+                         mt.gate == GateKind::scalar ? std::vector<int64_t>{B, T, HV}
+                                                     : std::vector<int64_t>{B, T, HV, K});
+  plans[beta] = plan_tensor(r, mt.delta, f32, {B, T, HV});
+  plans[initial_state] = plan_tensor(r, with_initial_state, f32, state);
+  plans[cu_seqlens] = plan_tensor(r, c.varlen, DType::i64, {saturating_add(N, 1)});
+  plans[A_log] = plan_tensor(r, c.options.gate_in_kernel, f32, {HV});
+  plans[dt_bias] = plan_tensor(r, c.options.gate_in_kernel, f32, dt_bias_shape);
+  plans[o] = plan_tensor(r, true, f32, {B, T, HV, V});
+  plans[final_state] = plan_tensor(r, with_final_state, f32, state);
+  // A resized cu_seqlens may hold many more sequences than were planned.
+  const TensorView& cu_view = plans[cu_seqlens].view;
+  if (cu_view.rank >= 1 && cu_view.shape[0] - 1 > N) {
+    int64_t work = cu_view.shape[0];
+    for (int64_t s : {HV, K, V}) work = s <= 0 ? 0 : saturating_mul(work, s);
+    if (work > kMaxWork) return false;
+  }
+
+  // Memory: each tensor in its own buffer, or two sharing one.
+  for (int role = 0; role < kRoles; ++role) plans[role].group = role;
+  switch (r.pick(8)) {
+    case 5: c.sharing = Sharing::in_place_state; break;
+    case 6: c.sharing = Sharing::output_over_input; break;
+    case 7: c.sharing = Sharing::outputs_together; break;
+    default: break;
+  }
+  if (c.sharing == Sharing::in_place_state) plans[initial_state].group = final_state;
+  if (c.sharing == Sharing::output_over_input) plans[o].group = q;
+  if (c.sharing == Sharing::outputs_together) plans[final_state].group = o;
+  for (Plan& p : plans)
+    if (!measure(p)) return false;
+
+  ValueSource values{r.byte(), r.pick(4)};
+  for (int group = 0; group < kRoles; ++group) {
+    int64_t bytes = 0;
+    DType dtype = DType::f32;
+    for (const Plan& p : plans)
+      if (p.group == group && p.reaches_memory()) {
+        bytes = std::max(bytes, (p.hi - p.lo + 1) * dtype_size(p.view.dtype));
+        dtype = p.view.dtype;
+      }
+    // Zero bytes still get a distinct allocation: any access to it is reported.
+    c.buffers[group].reset(new unsigned char[static_cast<size_t>(bytes)]);
+    values.fill(c.buffers[group].get(), static_cast<size_t>(bytes), dtype);
+  }
+  for (Plan& p : plans) {
+    if (!p.view.present() || p.null_data) continue;
+    p.view.data =
+        c.buffers[p.group].get() + (p.reaches_memory() ? -p.lo * dtype_size(p.view.dtype) : 0);
+  }
+  if (c.sharing == Sharing::in_place_state && plans[initial_state].view.present() &&
+      plans[final_state].view.present()) {
+    plans[initial_state].view = plans[final_state].view;  // exactly the same view
+    plans[initial_state].layout = plans[final_state].layout;
+  }
+
+  // cu_seqlens: the offsets of the chosen lengths, perhaps with one value spoiled.
+  const Plan& cp = plans[cu_seqlens];
+  if (cp.view.data && cp.view.rank == 1 && cp.reaches_memory() &&
+      (cp.view.dtype == DType::i32 || cp.view.dtype == DType::i64)) {
+    for (int64_t i = 0; i < cp.view.shape[0]; ++i)
+      store_index(cp.view, i, i < static_cast<int64_t>(cu.size()) ? cu[i] : cu.back());
+    if (r.pick(4) == 3) {
+      const int64_t spoiled[] = {-1, saturating_add(T, 1), std::numeric_limits<int32_t>::max(),
+                                 std::numeric_limits<int64_t>::min(), 1};
+      store_index(cp.view, r.pick(static_cast<int>(std::min<int64_t>(cp.view.shape[0], 256))),
+                  r.choose(spoiled));
+    }
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// The contract, restated from flashdelta.h without looking at validate.cpp
+
+enum class Verdict { valid, invalid, unknown };
+
+struct Judgement {
+  Verdict verdict = Verdict::valid;
+  std::string reason;  // why it is invalid (the first reason found)
+
+  void invalid(const std::string& why) {
+    if (verdict == Verdict::invalid) return;
+    verdict = Verdict::invalid;
+    reason = why;
+  }
+  void unknown() {
+    if (verdict == Verdict::valid) verdict = Verdict::unknown;
+  }
+};
+
+bool is_index(DType t) { return t == DType::i32 || t == DType::i64; }
+
+Judgement judge(const Case& c) {
+  Judgement j;
+  const Options& opt = c.options;
+  const MechanismTraits mt = traits(opt.mechanism);
+  const bool gated = mt.gate != GateKind::none;
+  const auto& plans = c.plans;
+  auto present = [&](Role role) { return plans[role].view.present(); };
+  auto shape = [&](Role role) { return plans[role].shape(); };
+
+  // Options.
+  if (opt.gate_in_kernel && !gated) j.invalid("gate_in_kernel without a gate");
+  const bool lower_bound_ok = opt.lower_bound && opt.gate_in_kernel &&
+                              std::isfinite(*opt.lower_bound) && *opt.lower_bound < 0;
+  if (opt.lower_bound && !lower_bound_ok)
+    j.invalid("lower_bound not finite < 0 with gate_in_kernel");
+  if (opt.scale && !std::isfinite(*opt.scale)) j.invalid("scale not finite");
+  if (opt.chunk_size != 16 && opt.chunk_size != 32 && opt.chunk_size != 64 && opt.chunk_size != 128)
+    j.invalid("chunk_size");
+  if (opt.num_threads < 0) j.invalid("num_threads < 0");
+
+  // Sizes, as the contract defines them: B, T, H, K from q; HV, V from v; N from cu_seqlens.
+  for (Role role : {q, k, v, o})
+    if (!present(role)) j.invalid(std::string(kRoleNames[role]) + " absent");
+  if (!present(q) || !present(v)) return j;
+  if (shape(q).size() != 4 || shape(v).size() != 4) {
+    j.invalid("q or v not of rank 4");
+    return j;
+  }
+  const int64_t B = shape(q)[0], T = shape(q)[1], H = shape(q)[2], K = shape(q)[3];
+  const int64_t HV = shape(v)[2], V = shape(v)[3];
+  const bool varlen = present(cu_seqlens);
+  const int64_t N = varlen && shape(cu_seqlens).size() == 1 ? shape(cu_seqlens)[0] - 1 : B;
+  for (int64_t s : {B, T, H, HV, K, V, N})  // far beyond memory: not this harness's question
+    if (s > (int64_t{1} << 40)) j.unknown();
+  if (B < 0 || T < 0) j.invalid("negative B or T");
+  if (H < 1) j.invalid("H < 1");
+  if (HV < 1 || (H >= 1 && HV % H != 0)) j.invalid("HV not a positive multiple of H");
+  if (K < 1 || K > 256 || V < 1 || V > 256) j.invalid("K or V outside 1..256");
+
+  // Shapes, presence and the gate parameters.
+  using Shape = std::vector<int64_t>;
+  const Shape state =
+      opt.state_layout == StateLayout::k_first ? Shape{N, HV, K, V} : Shape{N, HV, V, K};
+  std::vector<std::pair<Role, std::vector<Shape>>> expected = {
+      {k, {{B, T, H, K}}},
+      {v, {{B, T, HV, V}}},
+      {o, {{B, T, HV, V}}},
+      {beta, {{B, T, HV}}},
+      {initial_state, {state}},
+      {final_state, {state}},
+      {A_log, {{HV}}},
+      {g, {mt.gate == GateKind::scalar ? Shape{B, T, HV} : Shape{B, T, HV, K}}},
+      {dt_bias, mt.gate == GateKind::vector ? std::vector<Shape>{{HV, K}, {saturating_mul(HV, K)}}
+                                            : std::vector<Shape>{{HV}}}};
+  for (const auto& [role, shapes] : expected)
+    if (present(role) && std::find(shapes.begin(), shapes.end(), shape(role)) == shapes.end())
+      j.invalid(std::string(kRoleNames[role]) + " shape");
+  if (present(g) != gated) j.invalid("g present iff the mechanism is gated");
+  if (present(beta) != mt.delta) j.invalid("beta present iff the mechanism has a delta rule");
+  if (present(A_log) && !opt.gate_in_kernel) j.invalid("A_log without gate_in_kernel");
+  if (!present(A_log) && opt.gate_in_kernel && !opt.lower_bound)
+    j.invalid("gate_in_kernel without lower_bound needs A_log");
+  if (present(dt_bias) && !opt.gate_in_kernel) j.invalid("dt_bias without gate_in_kernel");
+
+  // Each present tensor's device, pointer, dtype and (for outputs) strides.
+  for (int role = 0; role < kRoles; ++role) {
+    const Plan& p = plans[role];
+    const TensorView& t = p.view;
+    if (!t.present()) continue;
+    const std::string name = kRoleNames[role];
+    if (t.device != Device::cpu) j.invalid(name + " on cuda (not in this build)");
+    if (p.null_data && element_count(t) > 0) j.invalid(name + " null with elements");
+    const bool is_state = role == initial_state || role == final_state;
+    if (is_state && t.dtype != DType::f32 && t.dtype != DType::f64) j.invalid(name + " dtype");
+    if (role == cu_seqlens && !is_index(t.dtype)) j.invalid("cu_seqlens dtype");
+    if (!is_state && role != cu_seqlens && !is_floating(t.dtype)) j.invalid(name + " dtype");
+    if (role == o || role == final_state) {
+      // Arbitrary strides may make an output's elements coincide; the contract is silent.
+      if (p.layout == Layout::arbitrary) j.unknown();
+      for (int d = 0; d < t.rank; ++d)
+        if (t.stride[d] == 0 && t.shape[d] > 1 && element_count(t) > 0)
+          j.invalid(name + " broadcast output");
+    }
+  }
+
+  // Memory shared between an output and another tensor.
+  if (c.sharing == Sharing::output_over_input && plans[q].reaches_memory() &&
+      plans[o].reaches_memory())
+    j.invalid("o overlaps q");
+  if (c.sharing == Sharing::outputs_together && plans[o].reaches_memory() &&
+      plans[final_state].reaches_memory())
+    j.invalid("final_state overlaps o");
+
+  // cu_seqlens: B = 1, and offsets read back through the view: 0, non-decreasing, ending at T.
+  if (varlen) {
+    const TensorView& cu = plans[cu_seqlens].view;
+    if (B != 1) j.invalid("cu_seqlens with B != 1");
+    if (cu.rank != 1 || cu.shape[0] < 1) {
+      j.invalid("cu_seqlens shape");
+    } else if (cu.data && is_index(cu.dtype) && cu.device == Device::cpu) {
+      bool ok = load_index(cu, 0) == 0;
+      for (int64_t i = 1; i < cu.shape[0]; ++i)
+        ok = ok && load_index(cu, i) >= load_index(cu, i - 1) && load_index(cu, i) <= T;
+      ok = ok && load_index(cu, cu.shape[0] - 1) == T;
+      if (!ok) j.invalid("cu_seqlens values");
+    }
+  }
+  return j;
+}
+
+void print_case(const Case& c) {
+  const Options& opt = c.options;
+  std::fprintf(stderr, "%s B=%lld T=%lld H=%lld HV=%lld K=%lld V=%lld N=%lld %s\n",
+               mechanism_name(opt.mechanism), static_cast<long long>(c.B),
+               static_cast<long long>(c.T), static_cast<long long>(c.H),
+               static_cast<long long>(c.HV), static_cast<long long>(c.K),
+               static_cast<long long>(c.V), static_cast<long long>(c.N), c.varlen ? "varlen" : "");
+  for (int role = 0; role < kRoles; ++role) {
+    const TensorView& t = c.plans[role].view;
+    if (!t.present()) continue;
+    std::string shape, stride;
+    for (int d = 0; d < t.rank; ++d) {
+      shape += (d ? ", " : "") + std::to_string(t.shape[d]);
+      stride += (d ? ", " : "") + std::to_string(t.stride[d]);
+    }
+    std::fprintf(stderr, "  %-13s %-8s [%s] strides [%s]%s%s\n", kRoleNames[role],
+                 dtype_name(t.dtype), shape.c_str(), stride.c_str(),
+                 t.device == Device::cuda ? " cuda" : "", t.data ? "" : " null");
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  ChoiceReader r(data, size);
+  Case c;
+  if (!decode_case(r, c)) return 0;
+  const Judgement expected = judge(c);
+
+  // FLASHDELTA_FUZZ_VERBOSE=1 prints each case and its outcome, to see what a seed or a
+  // reproducer does.
+  static const bool verbose = std::getenv("FLASHDELTA_FUZZ_VERBOSE") != nullptr;
+  if (verbose) print_case(c);
+  std::string rejection;
+  bool ran = false;
+  try {
+    forward(c.args(), c.options, Schedule::reference);
+    ran = true;
+    if (verbose) std::fprintf(stderr, "ran: %s\n", mechanism_name(c.options.mechanism));
+  } catch (const Error& e) {  // rejected with a message: the outcome for most inputs
+    rejection = e.what();
+    if (verbose) std::fprintf(stderr, "rejected: %s\n", e.what());
+  }
+  if (expected.verdict == Verdict::valid && !ran) {
+    std::fprintf(stderr, "FINDING: a valid call was rejected: %s\n", rejection.c_str());
+    std::abort();
+  }
+  if (expected.verdict == Verdict::invalid && ran) {
+    std::fprintf(stderr, "FINDING: an invalid call ran (%s)\n", expected.reason.c_str());
+    std::abort();
+  }
+  return 0;
+}

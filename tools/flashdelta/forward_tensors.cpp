@@ -1,0 +1,96 @@
+#include "forward_tensors.h"
+
+#include <algorithm>
+#include <iterator>
+#include <vector>
+
+namespace flashdelta::cli {
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+const io::OwnedTensor* find(const io::TensorMap& inputs, const char* name) {
+  const auto it = inputs.find(name);
+  return it == inputs.end() ? nullptr : &it->second;
+}
+
+bool has_rank(const io::OwnedTensor* t, size_t rank) { return t && t->shape.size() == rank; }
+
+TensorView view_of(io::OwnedTensor& t, Device device) {
+  TensorView v = t.view();
+  v.device = device;
+  return v;
+}
+
+}  // namespace
+
+std::string describe(const io::OwnedTensor& t) {
+  return std::string(io::safetensors_dtype_name(t.dtype)) + " " + shape_str(t.shape);
+}
+
+void check_input_names(const io::TensorMap& inputs, const std::string& origin) {
+  std::string unknown;
+  for (const auto& [name, tensor] : inputs) {
+    const bool known =
+        std::find_if(std::begin(kForwardInputNames), std::end(kForwardInputNames),
+                     [&](const char* n) { return name == n; }) != std::end(kForwardInputNames);
+    if (known) continue;
+    unknown += unknown.empty() ? "'" : ", '";
+    unknown += name + "'";
+  }
+  if (unknown.empty()) return;
+  std::string expected;
+  for (const char* n : kForwardInputNames) {
+    if (!expected.empty()) expected += ' ';
+    expected += n;
+  }
+  throw Error(ErrorCode::invalid_argument, origin + ": unknown tensor name " + unknown +
+                                               " (the inputs are named " + expected + ")");
+}
+
+ForwardOutputs make_forward_outputs(const io::TensorMap& inputs, StateLayout layout) {
+  ForwardOutputs out;
+  const io::OwnedTensor* q = find(inputs, "q");
+  const io::OwnedTensor* v = find(inputs, "v");
+  const io::OwnedTensor* cu_seqlens = find(inputs, "cu_seqlens");
+  if (!has_rank(v, 4)) return out;
+  out.o = io::OwnedTensor(v->dtype, v->shape);
+
+  if (!has_rank(q, 4) || (cu_seqlens && !has_rank(cu_seqlens, 1))) return out;
+  const int64_t N = cu_seqlens ? cu_seqlens->shape[0] - 1 : q->shape[0];
+  const int64_t HV = v->shape[2], K = q->shape[3], V = v->shape[3];
+  if (N < 0) return out;
+  out.final_state = io::OwnedTensor(DType::f32, layout == StateLayout::k_first
+                                                    ? std::vector<int64_t>{N, HV, K, V}
+                                                    : std::vector<int64_t>{N, HV, V, K});
+  return out;
+}
+
+ForwardArgs make_forward_args(io::TensorMap& inputs, ForwardOutputs& outputs, Device device) {
+  const auto input = [&](const char* name, Device dev) {
+    const auto it = inputs.find(name);
+    return it == inputs.end() ? TensorView{} : view_of(it->second, dev);
+  };
+  ForwardArgs a;
+  a.q = input("q", device);
+  a.k = input("k", device);
+  a.v = input("v", device);
+  a.g = input("g", device);
+  a.beta = input("beta", device);
+  a.initial_state = input("initial_state", device);
+  a.cu_seqlens = input("cu_seqlens", Device::cpu);
+  a.A_log = input("A_log", device);
+  a.dt_bias = input("dt_bias", device);
+  if (outputs.o) a.o = view_of(*outputs.o, device);
+  if (outputs.final_state) a.final_state = view_of(*outputs.final_state, device);
+  return a;
+}
+
+}  // namespace flashdelta::cli

@@ -1,0 +1,38 @@
+// The forward's tensors by name, as `flashdelta run` reads and writes them: the inputs a
+// file may hold, the outputs o and final_state, and the ForwardArgs over them. Shapes and
+// dtypes are checked by the library (flashdelta::forward), never here.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "flashdelta/flashdelta.h"
+#include "flashdelta/safetensors.h"
+
+namespace flashdelta::cli {
+
+// Every name `run --in` understands; absent ones are absent arguments.
+inline constexpr const char* kForwardInputNames[] = {
+    "q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "A_log", "dt_bias"};
+
+// "F32 [2, 64, 4, 64]": dtype and shape, for messages.
+std::string describe(const io::OwnedTensor& t);
+
+// Throws Error naming every tensor of `inputs` that is not a forward input: a misspelt name
+// would otherwise silently become an absent argument.
+void check_input_names(const io::TensorMap& inputs, const std::string& origin);
+
+// o [B, T, HV, V] in the dtype of v, final_state float32 [N, HV, K, V] or [N, HV, V, K].
+// An output stays empty when the inputs it is sized from are missing or of the wrong rank;
+// the library then reports the bad input, which it checks before the outputs.
+struct ForwardOutputs {
+  std::optional<io::OwnedTensor> o;
+  std::optional<io::OwnedTensor> final_state;
+};
+ForwardOutputs make_forward_outputs(const io::TensorMap& inputs, StateLayout layout);
+
+// Views of the inputs and outputs. `device` labels every tensor but cu_seqlens, which the
+// library reads on the host.
+ForwardArgs make_forward_args(io::TensorMap& inputs, ForwardOutputs& outputs, Device device);
+
+}  // namespace flashdelta::cli

@@ -1,0 +1,139 @@
+#include "run_command.h"
+
+#include <cstdio>
+
+#include "flashdelta/flashdelta.h"
+#include "flashdelta/safetensors.h"
+#include "forward_tensors.h"
+#include "self_check.h"
+#include "timing.h"
+
+namespace flashdelta::cli {
+namespace {
+
+// A CLI11 check accepting exactly what the library's parser accepts, with its message, so
+// the spellings live in one place (core/names.cpp).
+template <class Parse>
+CLI::Validator library_spelling(Parse parse, const std::string& choices) {
+  return CLI::Validator(
+      [parse](std::string& value) -> std::string {
+        try {
+          parse(value);
+          return {};
+        } catch (const Error& e) {
+          return e.what();
+        }
+      },
+      choices);
+}
+
+std::string mechanism_choices() {
+  std::string s;
+  for (Mechanism m : {Mechanism::linear_attention, Mechanism::simple_gla, Mechanism::gla,
+                      Mechanism::deltanet, Mechanism::gated_deltanet, Mechanism::kda}) {
+    if (!s.empty()) s += '|';
+    s += mechanism_name(m);
+  }
+  return s;
+}
+
+Options options_from(const RunFlags& f) {
+  Options o;
+  o.mechanism = parse_mechanism(f.mechanism);
+  o.scale = f.scale;
+  o.qk_l2norm = f.qk_l2norm;
+  o.beta_sigmoid = f.beta_sigmoid;
+  o.allow_neg_eigval = f.allow_neg_eigval;
+  o.gate_in_kernel = f.gate_in_kernel;
+  o.lower_bound = f.lower_bound;
+  o.state_layout = f.state_v_first ? StateLayout::v_first : StateLayout::k_first;
+  o.chunk_size = f.chunk_size;
+  o.num_threads = f.threads;
+  return o;
+}
+
+void run_file(const RunFlags& f) {
+  const Options options = options_from(f);
+  const Schedule schedule = parse_schedule(f.schedule);
+  // This build has no CUDA schedules, and the library refuses cuda views before touching
+  // them; a CUDA build will need the tensors copied to the device here.
+  const Device device = f.device == "cuda" ? Device::cuda : Device::cpu;
+
+  io::TensorMap inputs = io::read_safetensors(f.in);
+  check_input_names(inputs, f.in);
+  ForwardOutputs outputs = make_forward_outputs(inputs, options.state_layout);
+  const double t0 = seconds_now();
+  forward(make_forward_args(inputs, outputs, device), options, schedule);
+  const double elapsed = seconds_now() - t0;
+
+  // The library accepted the inputs, so both outputs were sized from them.
+  if (!outputs.o || !outputs.final_state)
+    throw Error(ErrorCode::runtime, "internal: forward succeeded without sized outputs");
+  io::TensorMap result;
+  result.emplace("o", std::move(*outputs.o));
+  result.emplace("final_state", std::move(*outputs.final_state));
+  // Only now, and atomically: a failed run leaves an existing --out untouched.
+  io::write_safetensors(f.out, result);
+  std::printf("%s %s: %.3f ms; wrote o %s, final_state %s to %s\n",
+              mechanism_name(options.mechanism), schedule_name(schedule), elapsed * 1e3,
+              describe(result.at("o")).c_str(), describe(result.at("final_state")).c_str(),
+              f.out.c_str());
+}
+
+}  // namespace
+
+CLI::App* add_run_command(CLI::App& app, RunFlags& f) {
+  CLI::App* cmd = app.add_subcommand(
+      "run",
+      "Run the forward on the tensors of a safetensors file; without --in, check KDA and "
+      "Gated DeltaNet on both fast schedules against the reference");
+  CLI::Option* in = cmd->add_option_function<std::string>(
+      "--in",
+      [&f](const std::string& path) {
+        f.in = path;
+        f.from_file = true;
+      },
+      "Input tensors: q k v, and as needed g beta initial_state cu_seqlens A_log dt_bias");
+  CLI::Option* out = cmd->add_option("--out", f.out, "Output: o (dtype of v), final_state (F32)");
+  CLI::Option* mechanism = cmd->add_option("--mechanism", f.mechanism, "The recurrence to run")
+                               ->check(library_spelling(parse_mechanism, mechanism_choices()));
+  in->needs(out);
+  in->needs(mechanism);
+  out->needs(in);
+  // Everything else describes the file's problem, except the two execution settings.
+  const std::vector<CLI::Option*> with_in = {
+      mechanism,
+      cmd->add_option("--schedule", f.schedule, "reference, recurrent or chunk")
+          ->check(library_spelling(parse_schedule, "reference|recurrent|chunk"))
+          ->capture_default_str(),
+      cmd->add_option("--device", f.device, "Where to run")
+          ->check(CLI::IsMember({"cpu", "cuda"}))
+          ->capture_default_str(),
+      cmd->add_option_function<double>(
+          "--scale", [&f](double x) { f.scale = x; }, "Query scale (default K^-1/2)"),
+      cmd->add_flag("--qk-l2norm", f.qk_l2norm, "L2-normalise q and k in the kernel"),
+      cmd->add_flag("--beta-sigmoid", f.beta_sigmoid, "beta <- sigmoid(beta) in the kernel"),
+      cmd->add_flag("--allow-neg-eigval", f.allow_neg_eigval,
+                    "With --beta-sigmoid: beta <- 2 sigmoid(beta)"),
+      cmd->add_flag("--gate-in-kernel", f.gate_in_kernel,
+                    "g holds raw gates, activated with A_log and dt_bias"),
+      cmd->add_option_function<double>(
+          "--lower-bound", [&f](double x) { f.lower_bound = x; },
+          "With --gate-in-kernel: g = lb sigmoid(...), lb in [-5, 0)"),
+      cmd->add_flag("--state-v-first", f.state_v_first, "States are [N, HV, V, K]"),
+  };
+  for (CLI::Option* o : with_in) o->needs(in);
+  cmd->add_option("--chunk-size", f.chunk_size, "Tokens per chunk: 16, 32, 64 or 128")
+      ->capture_default_str();
+  cmd->add_option("--threads", f.threads, "Worker threads (0: all)")->capture_default_str();
+  return cmd;
+}
+
+void run_command(const RunFlags& f) {
+  if (f.from_file)
+    run_file(f);
+  else
+    run_self_check(f.threads, f.chunk_size);
+}
+
+}  // namespace flashdelta::cli

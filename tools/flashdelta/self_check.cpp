@@ -1,0 +1,108 @@
+#include "self_check.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/tensor_io.h"
+#include "flashdelta/flashdelta.h"
+#include "forward_tensors.h"
+#include "synthetic.h"
+#include "timing.h"
+
+namespace flashdelta::cli {
+namespace {
+
+// A small serving-shaped batch: two sequences, grouped value heads (HV = 2 H).
+constexpr ProblemShape kShape{2, 512, 4, 8, 64, 64};
+constexpr Mechanism kMechanisms[] = {Mechanism::kda, Mechanism::gated_deltanet};
+constexpr Schedule kSchedules[] = {Schedule::recurrent, Schedule::chunk};
+constexpr uint64_t kSeed = 7;
+// Relative error of float32 schedules against the fp64 reference (as in tests/test_util.h).
+constexpr double kTolerance = 2e-4;
+
+std::vector<double> to_doubles(io::OwnedTensor& t) {
+  std::vector<double> out(static_cast<size_t>(t.numel()));
+  detail::load_row(t.view(), 0, t.numel(), 1, out.data());
+  return out;
+}
+
+// ||a - b|| / ||b|| over all elements.
+double relative_error(io::OwnedTensor& a, io::OwnedTensor& b) {
+  const std::vector<double> x = to_doubles(a), y = to_doubles(b);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    num += (x[i] - y[i]) * (x[i] - y[i]);
+    den += y[i] * y[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+struct Run {
+  ForwardOutputs out;
+  TimingStats time;
+};
+
+// The fast schedules are timed after a warm-up (median of 3); the slow reference runs once.
+Run run_schedule(io::TensorMap& inputs, const Options& options, Schedule schedule) {
+  Run r;
+  r.out = make_forward_outputs(inputs, options.state_layout);
+  const ForwardArgs args = make_forward_args(inputs, r.out, Device::cpu);
+  const auto run = [&] { forward(args, options, schedule); };
+  if (schedule == Schedule::reference) {
+    const double t0 = seconds_now();
+    run();
+    r.time = summarize({seconds_now() - t0});
+  } else {
+    r.time = measure(run, /*repeats=*/3, /*budget_s=*/1.0);
+  }
+  return r;
+}
+
+}  // namespace
+
+void run_self_check(int threads, int chunk_size) {
+  const ProblemShape& s = kShape;
+  std::printf(
+      "flashdelta %s, SIMD %s: B=%ld T=%ld H=%ld HV=%ld K=%ld V=%ld float32, qk L2 norm, beta "
+      "sigmoid, gate in kernel; relative error vs the fp64 reference (tolerance %.0e)\n\n",
+      version(), cpu_simd_target(), static_cast<long>(s.B), static_cast<long>(s.T),
+      static_cast<long>(s.H), static_cast<long>(s.HV), static_cast<long>(s.K),
+      static_cast<long>(s.V), kTolerance);
+  std::printf("%-15s %-9s %10s %12s %11s %11s\n", "mechanism", "schedule", "time ms", "tokens/s",
+              "err o", "err state");
+  std::string failures;
+  const double tokens = static_cast<double>(s.B * s.T);
+  for (Mechanism m : kMechanisms) {
+    io::TensorMap inputs = random_layer_inputs(m, s, kSeed, /*with_initial_state=*/true);
+    Options options = layer_options(m);
+    options.num_threads = threads;
+    options.chunk_size = chunk_size;
+    Run ref = run_schedule(inputs, options, Schedule::reference);
+    std::printf("%-15s %-9s %10.2f %12.0f %11s %11s\n", mechanism_name(m), "reference",
+                ref.time.median_s * 1e3, tokens / ref.time.median_s, "-", "-");
+    for (Schedule schedule : kSchedules) {
+      Run fast = run_schedule(inputs, options, schedule);
+      const double err_o = relative_error(*fast.out.o, *ref.out.o);
+      const double err_s = relative_error(*fast.out.final_state, *ref.out.final_state);
+      const bool ok = err_o <= kTolerance && err_s <= kTolerance;
+      std::printf("%-15s %-9s %10.2f %12.0f %11.2e %11.2e%s\n", mechanism_name(m),
+                  schedule_name(schedule), fast.time.median_s * 1e3, tokens / fast.time.median_s,
+                  err_o, err_s, ok ? "" : "  FAIL");
+      if (!ok)
+        failures += std::string(failures.empty() ? "" : "; ") + mechanism_name(m) + " " +
+                    schedule_name(schedule);
+    }
+  }
+  std::fflush(stdout);
+  if (!failures.empty()) {
+    char tolerance[16];
+    std::snprintf(tolerance, sizeof(tolerance), "%.0e", kTolerance);
+    throw Error(ErrorCode::runtime,
+                std::string("self-check: relative error above ") + tolerance + " for " + failures);
+  }
+}
+
+}  // namespace flashdelta::cli

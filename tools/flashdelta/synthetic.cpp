@@ -1,0 +1,72 @@
+#include "synthetic.h"
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace flashdelta::cli {
+namespace {
+
+template <class Distribution>
+io::OwnedTensor random_tensor(std::vector<int64_t> shape, std::mt19937_64& rng, Distribution dist) {
+  io::OwnedTensor t(DType::f32, std::move(shape));
+  std::vector<float> values(static_cast<size_t>(t.numel()));
+  for (float& x : values) x = dist(rng);
+  std::memcpy(t.bytes.data(), values.data(), values.size() * sizeof(float));
+  return t;
+}
+
+io::OwnedTensor normal_tensor(std::vector<int64_t> shape, std::mt19937_64& rng, float mean,
+                              float stddev) {
+  return random_tensor(std::move(shape), rng, std::normal_distribution<float>(mean, stddev));
+}
+
+}  // namespace
+
+Options layer_options(Mechanism mechanism) {
+  const MechanismTraits mt = traits(mechanism);
+  Options o;
+  o.mechanism = mechanism;
+  o.qk_l2norm = true;
+  o.beta_sigmoid = mt.delta;
+  o.gate_in_kernel = mt.gate != GateKind::none;
+  return o;
+}
+
+io::TensorMap random_layer_inputs(Mechanism mechanism, const ProblemShape& s, uint64_t seed,
+                                  bool with_initial_state) {
+  const MechanismTraits mt = traits(mechanism);
+  std::mt19937_64 rng(seed);
+  io::TensorMap t;
+  t["q"] = normal_tensor({s.B, s.T, s.H, s.K}, rng, 0, 1);
+  t["k"] = normal_tensor({s.B, s.T, s.H, s.K}, rng, 0, 1);
+  t["v"] = normal_tensor({s.B, s.T, s.HV, s.V}, rng, 0, 1);
+  if (mt.delta) t["beta"] = normal_tensor({s.B, s.T, s.HV}, rng, 0, 1);
+  if (mt.gate != GateKind::none) {
+    const bool vector_gate = mt.gate == GateKind::vector;
+    // Raw gates; with A_log in [-1, 1) and dt_bias near 0 the activated per-step decay
+    // -exp(A_log) softplus(g + dt_bias) is mostly between -3 and 0, as in trained layers.
+    t["g"] = vector_gate ? normal_tensor({s.B, s.T, s.HV, s.K}, rng, 0, 1)
+                         : normal_tensor({s.B, s.T, s.HV}, rng, 0, 1);
+    t["A_log"] = random_tensor({s.HV}, rng, std::uniform_real_distribution<float>(-1, 1));
+    t["dt_bias"] = normal_tensor({vector_gate ? s.HV * s.K : s.HV}, rng, 0, 0.5f);
+  }
+  if (with_initial_state) t["initial_state"] = normal_tensor({s.B, s.HV, s.K, s.V}, rng, 0, 0.5f);
+  return t;
+}
+
+void fill_uniform(float* data, int64_t n, float lo, float hi, uint64_t seed) {
+  // splitmix64: one multiply-xorshift chain per value, fast enough for gigabytes.
+  uint64_t x = seed;
+  const float scale = (hi - lo) / 16777216.0f;  // 24 random bits
+  for (int64_t i = 0; i < n; ++i) {
+    x += 0x9E3779B97F4A7C15ull;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    data[i] = lo + static_cast<float>(z >> 40) * scale;
+  }
+}
+
+}  // namespace flashdelta::cli
