@@ -54,7 +54,11 @@ std::string describe(const CaseConfig& c, const RunConfig& rc) {
   if (!c.initial_state) os << " no_initial_state";
   if (c.qk_l2norm) os << " qk_l2norm";
   if (c.beta_sigmoid) os << " beta_sigmoid" << (c.allow_neg_eigval ? "(neg)" : "");
-  if (c.gate_in_kernel) os << " gate_in_kernel lb=" << c.lower_bound.value_or(0);
+  if (c.gate_in_kernel) {
+    os << " gate_in_kernel";
+    if (c.lower_bound) os << " lower_bound=" << *c.lower_bound;
+    os << (c.with_A_log ? " A_log" : "") << (c.with_dt_bias ? " dt_bias" : "");
+  }
   if (c.beta_value) os << " beta=" << *c.beta_value;
   return os.str();
 }
@@ -272,7 +276,7 @@ TEST(Chunk, EveryDtype) {
     }
 }
 
-TEST(Chunk, StateLayoutsAndAbsentInitialState) {
+TEST(Chunk, StateLayoutsAndAbsentStates) {
   for (StateLayout layout : {StateLayout::k_first, StateLayout::v_first})
     for (bool initial : {true, false}) {
       CaseConfig cfg;
@@ -284,6 +288,16 @@ TEST(Chunk, StateLayoutsAndAbsentInitialState) {
       cfg.seed = 61;
       expect_matches_reference(cfg, RunConfig{32});
     }
+  // Without a final state the output is unchanged.
+  CaseConfig cfg;
+  cfg.T = 40;
+  cfg.seed = 62;
+  const Case c = make_case(cfg);
+  HostTensor with = c.make_output(DType::f32), without = c.make_output(DType::f32);
+  HostTensor state = c.make_state();
+  forward(c.args(with, &state), c.options, Schedule::chunk);
+  forward(c.args(without, nullptr), c.options, Schedule::chunk);
+  EXPECT_EQ(with.to_double(), without.to_double());
 }
 
 TEST(Chunk, StridedQueryAndOutput) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <climits>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -54,12 +55,17 @@ struct TensorView {
   std::array<int64_t, kMaxRank> stride{};
 
   bool present() const { return rank >= 0; }
+  // Element count; 0 if any size is 0 (or negative), INT64_MAX if the product overflows.
   int64_t numel() const {
     int64_t n = 1;
-    for (int i = 0; i < rank; ++i) n *= shape[i];
+    for (int i = 0; i < rank; ++i)
+      if (shape[i] <= 0) return 0;
+    for (int i = 0; i < rank; ++i)
+      if (__builtin_mul_overflow(n, shape[i], &n)) return INT64_MAX;
     return n;
   }
   bool is_contiguous() const {
+    if (numel() == 0) return true;
     int64_t expect = 1;
     for (int i = rank - 1; i >= 0; --i) {
       if (shape[i] != 1 && stride[i] != expect) return false;
@@ -79,10 +85,11 @@ inline TensorView make_view(void* data, DType dtype, std::initializer_list<int64
   t.rank = static_cast<int>(shape.size());
   int i = 0;
   for (int64_t s : shape) t.shape[i++] = s;
+  // Strides as PyTorch computes them (a size-0 dimension counts as 1), saturating.
   int64_t st = 1;
   for (int d = t.rank - 1; d >= 0; --d) {
     t.stride[d] = st;
-    st *= t.shape[d];
+    if (__builtin_mul_overflow(st, t.shape[d] > 1 ? t.shape[d] : 1, &st)) st = INT64_MAX;
   }
   return t;
 }

@@ -39,10 +39,11 @@ std::string expected_str(const std::vector<int64_t>& shape) {
 }
 
 void check_pointer(const TensorView& t, const char* name) {
-  if (t.numel() > 0 && t.data == nullptr)
-    fail(arg(name) + "null data pointer for " + std::to_string(t.numel()) + " elements");
   for (int i = 0; i < t.rank; ++i)
     if (t.shape[i] < 0) fail(arg(name) + "negative size in shape " + shape_str(t));
+  if (t.numel() == INT64_MAX) fail(arg(name) + "too many elements in shape " + shape_str(t));
+  if (t.numel() > 0 && t.data == nullptr)
+    fail(arg(name) + "null data pointer for " + std::to_string(t.numel()) + " elements");
 }
 
 void check_float(const TensorView& t, const char* name) {
@@ -79,6 +80,7 @@ void check_absent(const TensorView& t, const char* name, const std::string& why)
 // Outputs must not broadcast (stride 0 on a dimension of size > 1): writes would collide.
 void check_writable(const TensorView& t, const char* name) {
   check_float(t, name);
+  if (t.numel() == 0) return;  // nothing is written
   for (int i = 0; i < t.rank; ++i)
     if (t.shape[i] > 1 && t.stride[i] == 0)
       fail(arg(name) + "output has stride 0 on dimension " + std::to_string(i) +
@@ -209,8 +211,10 @@ void check_token_inputs(Problem& p, const TensorView& q, const TensorView& k,
       if (mt.gate == GateKind::vector) {
         if (dt_bias.rank == 2)
           check_shape(dt_bias, "dt_bias", "[HV, K]", {p.HV, p.K});
-        else
-          check_shape(dt_bias, "dt_bias", "[HV * K]", {p.HV * p.K});
+        else if (dt_bias.rank != 1 || dt_bias.shape[0] % p.K != 0 ||
+                 dt_bias.shape[0] / p.K != p.HV)  // HV * K may overflow: compare by division
+          fail(arg("dt_bias") + "expected shape [HV * K] = [" + std::to_string(p.HV) + " * " +
+               std::to_string(p.K) + "] or [HV, K], got " + shape_str(dt_bias));
       } else {
         check_shape(dt_bias, "dt_bias", "[HV] (scalar gate)", {p.HV});
       }

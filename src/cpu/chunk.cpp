@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/parallel.h"
@@ -151,8 +152,13 @@ void AdvanceState(const Dims& dm, const ChunkData<T>& cd, T* S, T* y, T* v_new, 
 // Zero-initialised aligned memory for one worker.
 template <class T>
 hwy::AlignedFreeUniquePtr<T[]> ZeroedBuffer(int64_t n) {
-  auto buf = hwy::AllocateAligned<T>(static_cast<size_t>(std::max<int64_t>(n, 1)));
-  std::fill(buf.get(), buf.get() + std::max<int64_t>(n, 1), T(0));
+  n = std::max<int64_t>(n, 1);
+  auto buf = hwy::AllocateAligned<T>(static_cast<size_t>(n));
+  if (!buf)
+    throw Error(ErrorCode::runtime, "chunk schedule: cannot allocate " +
+                                        std::to_string(n * static_cast<int64_t>(sizeof(T))) +
+                                        " bytes of work memory");
+  std::fill(buf.get(), buf.get() + n, T(0));
   return buf;
 }
 

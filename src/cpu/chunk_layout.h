@@ -20,10 +20,11 @@ inline constexpr int64_t kBlock = 16;
 // in L1 while it is read by W S and q S and rewritten by the update.
 inline constexpr int64_t kStripCols = 32;
 // Largest exponent (log2) of the factors q 2^(Gamma - r), k 2^(r - Gamma) on the diagonal
-// blocks of a vector gate (cpu/chunk_prepare-inl.h): far from float overflow, and products
-// that underflow are below 2^-62 of the block's largest terms. Blocks whose gates decay
-// more than about twice this over kBlock tokens run the exact pairwise form instead.
-inline constexpr int kMaxFactorExponent = 64;
+// blocks of a vector gate (cpu/chunk_prepare-inl.h): far from float overflow, products that
+// underflow are below 2^-60 of the block's largest terms, and k 2^(G_b - Gamma) over a
+// block stays above 2^-120, a normal float. Blocks whose gates decay more than about twice
+// this over kBlock tokens run the exact pairwise form instead.
+inline constexpr int kMaxFactorExponent = 60;
 
 constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 

@@ -32,18 +32,19 @@ inline constexpr double kLog2e = 1.442695040888963407359924681002;
 // Work buffers of steps 1-3, reused chunk after chunk by one worker.
 template <class T>
 struct PrepareScratch {
-  T* gamma;    // [C, Kp] (vector gate) or [C] (scalar gate): Gamma
-  T* k_t;      // [Kp, C] k transposed: columns are tokens
-  T* gamma_t;  // [Kp, C] Gamma transposed (vector gate)
-  T* kbar_t;   // [Kp, C] k_j 2^(r - Gamma_j) for the reference point r of one row block
-  T* xq;       // [kBlock, Kp] scale q_i 2^(Gamma_i - r) of one row block
-  T* xk;       // [kBlock, Kp] k_i 2^(Gamma_i - r)
-  T* a_kk;     // [C, C] beta_i k_i . k_j 2^(Gamma_i - Gamma_j), j < i
-  T* zeros;    // [Kp]
+  T* gamma;   // [C, Kp] (vector gate) or [C] (scalar gate): Gamma
+  T* k_t;     // [Kp, C] k transposed: columns are tokens (vector gate: k 2^(G_b - Gamma))
+  T* k_end;   // [C, Kp] k 2^(G_b - Gamma), G_b the Gamma at the end of the row's block
+  T* kbar_t;  // [Kp, C] k_j 2^(r - Gamma_j) for the reference point r of one row block
+  T* xq;      // [kBlock, Kp] scale q_i 2^(Gamma_i - r) of one row block
+  T* xk;      // [kBlock, Kp] k_i 2^(Gamma_i - r)
+  T* a_kk;    // [C, C] beta_i k_i . k_j 2^(Gamma_i - Gamma_j), j < i
+  T* factor;  // [Kp]
+  T* zeros;   // [Kp]
 
   static int64_t size(const Dims& d) {
     return 4 * round_up(d.C * d.Kp, kPad) + 2 * round_up(kBlock * d.Kp, kPad) +
-           round_up(d.C * d.C, kPad) + round_up(d.Kp, kPad);
+           round_up(d.C * d.C, kPad) + 2 * round_up(d.Kp, kPad);
   }
   // base must hold size(d) zeros.
   static PrepareScratch carve(T* base, const Dims& d) {
@@ -51,11 +52,12 @@ struct PrepareScratch {
     PrepareScratch s;
     s.gamma = c.take(d.C * d.Kp);
     s.k_t = c.take(d.C * d.Kp);
-    s.gamma_t = c.take(d.C * d.Kp);
+    s.k_end = c.take(d.C * d.Kp);
     s.kbar_t = c.take(d.C * d.Kp);
     s.xq = c.take(kBlock * d.Kp);
     s.xk = c.take(kBlock * d.Kp);
     s.a_kk = c.take(d.C * d.C);
+    s.factor = c.take(d.Kp);
     s.zeros = c.take(d.Kp);
     return s;
   }
@@ -107,9 +109,9 @@ class ChunkPreparer {
     }
   }
 
-  // Token columns: kT[c][t] = k[t][c] (and Gamma likewise), the B operand of k_i . k_j.
-  void transpose(const T* src, T* dst, int64_t rows) const {
-    for (int64_t t = 0; t < rows; ++t)
+  // Token columns: dst[c][t] = src[t][c] for rows [t0, t1), the B operand of k_i . k_j.
+  void transpose(const T* src, T* dst, int64_t t0, int64_t t1) const {
+    for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < dm_.Kp; ++c) dst[c * dm_.C + t] = src[t * dm_.Kp + c];
   }
 
@@ -161,8 +163,18 @@ class ChunkPreparer {
         if constexpr (M::delta) hn::Store(hn::Mul(beta, hn::Mul(k, e_in)), d_, cd.w + t * Kp + c);
       }
     }
-    transpose(in_.k, s_.k_t, rows);
-    transpose(G, s_.gamma_t, rows);
+    // Token columns of k_j 2^(G_b - Gamma_j) <= 1, G_b the Gamma at the end of j's block
+    // (for the last block, cd.k).
+    for (int64_t j0 = 0; j0 < rows; j0 += kBlock) {
+      const bool last = j0 + kBlock == rows;
+      const T* g_b = G + (j0 + kBlock - 1) * Kp;
+      for (int64_t j = j0; !last && j < j0 + kBlock; ++j)
+        for (int64_t c = 0; c < Kp; c += L) {
+          const auto e = Exp2(d_, hn::Sub(hn::Load(d_, g_b + c), hn::Load(d_, G + j * Kp + c)));
+          hn::Store(hn::Mul(hn::Load(d_, k_row(j) + c), e), d_, s_.k_end + j * Kp + c);
+        }
+      transpose(last ? cd.k : s_.k_end, s_.k_t, j0, j0 + kBlock);
+    }
 
     const auto limit = hn::Set(d_, static_cast<T>(kMaxFactorExponent));
     for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
@@ -178,16 +190,22 @@ class ChunkPreparer {
           if constexpr (M::delta)
             hn::Store(hn::Mul(hn::Load(d_, k_row(i) + c), e), d_, s_.xk + (i - i0) * Kp + c);
         }
-      const int64_t cols = i0 + kBlock;
-      for (int64_t c = 0; c < Kp; ++c) {
-        const auto rc = hn::Set(d_, r[c]);
-        for (int64_t j = 0; j < cols; j += L) {
-          // (With exact, the clamp keeps the diagonal block finite until it is replaced.)
-          const auto x = hn::Sub(rc, hn::Load(d_, s_.gamma_t + c * C + j));
-          hn::Store(hn::Mul(hn::Load(d_, s_.k_t + c * C + j), Exp2(d_, hn::Min(x, limit))), d_,
-                    s_.kbar_t + c * C + j);
+      // kbar = k 2^(r - Gamma) = (k 2^(G_b - Gamma)) 2^(r - G_b) per column block: the
+      // factor is <= 1 left of the diagonal and at most 2^kMaxFactorExponent on it (clamped
+      // when exact, whose diagonal block is replaced).
+      for (int64_t j0 = 0; j0 <= i0; j0 += kBlock) {
+        const T* g_b = G + (j0 + kBlock - 1) * Kp;
+        for (int64_t c = 0; c < Kp; c += L) {
+          const auto x = hn::Sub(hn::Load(d_, r + c), hn::Load(d_, g_b + c));
+          hn::Store(Exp2(d_, hn::Min(x, limit)), d_, s_.factor + c);
+        }
+        for (int64_t c = 0; c < Kp; ++c) {
+          const auto f = hn::Set(d_, s_.factor[c]);
+          for (int64_t j = j0; j < j0 + kBlock; j += L)
+            hn::Store(hn::Mul(hn::Load(d_, s_.k_t + c * C + j), f), d_, s_.kbar_t + c * C + j);
         }
       }
+      const int64_t cols = i0 + kBlock;
       if constexpr (M::delta) gemm_rows(s_.xk, kBlock, cols, s_.a_kk + i0 * C);
       gemm_rows(s_.xq, kBlock, cols, cd.a_qk + i0 * C);
       if (exact) exact_diagonal_block(i0, cd);
@@ -250,7 +268,7 @@ class ChunkPreparer {
           hn::Store(hn::Mul(beta, hn::Mul(k, k_factor)), d_, cd.w + t * Kp + c);
       }
     }
-    transpose(in_.k, s_.k_t, rows);
+    transpose(in_.k, s_.k_t, 0, rows);
     if constexpr (M::delta) gemm_rows(in_.k, rows, rows, s_.a_kk);
     gemm_rows(in_.q, rows, rows, cd.a_qk);
     mask(cd, kGated ? G : nullptr);

@@ -5,7 +5,8 @@
 // item keeps each K x W tile of its state in a dense fp32 buffer (recurrent_tile.h) and runs
 // a block of tokens over one tile at a time while the tile sits in L1. The block's token
 // inputs are packed once per item (recurrent_pack-inl.h) and shared by its tiles; the pass
-// (recurrent_pass-inl.h) loads and stores each state row once per token.
+// (recurrent_pass-inl.h) loads and stores each state row once per token. Decode on a float32
+// K-first pool skips the tiles and streams each slot in place (recurrent_stream-inl.h).
 //
 // SIMD: Highway with run-time dispatch. Compiled targets: AVX3 (AVX-512), AVX2, SSE4 and the
 // scalar baseline. SSSE3 is dropped (SSE4 covers every x86-64 CPU of the last 15 years) and
@@ -220,16 +221,25 @@ bool DecodesInPlace(const DecodeProblem& d) {
          d.pool.value_step() == 1 && !d.per_token_slots && static_cast<size_t>(d.p.V) % lanes == 0;
 }
 
-// All tokens of decode row n for value head hv, in place on pool slot `slot`.
+// Consecutive (row, head) pairs one in-place work item decodes, each prefetching the next.
+inline constexpr size_t kDecodePairsPerItem = 8;
+
+// Pool slot `slot` of value head hv as a K x V matrix with row stride key_step().
+float* SlotState(const DecodeProblem& d, int64_t slot, int64_t hv) {
+  return static_cast<float*>(d.pool.t.data) + d.pool.offset(slot, hv, 0, 0);
+}
+
+// All tokens of decode row n for value head hv, in place on pool slot `slot`; `next` is the
+// state to prefetch during the last token (null for none).
 template <bool kDelta>
-void DecodeInPlace(const DecodeProblem& d, const TensorView& o, int64_t n, int64_t hv,
-                   int64_t slot) {
+void DecodeInPlace(const DecodeProblem& d, const TensorView& o, int64_t n, int64_t hv, int64_t slot,
+                   const float* next) {
   const Problem& p = d.p;
   const Sequence& seq = p.seqs[static_cast<size_t>(n)];
   if (seq.len == 0) return;
   const size_t K = static_cast<size_t>(p.K), V = static_cast<size_t>(p.V);
   const size_t kp = RoundUp(K, hn::Lanes(FloatTag()));
-  float* S = static_cast<float*>(d.pool.t.data) + d.pool.offset(slot, hv, 0, 0);
+  float* S = SlotState(d, slot, hv);
   const size_t ld = static_cast<size_t>(d.pool.key_step());
 
   // Workspace: prediction | r | one token's read | prologue c | two packed tokens | packer.
@@ -244,13 +254,13 @@ void DecodeInPlace(const DecodeProblem& d, const TensorView& o, int64_t n, int64
   packer.pack(0, true, block.slot(0), prologue);
   if constexpr (kDelta) StreamPredict(prologue, K, V, ld, S, pred);
   for (int64_t t = 0; t < seq.len; ++t) {
-    const bool next = t + 1 < seq.len;
-    if (next) packer.pack(t + 1, true, block.slot(1), block.slot(0).c);
+    const bool more = t + 1 < seq.len;
+    if (more) packer.pack(t + 1, true, block.slot(1), block.slot(0).c);
     const PackedToken& tok = block.slot(0);
-    StreamTokenPassFor<kDelta>(p.gate != GateKind::none, next, {tok.a, tok.b, tok.c, tok.f}, K, V,
-                               ld, tok.v, tok.beta, pred, r, S, out);
+    StreamTokenPassFor<kDelta>(p.gate != GateKind::none, more, {tok.a, tok.b, tok.c, tok.f}, K, V,
+                               ld, tok.v, tok.beta, pred, r, S, out, more ? nullptr : next);
     store_output_row(o, offset_of(o, seq.batch, seq.t0 + t, hv, 0), p.V, out);
-    if (next) block.move_to_front(1);
+    if (more) block.move_to_front(1);
   }
 }
 
@@ -264,30 +274,42 @@ void RecurrentDecode(const DecodeProblem& d, const TensorView& o) {
   const std::vector<WorkItem> items = MakeWorkItems(p, plan);
   const int64_t K = p.K;
   const int64_t W = static_cast<int64_t>(plan.width);
+  // In place, a work item is a run of pairs, so each knows which state it streams next.
+  const size_t per_item = in_place ? kDecodePairsPerItem : 1;
+  const int64_t num_items = static_cast<int64_t>((items.size() + per_item - 1) / per_item);
   WithTileKernel(plan.nv, p.delta, [&]<size_t NV, bool kDelta>() {
-    parallel_for(static_cast<int64_t>(items.size()), p.options.num_threads, [&](int64_t i) {
-      const WorkItem& item = items[static_cast<size_t>(i)];
-      const int64_t n = item.n, hv = item.hv;
-      const int64_t start = decode_start_slot(d, n);
-      if (start < 0) {  // padding row: zero outputs, pool untouched
-        static const float kZeros[256] = {};
-        const Sequence& seq = p.seqs[static_cast<size_t>(n)];
-        const int64_t col0 = in_place ? 0 : static_cast<int64_t>(item.tile_begin) * W;
-        const int64_t cols =
-            in_place ? p.V : std::min(p.V, static_cast<int64_t>(item.tile_end) * W) - col0;
-        for (int64_t t = seq.t0; t < seq.t0 + seq.len; ++t)
-          store_output_row(o, offset_of(o, seq.batch, t, hv, col0), cols, kZeros);
-        return;
+    parallel_for(num_items, p.options.num_threads, [&](int64_t i) {
+      const size_t first = static_cast<size_t>(i) * per_item;
+      const size_t last = std::min(items.size(), first + per_item);
+      for (size_t e = first; e < last; ++e) {
+        const WorkItem& item = items[e];
+        const int64_t n = item.n, hv = item.hv;
+        const int64_t start = decode_start_slot(d, n);
+        if (start < 0) {  // padding row: zero outputs, pool untouched
+          static const float kZeros[256] = {};
+          const Sequence& seq = p.seqs[static_cast<size_t>(n)];
+          const int64_t col0 = static_cast<int64_t>(item.tile_begin) * W;
+          const int64_t cols = std::min(p.V, static_cast<int64_t>(item.tile_end) * W) - col0;
+          for (int64_t t = seq.t0; t < seq.t0 + seq.len; ++t)
+            store_output_row(o, offset_of(o, seq.batch, t, hv, col0), cols, kZeros);
+          continue;
+        }
+        if (in_place) {
+          const float* next = nullptr;
+          if (e + 1 < last && decode_start_slot(d, items[e + 1].n) >= 0)
+            next = SlotState(d, decode_start_slot(d, items[e + 1].n), items[e + 1].hv);
+          DecodeInPlace<kDelta>(d, o, n, hv, start, next);
+          continue;
+        }
+        auto load = [&](float* tile, int64_t col0, int64_t cols) {
+          load_state_tile(d.pool, start, hv, K, col0, cols, W, tile);
+        };
+        auto materialize = [&](int64_t t) { return decode_slot_after(d, n, t) >= 0; };
+        auto store = [&](int64_t t, const float* tile, int64_t col0, int64_t cols) {
+          store_state_tile(d.pool, decode_slot_after(d, n, t), hv, K, col0, cols, W, tile);
+        };
+        RunItem<NV, kDelta>(p, plan, item, o, load, materialize, store);
       }
-      if (in_place) return DecodeInPlace<kDelta>(d, o, n, hv, start);
-      auto load = [&](float* tile, int64_t col0, int64_t cols) {
-        load_state_tile(d.pool, start, hv, K, col0, cols, W, tile);
-      };
-      auto materialize = [&](int64_t t) { return decode_slot_after(d, n, t) >= 0; };
-      auto store = [&](int64_t t, const float* tile, int64_t col0, int64_t cols) {
-        store_state_tile(d.pool, decode_slot_after(d, n, t), hv, K, col0, cols, W, tile);
-      };
-      RunItem<NV, kDelta>(p, plan, item, o, load, materialize, store);
     });
   });
 }

@@ -111,7 +111,7 @@ class TokenPacker {
   // Packs token t of the sequence into `out`, and its predict coefficients into c_prev
   // (the previous token's c, or the first token's prologue buffer).
   void pack(int64_t t, bool materialize, PackedToken& out, float* HWY_RESTRICT c_prev) {
-    if (t + kPrefetchTokens < seq_.len) prefetch_token(seq_.t0 + t + kPrefetchTokens);
+    if (t + kPrefetchTokens < seq_.len) prefetch(t + kPrefetchTokens);
     // v goes straight into the packed token when the item covers all of V.
     const bool whole_v = col0_ == 0 && cols_ == p_.V;
     float beta = 0;
@@ -132,16 +132,20 @@ class TokenPacker {
  private:
   using D = hn::ScalableTag<float>;
 
-  // Whether G may stay unfolded (false for NaN too).
-  static bool in_range(float lowest, float highest) {
-    return lowest >= kRebaseBelow && highest <= kRebaseAbove;
-  }
-
   // Token rows of one head lie H (or HV) rows apart, in different pages for big heads, so
-  // the hardware prefetchers do not follow them: fetch the rows a few tokens ahead. The
-  // helpers are forced inline: GCC otherwise classifies a function that only prefetches as
-  // pure and deletes the call.
+  // the hardware prefetchers do not follow them: pack() fetches the rows a few tokens ahead.
+  // Forced inline: GCC classifies a function that only prefetches as pure and deletes calls.
   static constexpr int64_t kPrefetchTokens = 8;
+
+  HWY_INLINE void prefetch(int64_t t) const {
+    const TokenViews& in = p_.in;
+    const int64_t b = seq_.batch, h = p_.key_head(hv_), tt = seq_.t0 + t;
+    prefetch_row(in.q, offset_of(in.q, b, tt, h, 0), p_.K, in.q.stride[3]);
+    prefetch_row(in.k, offset_of(in.k, b, tt, h, 0), p_.K, in.k.stride[3]);
+    prefetch_row(in.v, offset_of(in.v, b, tt, hv_, 0), p_.V, in.v.stride[3]);
+    if (p_.gate == GateKind::vector)
+      prefetch_row(in.g, offset_of(in.g, b, tt, hv_, 0), p_.K, in.g.stride[3]);
+  }
 
   static HWY_INLINE void prefetch_row(const TensorView& t, int64_t offset, int64_t n,
                                       int64_t step) {
@@ -151,14 +155,9 @@ class TokenPacker {
     for (int64_t b = 0; b < bytes; b += 64) hwy::Prefetch(first + b);
   }
 
-  HWY_INLINE void prefetch_token(int64_t t) const {
-    const TokenViews& in = p_.in;
-    const int64_t b = seq_.batch, h = p_.key_head(hv_);
-    prefetch_row(in.q, offset_of(in.q, b, t, h, 0), p_.K, in.q.stride[3]);
-    prefetch_row(in.k, offset_of(in.k, b, t, h, 0), p_.K, in.k.stride[3]);
-    prefetch_row(in.v, offset_of(in.v, b, t, hv_, 0), p_.V, in.v.stride[3]);
-    if (p_.gate == GateKind::vector)
-      prefetch_row(in.g, offset_of(in.g, b, t, hv_, 0), p_.K, in.g.stride[3]);
+  // Whether G may stay unfolded (false for NaN too).
+  static bool in_range(float lowest, float highest) {
+    return lowest >= kRebaseBelow && highest <= kRebaseAbove;
   }
 
   void pack_vector_gate(bool materialize, PackedToken& out, float* HWY_RESTRICT c_prev) {

@@ -57,12 +57,13 @@ HWY_NOINLINE void StreamPredict(const float* HWY_RESTRICT c, size_t K, size_t V,
 
 // One token in place: S[i] = f[i] S[i] + a[i] r (f only with kGated), o = S^T b, and with
 // kPredict pred = S^T c for the next token. r (V floats) is scratch; on entry pred holds
-// this token's prediction (delta rule).
+// this token's prediction (delta rule). `next` (may be null) is the state this thread streams
+// next, fetched row by row meanwhile, so memory stays busy while this pass works from L2.
 template <bool kDelta, bool kGated, bool kPredict>
 HWY_NOINLINE void StreamTokenPass(const PassCoefficients& co, size_t K, size_t V, size_t ld,
                                   const float* HWY_RESTRICT v, float beta, float* HWY_RESTRICT pred,
                                   float* HWY_RESTRICT r, float* HWY_RESTRICT S,
-                                  float* HWY_RESTRICT o) {
+                                  float* HWY_RESTRICT o, const float* next) {
   const FloatTag d;
   const size_t N = hn::Lanes(d);
   const float* HWY_RESTRICT ka = co.a;
@@ -78,6 +79,7 @@ HWY_NOINLINE void StreamTokenPass(const PassCoefficients& co, size_t K, size_t V
   }
   // Updates row i and returns it.
   auto update = [&](size_t i, size_t j) HWY_ATTR {
+    if (next != nullptr) __builtin_prefetch(next + i * ld + j, 0, 2);
     float* HWY_RESTRICT p = S + i * ld + j;
     auto s = hn::LoadU(d, p);
     if constexpr (kGated) s = hn::Mul(s, hn::Set(d, fr[i]));
@@ -112,13 +114,15 @@ HWY_NOINLINE void StreamTokenPass(const PassCoefficients& co, size_t K, size_t V
 template <bool kDelta>
 void StreamTokenPassFor(bool gated, bool predict, const PassCoefficients& co, size_t K, size_t V,
                         size_t ld, const float* v, float beta, float* pred, float* r, float* S,
-                        float* o) {
+                        float* o, const float* next) {
   if (gated) {
-    if (predict) return StreamTokenPass<kDelta, true, kDelta>(co, K, V, ld, v, beta, pred, r, S, o);
-    return StreamTokenPass<kDelta, true, false>(co, K, V, ld, v, beta, pred, r, S, o);
+    if (predict)
+      return StreamTokenPass<kDelta, true, kDelta>(co, K, V, ld, v, beta, pred, r, S, o, next);
+    return StreamTokenPass<kDelta, true, false>(co, K, V, ld, v, beta, pred, r, S, o, next);
   }
-  if (predict) return StreamTokenPass<kDelta, false, kDelta>(co, K, V, ld, v, beta, pred, r, S, o);
-  return StreamTokenPass<kDelta, false, false>(co, K, V, ld, v, beta, pred, r, S, o);
+  if (predict)
+    return StreamTokenPass<kDelta, false, kDelta>(co, K, V, ld, v, beta, pred, r, S, o, next);
+  return StreamTokenPass<kDelta, false, false>(co, K, V, ld, v, beta, pred, r, S, o, next);
 }
 
 }  // namespace flashdelta::detail::HWY_NAMESPACE
