@@ -2,9 +2,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <iostream>
 #include <string>
 #include <vector>
 
+#include "hwy/targets.h"
 #include "test_util.h"
 
 namespace flashdelta::testing {
@@ -134,6 +136,20 @@ TEST(Recurrent, EmptySequencePassesStateThroughExactly) {
   const std::vector<double> s0 = c.initial_state.to_double();
   const size_t per_seq = static_cast<size_t>(cfg.HV * cfg.K * cfg.V);
   for (size_t i = 0; i < per_seq; ++i) ASSERT_EQ(r.state[per_seq + i], s0[per_seq + i]) << i;
+}
+
+TEST(Recurrent, EmptyBatchAndEmptySequences) {
+  // B = 0: nothing to do. T = 0: every state passes through unchanged.
+  for (const int64_t B : {0, 3}) {
+    CaseConfig cfg;
+    cfg.B = B;
+    cfg.T = B == 0 ? 5 : 0;
+    const Case c = make_case(cfg);
+    const Outputs fast = run_forward(c, Schedule::recurrent, DType::f32);
+    const Outputs ref = run_forward(c, Schedule::reference, DType::f64);
+    EXPECT_EQ(fast.o.size(), ref.o.size());
+    EXPECT_EQ(fast.state, c.initial_state.to_double()) << "B=" << B;
+  }
 }
 
 TEST(Recurrent, StrongAndWeakGates) {
@@ -555,6 +571,45 @@ TEST(RecurrentDecode, Deterministic) {
   decode(d.args(o_b, pool_b), d.c.options, Schedule::recurrent);
   EXPECT_EQ(o_a.bytes, o_b.bytes);
   EXPECT_EQ(pool_a.bytes, pool_b.bytes);
+}
+
+// Every SIMD target this CPU runs gives the reference's results, not only the best one:
+// Highway's test hook restricts the dispatch to one target at a time.
+TEST(RecurrentTargets, EachSupportedTargetMatchesReference) {
+  const int64_t supported = hwy::SupportedTargets();
+  std::vector<std::string> seen;
+  for (const int64_t target : {int64_t{HWY_AVX3}, int64_t{HWY_AVX2}, int64_t{HWY_SSE4},
+                               int64_t{HWY_EMU128 | HWY_SCALAR}}) {
+    if ((supported & target) == 0) continue;
+    hwy::SetSupportedTargetsForTest(target);
+    const std::string name = cpu_simd_target();
+    seen.push_back(name);
+
+    CaseConfig kda;
+    kda.seqlens = {20, 0, 37};
+    kda.T = 57;
+    kda.K = 33;
+    kda.V = 48;
+    kda.gate_min = -6;
+    expect_matches_reference(make_case(kda), name + ": kda varlen");
+    CaseConfig gla;
+    gla.mechanism = Mechanism::gla;
+    gla.layout = StateLayout::v_first;
+    gla.T = 40;
+    gla.K = 60;
+    gla.V = 100;
+    expect_matches_reference(make_case(gla), name + ": gla v_first");
+    for (const int64_t V : {48, 47}) {  // in place where V is whole vectors, else tiles
+      const CaseConfig cfg = decode_config(Mechanism::gated_deltanet, 3, 2, 40, V, 11);
+      expect_decode_matches_reference(make_decode_case(cfg, 5, DType::f32, {{4}, {-1}, {0}}),
+                                      name + ": decode V=" + std::to_string(V));
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);  // back to the CPU's own targets
+  EXPECT_FALSE(seen.empty());
+  std::string list;
+  for (const std::string& name : seen) list += name + " ";
+  std::cout << "[          ] targets checked: " << list << "\n";
 }
 
 }  // namespace

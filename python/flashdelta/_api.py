@@ -85,7 +85,7 @@ def pick_schedule(schedule, default, q):
 def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=None,
             output_final_state=False, cu_seqlens=None, qk_l2norm=False, beta_sigmoid=False,
             allow_neg_eigval=False, gate_in_kernel=False, A_log=None, dt_bias=None,
-            lower_bound=None, state_v_first=False, chunk_size=64, schedule=None):
+            lower_bound=None, state_v_first=False, chunk_size=16, schedule=None):
     """Runs the recurrence (see the package docstring) and returns (o, final_state or None).
 
     Shapes (fla layout): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (vector gate) or

@@ -25,7 +25,7 @@ GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 def make_options(mechanism, scale=None, qk_l2norm=False, beta_sigmoid=False,
                  allow_neg_eigval=False, gate_in_kernel=False, lower_bound=None,
-                 state_v_first=False, chunk_size=64, num_threads=0):
+                 state_v_first=False, chunk_size=16, num_threads=0):
     """A _C.Options; the library validates every field when it runs."""
     o = _C.Options()
     o.mechanism = mechanism

@@ -32,7 +32,10 @@ void load_row(const TensorView& t, int64_t offset, int64_t n, int64_t step, T* d
   switch (t.dtype) {
     case DType::f32: {
       const float* p = reinterpret_cast<const float*>(base);
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(p[i * step]);
+      if (step == 1)  // contiguous rows: a loop the compiler vectorises
+        for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(p[i]);
+      else
+        for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(p[i * step]);
       break;
     }
     case DType::f64: {
@@ -78,7 +81,10 @@ void store_row(const TensorView& t, int64_t offset, int64_t n, int64_t step, con
   switch (t.dtype) {
     case DType::f32: {
       float* p = reinterpret_cast<float*>(base);
-      for (int64_t i = 0; i < n; ++i) p[i * step] = static_cast<float>(src[i]);
+      if (step == 1)
+        for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(src[i]);
+      else
+        for (int64_t i = 0; i < n; ++i) p[i * step] = static_cast<float>(src[i]);
       break;
     }
     case DType::f64: {

@@ -135,9 +135,9 @@ class ChunkPreparer {
   // q_i 2^(Gamma_i - r) . k_j 2^(r - Gamma_j). Normally r is Gamma after the middle token of
   // the block: for the blocks left of the diagonal r - Gamma_j <= 0, and on the diagonal
   // block every exponent is at most half the block's decay, within kMaxFactorExponent
-  // unless the gates decay by ~128 bits over kBlock tokens (far beyond the usual lower
-  // bound of -5 nats per step). Such a block takes r = Gamma before its first token, so
-  // both exponents are <= 0 left of the diagonal, and its diagonal block is recomputed
+  // unless the gates decay by more than ~120 bits over kBlock tokens (16 steps at the usual
+  // lower bound of -5 nats make 115). Such a block takes r = Gamma before its first token,
+  // so both exponents are <= 0 left of the diagonal, and its diagonal block is recomputed
   // with exact pairwise exponents.
   void prepare_vector_gate(ChunkData<T>& cd) {
     const int64_t Kp = dm_.Kp, C = dm_.C, rows = cd.rows, L = lanes();

@@ -10,8 +10,8 @@
 //
 // SIMD: Highway with run-time dispatch. Compiled targets: AVX3 (AVX-512), AVX2, SSE4 and the
 // scalar baseline. SSSE3 is dropped (SSE4 covers every x86-64 CPU of the last 15 years) and
-// AVX3_DL / ZEN4 add nothing to fp32 FMA code, so four targets keep the compile short. This
-// must precede every Highway header.
+// AVX3_DL adds nothing to fp32 FMA code, so four targets keep the compile short. This must
+// precede every Highway header.
 #ifndef HWY_DISABLED_TARGETS
 #define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_AVX3_DL)
 #endif

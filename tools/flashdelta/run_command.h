@@ -3,6 +3,8 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+
+#include "flashdelta/options.h"
 #include <optional>
 #include <string>
 
@@ -17,7 +19,7 @@ struct RunFlags {
   std::optional<double> scale, lower_bound;
   bool qk_l2norm = false, beta_sigmoid = false, allow_neg_eigval = false;
   bool gate_in_kernel = false, state_v_first = false;
-  int chunk_size = 64;
+  int chunk_size = flashdelta::Options{}.chunk_size;
   int threads = 0;
 };
 
