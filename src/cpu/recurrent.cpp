@@ -71,7 +71,8 @@ TilePlan MakeTilePlan(const Problem& p) {
   // split repeats the token packing per group.
   const size_t heads = static_cast<size_t>(p.N * p.HV);
   const size_t wanted = 4 * static_cast<size_t>(resolve_threads(p.options.num_threads));
-  if (heads < wanted) plan.groups = std::min(plan.tiles, RoundUp(wanted, heads) / heads);
+  if (heads > 0 && heads < wanted)
+    plan.groups = std::min(plan.tiles, RoundUp(wanted, heads) / heads);
   return plan;
 }
 
