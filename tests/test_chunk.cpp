@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -65,14 +66,17 @@ std::string describe(const CaseConfig& c, const RunConfig& rc) {
 
 // The chunk schedule matches the reference on o and the final state, within the input
 // dtype's tolerance.
-void expect_matches_reference(const CaseConfig& cfg, const RunConfig& rc) {
-  const Case c = make_case(cfg);
+void expect_matches_reference(const Case& c, const RunConfig& rc) {
+  const CaseConfig& cfg = c.cfg;
   const Result ref = run(c, Schedule::reference, rc);
   const Result got = run(c, Schedule::chunk, rc);
   const double tol = tolerance(cfg.dtype);
   const double err_o = rel_error(got.o, ref.o), err_s = rel_error(got.state, ref.state);
   EXPECT_LE(err_o, tol) << "output, " << describe(cfg, rc) << ", tolerance " << tol;
   EXPECT_LE(err_s, tol) << "final state, " << describe(cfg, rc) << ", tolerance " << tol;
+}
+void expect_matches_reference(const CaseConfig& cfg, const RunConfig& rc) {
+  expect_matches_reference(make_case(cfg), rc);
 }
 
 // ---- The covering grid: every mechanism x length, head sizes, chunk sizes and GVA groups
@@ -413,6 +417,40 @@ TEST(Chunk, EveryCompiledSimdTarget) {
       expect_matches_reference(cfg, rc);
       ++i;
     }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// The fused transforms run vectorised in the schedules (cpu/token_transforms-inl.h), in
+// float and (float64 inputs) double: every gate form on head sizes with and without a
+// partial last vector, raw gates and betas from small to huge (exp underflow, softplus(x) =
+// x, saturated sigmoids), on every compiled SIMD target.
+TEST(Chunk, VectorisedTransformsOnEveryTarget) {
+  const int64_t supported = hwy::SupportedTargets();
+  for (int64_t target : {int64_t{HWY_AVX3}, int64_t{HWY_AVX2}, int64_t{HWY_SCALAR}}) {
+    if ((supported & target) == 0) continue;
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (DType dtype : {DType::f32, DType::f64})
+      for (int64_t K : {1, 7, 33, 128})
+        for (std::optional<double> lower_bound : {std::optional<double>(), {-5.0}})
+          for (double spread : {1.0, 40.0}) {
+            CaseConfig cfg;
+            cfg.dtype = dtype;
+            cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
+            cfg.lower_bound = lower_bound;
+            cfg.T = 24;
+            cfg.K = K;
+            cfg.V = 16;
+            Case c = make_case(cfg);
+            for (HostTensor* raw : {&c.g, &c.beta}) {
+              std::vector<double> x = raw->to_double();
+              for (double& e : x) e *= spread;
+              raw->set(x);
+            }
+            SCOPED_TRACE("raw gates and betas x" + std::to_string(spread));
+            expect_matches_reference(c, RunConfig{16});
+          }
   }
   hwy::SetSupportedTargetsForTest(0);
 }

@@ -71,6 +71,10 @@ inline std::vector<double> random_uniform(std::mt19937_64& rng, int64_t n, doubl
   return v;
 }
 
+inline constexpr Mechanism kAllMechanisms[] = {
+    Mechanism::linear_attention, Mechanism::simple_gla,     Mechanism::gla,
+    Mechanism::deltanet,         Mechanism::gated_deltanet, Mechanism::kda};
+
 // One random problem. Fields left at their defaults give a small KDA case.
 struct CaseConfig {
   Mechanism mechanism = Mechanism::kda;

@@ -41,6 +41,7 @@ struct ForwardArgs {
   TensorView o;              // output [B, T, HV, V], any float dtype
   TensorView final_state;    // optional output, same shape as the state; may alias
                              // initial_state exactly (in-place update)
+  void* stream = nullptr;    // cudaStream_t for CUDA tensors (nullptr = default stream)
 };
 
 // Runs the recurrence with the chosen schedule. All schedules compute the same function;
@@ -67,6 +68,7 @@ struct DecodeArgs {
   TensorView state_indices;
   TensorView num_accepted_tokens;  // optional, only with [N, S] state_indices
   TensorView o;
+  void* stream = nullptr;          // cudaStream_t for CUDA tensors (nullptr = default stream)
 };
 
 void decode(const DecodeArgs& args, const Options& options,
@@ -84,6 +86,7 @@ struct BackwardArgs {
   TensorView d_o;
   TensorView d_final_state;  // optional
   TensorView dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias;
+  void* stream = nullptr;  // cudaStream_t for CUDA tensors (nullptr = default stream)
 };
 
 void backward(const BackwardArgs& args, const Options& options,

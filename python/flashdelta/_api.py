@@ -1,8 +1,11 @@
 """The generic entry points: forward, decode and backward of the one recurrence.
 
-torch tensors go through the torch.library custom ops (autograd, torch.compile); NumPy arrays
-and other DLPack arrays on the CPU get NumPy outputs. The fla-named functions (flashdelta.ops)
-are thin wrappers over `forward`.
+torch tensors go through the torch.library custom ops (autograd, torch.compile), except a plain
+eager call, which runs the op's body directly (see _torch_ops.direct: the dispatcher costs
+more host time than a GPU decode step); NumPy arrays and other DLPack arrays on the CPU get
+NumPy outputs. The fla-named functions (flashdelta.ops) are thin wrappers over `forward` and
+`decode`. CUDA tensors run on the current torch stream; every tensor of a call, index tensors
+included, must be on q's device (nothing is copied to or read on the host).
 """
 
 from . import _core
@@ -13,6 +16,11 @@ try:
 except ImportError:  # torch is optional
     torch = None
     _torch_ops = None
+
+
+_FLOAT64 = torch.float64 if torch is not None else None
+_MECHANISMS = frozenset(_core.MECHANISMS)
+_SCHEDULES = frozenset(_core.SCHEDULES)
 
 
 def is_torch(x):
@@ -30,22 +38,22 @@ def check_arrays(arrays, required=("q", "k", "v")):
     for name in required:
         if arrays.get(name) is None:
             raise TypeError(f"argument '{name}': is required, got None")
-    use_torch = is_torch(q)
-    for name, x in arrays.items():
-        if x is None:
-            continue
-        if use_torch:
-            if not is_torch(x):
-                raise TypeError(f"argument '{name}': expected a torch.Tensor like q, got "
-                                f"{type(x).__module__}.{type(x).__qualname__}")
-            if x.device != q.device:
-                raise ValueError(f"argument '{name}': expected device {q.device} (the device "
+    if is_torch(q):
+        Tensor, device = torch.Tensor, q.device
+        for name, x in arrays.items():
+            if x is not None and (not isinstance(x, Tensor) or x.device != device):
+                if not isinstance(x, Tensor):
+                    raise TypeError(f"argument '{name}': expected a torch.Tensor like q, got "
+                                    f"{type(x).__module__}.{type(x).__qualname__}")
+                raise ValueError(f"argument '{name}': expected device {device} (the device "
                                  f"of q), got {x.device}")
-        elif is_torch(x) or not _is_array(x):
+        return True
+    for name, x in arrays.items():
+        if x is not None and (is_torch(x) or not _is_array(x)):
             raise TypeError(f"argument '{name}': expected an array of the same kind as q "
                             f"({type(q).__module__}.{type(q).__qualname__}), got "
                             f"{type(x).__module__}.{type(x).__qualname__}")
-    return use_torch
+    return False
 
 
 def check_rank(x, name, rank, dims):
@@ -78,7 +86,8 @@ def pick_schedule(schedule, default, q):
             raise ValueError(f"argument 'schedule': expected one of {', '.join(_core.SCHEDULES)}"
                              f", got {schedule!r}")
         return schedule
-    wide = hasattr(q, "dtype") and _core.dtype_name(q) == "float64"
+    dtype = getattr(q, "dtype", None)
+    wide = dtype is not None and (dtype is _FLOAT64 or str(dtype) == "float64")
     return "reference" if wide else default
 
 
@@ -96,6 +105,22 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
     (float64 for the reference), the final state float32 (float64 for the reference or
     float64 inputs).
     """
+    if _torch_ops is not None and q.__class__ in _torch_ops._PLAIN:
+        # The common eager torch call: the few checks that outputs need, then the op's body
+        # without the dispatcher. Anything unusual takes the checked path below, which raises
+        # or calls the custom op (torch.compile, autograd, tensor subclasses, modes).
+        if schedule is None:
+            schedule = "reference" if q.dtype == torch.float64 else "chunk"
+        if (q.ndim == 4 and k is not None and v.__class__ in _torch_ops._PLAIN and v.ndim == 4
+                and q.dtype in _torch_ops.FLOAT_DTYPES and mechanism in _MECHANISMS
+                and schedule in _SCHEDULES and (cu_seqlens is None or cu_seqlens.ndim == 1)
+                and _torch_ops.direct((q, k, v, g, beta, initial_state, cu_seqlens, A_log,
+                                       dt_bias), grad=True)):
+            o, final = _torch_ops.forward_impl(
+                q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, mechanism, scale,
+                qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound,
+                state_v_first, chunk_size, output_final_state, schedule)
+            return o, (final if output_final_state else None)
     arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
     use_torch = check_arrays(arrays)
@@ -116,6 +141,7 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
               None if lower_bound is None else float(lower_bound), bool(state_v_first),
               int(chunk_size))
     if use_torch:
+        _torch_ops.check_cuda_grad(arrays.items())
         o, final = _torch_ops.forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
                                       dt_bias, *config, bool(output_final_state), schedule)
         return o, (final if output_final_state else None)
@@ -145,6 +171,19 @@ def decode(q, k, v, g=None, beta=None, *, mechanism, state_pool, state_indices,
               token t to slot state_indices[n, t] (when >= 0).
     A start slot of -1 marks a padding row: its outputs are zeros and the pool is untouched.
     """
+    if (_torch_ops is not None and q.__class__ in _torch_ops._PLAIN and q.ndim == 4
+            and k is not None and v.__class__ in _torch_ops._PLAIN and v.ndim == 4
+            and state_pool is not None and state_indices is not None
+            and q.dtype in _torch_ops.FLOAT_DTYPES and mechanism in _MECHANISMS
+            and schedule in _SCHEDULES
+            and _torch_ops.direct((q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool,
+                                   state_indices, num_accepted_tokens))):
+        # The common eager torch call (see forward); decode has no autograd formula.
+        return _torch_ops.decode_direct(q, k, v, g, beta, cu_seqlens, A_log, dt_bias,
+                                        state_pool, state_indices, num_accepted_tokens,
+                                        mechanism, scale, qk_l2norm, beta_sigmoid,
+                                        allow_neg_eigval, gate_in_kernel, lower_bound,
+                                        state_v_first, schedule)
     arrays = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, A_log=A_log,
                   dt_bias=dt_bias, state_pool=state_pool, state_indices=state_indices,
                   num_accepted_tokens=num_accepted_tokens)
@@ -164,6 +203,7 @@ def decode(q, k, v, g=None, beta=None, *, mechanism, state_pool, state_indices,
               bool(allow_neg_eigval), bool(gate_in_kernel),
               None if lower_bound is None else float(lower_bound), bool(state_v_first))
     if use_torch:
+        _torch_ops.check_cuda_grad(arrays.items())
         return _torch_ops.decode(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool,
                                  state_indices, num_accepted_tokens, *config, schedule)
     o_dtype, _ = _core.output_dtypes(_core.dtype_name(q), None, schedule)

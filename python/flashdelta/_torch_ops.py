@@ -5,48 +5,158 @@ torch.compile(fullgraph=True) traces through without graph breaks, and forward h
 autograd formula (the backward op), so every input that carries a gradient gets one.
 Outputs and gradients are allocated with torch.empty (torch's caching allocator, on the
 inputs' device) and written in place by the library; nothing in the call path reads tensor
-data on the host, so the ops can be captured in CUDA graphs once the CUDA schedules exist.
+data on the host, so the ops can be captured in CUDA graphs. CUDA work is queued on the
+current torch stream of the inputs' device.
+
+A plain eager call (no torch.compile or other tracing, no dispatch or function modes, no
+functorch transform, plain tensors, and for forward no input that needs a gradient) skips
+the dispatcher and runs the op's body directly (`direct`): the torch.library dispatch costs
+tens of microseconds per call, more than a whole decode step on a GPU. Anything else goes
+through the ops, which behave the same.
 
 Gradients run the library's backward, which on the CPU is the fp64 reference backward
-(exact, not fast) until a faster one exists.
+(exact, not fast) until a faster one exists; CUDA tensors have no backward yet.
 """
 
+import atexit
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _core
+from . import _C, _core
 
 # The backward schedule: the only one the CPU library has today.
 BACKWARD_SCHEDULE = "reference"
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-           "bfloat16": torch.bfloat16}
+# The float dtypes q may have: o takes q's dtype.
+FLOAT_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+# Tensor types a direct call takes (subclasses such as FakeTensor or DTensor go through the ops).
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_DENSE = torch.contiguous_format
+
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._len_torch_function_stack
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
-def _array(t):
-    # DLPack export refuses tensors that require grad; the library never writes inputs.
-    return None if t is None else t.detach()
+def _version_bumper():
+    """torch._C._increment_version takes a tuple of tensors in recent torch (fast) and one
+    tensor in older releases."""
+    bump = torch._C._increment_version
+    try:
+        bump((torch.empty(0),))
+        return bump
+    except TypeError:
+        return lambda tensors: bump(tensors[0])
+
+
+_increment_version = _version_bumper()
+_get_num_threads = torch.get_num_threads
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def direct(tensors, grad=False):
+    """True when an eager call may run the op's body without the dispatcher: not under
+    torch.compile (dynamo folds the first test to a constant and traces the op), no active
+    dispatch or function modes (make_fx, FakeTensorMode, ...), no functorch transform, only
+    plain tensors, and with grad=True none that requires grad while grad mode is on."""
+    if _is_compiling() or _dispatch_modes() or _function_modes() or _functorch_active():
+        return False
+    grad = grad and torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (t.__class__ not in _PLAIN or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def check_cuda_grad(named_tensors):
+    """NotImplementedError naming the first CUDA input that requires grad (grad mode on): the
+    CUDA backward does not exist yet."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in named_tensors:
+        if t is not None and t.is_cuda and t.requires_grad:
+            raise NotImplementedError(
+                f"argument '{name}': requires grad, but gradients of CUDA tensors are not "
+                f"implemented yet (the CUDA backward is to come); call under torch.no_grad() or "
+                f"torch.inference_mode(), or pass detached tensors")
+
+
+_OPTIONS = {}
+# Dropped before the extension's teardown, which reports live instances as leaks.
+atexit.register(_OPTIONS.clear)
 
 
 def _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel,
              lower_bound, state_v_first, chunk_size):
-    return _core.make_options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
-                              gate_in_kernel, lower_bound, state_v_first, chunk_size,
-                              num_threads=torch.get_num_threads())
+    """A _C.Options, cached by value (they are never modified once built)."""
+    key = (mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel,
+           lower_bound, state_v_first, chunk_size, _get_num_threads())
+    options = _OPTIONS.get(key)
+    if options is None:
+        options = _core.make_options(*key[:9], num_threads=key[9])
+        if len(_OPTIONS) >= 256:
+            _OPTIONS.clear()
+        _OPTIONS[key] = options
+    return options
+
+
+def _run(fn, q, args):
+    """fn(*args, stream): on the current torch stream of q's device for CUDA tensors (with
+    q's device current), stream 0 otherwise."""
+    if not q.is_cuda:
+        return fn(*args, 0)
+    index = q.get_device()
+    if _raw_stream is None:  # not expected: torch builds with CUDA have both
+        return fn(*args, torch.cuda.current_stream(q.device).cuda_stream)
+    if _cuda_get_device() == index:
+        return fn(*args, _raw_stream(index))
+    with torch.cuda.device(index):
+        return fn(*args, _raw_stream(index))
 
 
 def _forward_outputs(q, v, initial_state, cu_seqlens, state_v_first, output_final_state,
                      schedule):
-    o_shape, state_shape = _core.forward_shapes(
-        q.shape, v.shape, None if cu_seqlens is None else cu_seqlens.shape, state_v_first)
-    o_dtype, state_dtype = _core.output_dtypes(
-        _core.dtype_name(q), None if initial_state is None else _core.dtype_name(initial_state),
-        schedule)
-    o = q.new_empty(o_shape, dtype=_DTYPES[o_dtype])
+    """o [B, T, HV, V] (v's shape, q's dtype) and the final state [N, HV, K, V] (or V-first;
+    initial_state's shape where there is one), or None when not wanted. torch.empty_like is
+    the cheapest allocation: half the host time of new_empty with a shape."""
+    wide = schedule == "reference" or q.dtype == torch.float64
+    o = torch.empty_like(v, dtype=torch.float64 if wide else q.dtype, memory_format=_DENSE)
+    if not output_final_state:
+        return o, None
+    if initial_state is not None:
+        wide = wide or initial_state.dtype == torch.float64
+        return o, torch.empty_like(initial_state, dtype=torch.float64 if wide else torch.float32,
+                                   memory_format=_DENSE)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    final = q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V),
+                        dtype=torch.float64 if wide else torch.float32)
+    return o, final
+
+
+def _op_forward_outputs(q, v, initial_state, cu_seqlens, state_v_first, output_final_state,
+                        schedule):
     # custom ops return tensors, never None: an unwanted final state is an empty tensor.
-    final = q.new_empty(state_shape if output_final_state else (0,), dtype=_DTYPES[state_dtype])
+    o, final = _forward_outputs(q, v, initial_state, cu_seqlens, state_v_first,
+                                output_final_state, schedule)
+    return o, (q.new_empty((0,), dtype=torch.float32) if final is None else final)
+
+
+def forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, mechanism, scale,
+                 qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound,
+                 state_v_first, chunk_size, output_final_state, schedule, op=False):
+    """The body of flashdelta::forward (op=True), also called directly (see `direct`; the
+    final state is then None when not wanted)."""
+    o, final = (_op_forward_outputs if op else _forward_outputs)(
+        q, v, initial_state, cu_seqlens, state_v_first, output_final_state, schedule)
+    options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
+                       gate_in_kernel, lower_bound, state_v_first, chunk_size)
+    _run(_C.forward, q, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o,
+                         final if output_final_state else None, options, schedule))
     return o, final
 
 
@@ -57,22 +167,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional
             qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool, gate_in_kernel: bool,
             lower_bound: Optional[float], state_v_first: bool, chunk_size: int,
             output_final_state: bool, schedule: str) -> Tuple[Tensor, Tensor]:
-    o, final = _forward_outputs(q, v, initial_state, cu_seqlens, state_v_first,
-                                output_final_state, schedule)
-    inputs = dict(zip(_core.FORWARD_INPUTS, map(_array, (q, k, v, g, beta, initial_state,
-                                                         cu_seqlens, A_log, dt_bias))))
-    options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
-                       gate_in_kernel, lower_bound, state_v_first, chunk_size)
-    _core.run_forward(inputs, o, final if output_final_state else None, options, schedule)
-    return o, final
+    return forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, mechanism,
+                        scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel,
+                        lower_bound, state_v_first, chunk_size, output_final_state, schedule,
+                        op=True)
 
 
 @forward.register_fake
 def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, mechanism,
                   scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel,
                   lower_bound, state_v_first, chunk_size, output_final_state, schedule):
-    return _forward_outputs(q, v, initial_state, cu_seqlens, state_v_first,
-                            output_final_state, schedule)
+    return _op_forward_outputs(q, v, initial_state, cu_seqlens, state_v_first,
+                               output_final_state, schedule)
 
 
 @torch.library.custom_op("flashdelta::backward", mutates_args=())
@@ -88,13 +194,11 @@ def backward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optiona
     absent one is an empty tensor."""
     sources = (q, k, v, g, beta, initial_state, A_log, dt_bias)
     grads = _backward_outputs(sources, wanted)
-    inputs = dict(zip(_core.FORWARD_INPUTS, map(_array, (q, k, v, g, beta, initial_state,
-                                                         cu_seqlens, A_log, dt_bias))))
     options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
                        gate_in_kernel, lower_bound, state_v_first, chunk_size)
-    requested = {name: gr for name, gr, w in zip(_core.GRAD_INPUTS, grads, wanted) if w}
-    _core.run_backward(inputs, _array(d_o), _array(d_final_state), requested, options,
-                       BACKWARD_SCHEDULE)
+    requested = [gr if w else None for gr, w in zip(grads, wanted)]
+    _run(_C.backward, q, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, d_o,
+                          d_final_state, *requested, options, BACKWARD_SCHEDULE))
     return grads
 
 
@@ -144,6 +248,37 @@ def _forward_backward(ctx, d_o, d_final_state):
 forward.register_autograd(_forward_backward, setup_context=_setup_context)
 
 
+def _decode_output(q, v, schedule):
+    wide = schedule == "reference" or q.dtype == torch.float64
+    return torch.empty_like(v, dtype=torch.float64 if wide else q.dtype, memory_format=_DENSE)
+
+
+def decode_impl(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, state_indices,
+                num_accepted_tokens, mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
+                gate_in_kernel, lower_bound, state_v_first, schedule):
+    """The body of flashdelta::decode."""
+    o = _decode_output(q, v, schedule)
+    options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
+                       gate_in_kernel, lower_bound, state_v_first, 64)
+    _run(_C.decode, q, (q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, state_indices,
+                        num_accepted_tokens, o, options, schedule))
+    return o
+
+
+def decode_direct(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, state_indices,
+                  num_accepted_tokens, mechanism, scale, qk_l2norm, beta_sigmoid,
+                  allow_neg_eigval, gate_in_kernel, lower_bound, state_v_first, schedule):
+    """decode_impl called directly (see `direct`), then state_pool's version counter bumped,
+    as the op's registration of the in-place update does."""
+    o = _decode_output(q, v, schedule)
+    options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
+                       gate_in_kernel, lower_bound, state_v_first, 64)
+    _run(_C.decode, q, (q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, state_indices,
+                        num_accepted_tokens, o, options, schedule))
+    _increment_version((state_pool,))
+    return o
+
+
 @torch.library.custom_op("flashdelta::decode", mutates_args=("state_pool",))
 def decode(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor],
            cu_seqlens: Optional[Tensor], A_log: Optional[Tensor], dt_bias: Optional[Tensor],
@@ -151,19 +286,9 @@ def decode(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[
            mechanism: str, scale: float, qk_l2norm: bool, beta_sigmoid: bool,
            allow_neg_eigval: bool, gate_in_kernel: bool, lower_bound: Optional[float],
            state_v_first: bool, schedule: str) -> Tensor:
-    o = _decode_output(q, v, schedule)
-    inputs = dict(zip(("q", "k", "v", "g", "beta", "cu_seqlens", "A_log", "dt_bias"),
-                      map(_array, (q, k, v, g, beta, cu_seqlens, A_log, dt_bias))))
-    options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
-                       gate_in_kernel, lower_bound, state_v_first, 64)
-    _core.run_decode(inputs, _array(state_pool), _array(state_indices), _array(num_accepted_tokens),
-                     o, options, schedule)
-    return o
-
-
-def _decode_output(q, v, schedule):
-    o_dtype, _ = _core.output_dtypes(_core.dtype_name(q), None, schedule)
-    return q.new_empty(q.shape[:2] + v.shape[2:], dtype=_DTYPES[o_dtype])
+    return decode_impl(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, state_indices,
+                       num_accepted_tokens, mechanism, scale, qk_l2norm, beta_sigmoid,
+                       allow_neg_eigval, gate_in_kernel, lower_bound, state_v_first, schedule)
 
 
 @decode.register_fake

@@ -5,6 +5,9 @@
 #include "cpu/cpu.h"
 #include "flashdelta/flashdelta.h"
 #include "reference/reference.h"
+#ifdef FLASHDELTA_WITH_CUDA
+#include "cuda/cuda.h"
+#endif
 
 #ifndef FLASHDELTA_VERSION
 #define FLASHDELTA_VERSION "0.0.0"
@@ -16,20 +19,37 @@ namespace {
 using detail::ForwardIO;
 using detail::StateView;
 
-void require_cpu(Device device) {
-  if (device != Device::cpu)
+#ifdef FLASHDELTA_WITH_CUDA
+constexpr bool kBuiltWithCuda = true;
+#else
+constexpr bool kBuiltWithCuda = false;
+#endif
+
+// CUDA tensors run the CUDA schedules: the recurrent one today.
+void require_cuda_schedule(Schedule schedule) {
+  if (!kBuiltWithCuda)
     throw Error(ErrorCode::unsupported,
-                "argument 'q': device cuda is not supported by this build (no CUDA schedules "
-                "yet); pass cpu tensors");
+                "argument 'q': cuda tensors need a build with CUDA (this one was built "
+                "without a CUDA compiler); pass cpu tensors");
+  if (schedule != Schedule::recurrent)
+    throw Error(ErrorCode::unsupported,
+                std::string("argument 'schedule': on cuda only the recurrent schedule exists "
+                            "in this version, got ") + schedule_name(schedule));
 }
 
 }  // namespace
 
 void forward(const ForwardArgs& args, const Options& options, Schedule schedule) {
   const detail::Problem p = detail::validate_forward(args, options);
-  require_cpu(args.q.device);
   const ForwardIO io{StateView{args.initial_state, options.state_layout},
                      StateView{args.final_state, options.state_layout}, args.o};
+  if (args.q.device == Device::cuda) {
+    require_cuda_schedule(schedule);
+#ifdef FLASHDELTA_WITH_CUDA
+    detail::cuda_recurrent_forward(p, io, args.stream);
+#endif
+    return;
+  }
   switch (schedule) {
     case Schedule::reference: return detail::reference_forward(p, io);
     case Schedule::recurrent: return detail::cpu_recurrent_forward(p, io);
@@ -38,21 +58,27 @@ void forward(const ForwardArgs& args, const Options& options, Schedule schedule)
 }
 
 void decode(const DecodeArgs& args, const Options& options, Schedule schedule) {
+  if (schedule == Schedule::chunk)
+    throw Error(ErrorCode::invalid_argument,
+                "argument 'schedule': decode runs the recurrent (or reference) schedule, got "
+                "chunk");
   const detail::DecodeProblem d = detail::validate_decode(args, options);
-  require_cpu(args.q.device);
-  switch (schedule) {
-    case Schedule::reference: return detail::reference_decode(d, args.o);
-    case Schedule::recurrent: return detail::cpu_recurrent_decode(d, args.o);
-    case Schedule::chunk:
-      throw Error(ErrorCode::invalid_argument,
-                  "argument 'schedule': decode runs the recurrent (or reference) schedule, got "
-                  "chunk");
+  if (args.q.device == Device::cuda) {
+    require_cuda_schedule(schedule);
+#ifdef FLASHDELTA_WITH_CUDA
+    detail::cuda_recurrent_decode(d, args.o, args.stream);
+#endif
+    return;
   }
+  if (schedule == Schedule::reference) return detail::reference_decode(d, args.o);
+  detail::cpu_recurrent_decode(d, args.o);
 }
 
 void backward(const BackwardArgs& args, const Options& options, Schedule schedule) {
   const detail::Problem p = detail::validate_backward(args, options);
-  require_cpu(args.q.device);
+  if (args.q.device == Device::cuda)
+    throw Error(ErrorCode::unsupported,
+                "argument 'q': the backward runs on cpu tensors only in this version, got cuda");
   if (schedule != Schedule::reference)
     throw Error(ErrorCode::unsupported,
                 std::string("argument 'schedule': the CPU backward exists for the reference "

@@ -30,7 +30,9 @@ struct Problem {
   int64_t N = 0;       // number of sequences
   int64_t group = 1;   // HV / H: value heads per key head
   double scale = 1.0;  // resolved query scale
-  std::vector<Sequence> seqs;
+  std::vector<Sequence> seqs;  // empty when the offsets live on the device
+  bool indices_on_host = true;  // false: cu_seqlens / state indices are device-resident
+  TensorView cu_seqlens;        // as given (absent without varlen)
   TokenViews in;
 
   int64_t key_head(int64_t hv) const { return hv / group; }

@@ -1,6 +1,7 @@
 // One token's inputs after the fused transforms (q/k L2 norm, beta sigmoid, gate
 // activation), in precision T. The reference (T = double) and the CPU schedules (T = float)
-// both read through this, so the transforms are written once.
+// both read through this, so the transforms are written once; the schedules swap in a
+// vectorised form of the two per-channel ones (cpu/token_transforms-inl.h).
 #pragma once
 
 #include <cmath>
@@ -68,10 +69,23 @@ T gate_activation(const Options& o, const GateParams<T>& gp, int64_t i, T x) {
   return -gp.a * softplus(x);
 }
 
+// The per-channel transforms of a token (over K values) as written above: the reference's
+// arithmetic. The CPU schedules pass load_token a vectorised class of the same shape.
+struct ScalarTransforms {
+  template <class T>
+  static void l2_normalize(T* x, int64_t n) {
+    detail::l2_normalize(x, n);
+  }
+  template <class T>
+  static void activate_gate(const Options& o, const GateParams<T>& gp, T* g, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) g[i] = gate_activation(o, gp, i, g[i]);
+  }
+};
+
 // Loads token t of batch row b for value head hv. q and k are the (normalised) rows of key
 // head hv / group, unscaled; g receives K values (vector gate), 1 (scalar) or nothing; beta
-// is written only for delta mechanisms.
-template <class T>
+// is written only for delta mechanisms. Transforms: see ScalarTransforms.
+template <class T, class Transforms = ScalarTransforms>
 void load_token(const Problem& p, const GateParams<T>& gp, int64_t b, int64_t t, int64_t hv,
                 T* q, T* k, T* v, T* g, T* beta) {
   const TokenViews& in = p.in;
@@ -80,13 +94,12 @@ void load_token(const Problem& p, const GateParams<T>& gp, int64_t b, int64_t t,
   load_row(in.k, offset_of(in.k, b, t, h, 0), p.K, in.k.stride[3], k);
   load_row(in.v, offset_of(in.v, b, t, hv, 0), p.V, in.v.stride[3], v);
   if (p.options.qk_l2norm) {
-    l2_normalize(q, p.K);
-    l2_normalize(k, p.K);
+    Transforms::l2_normalize(q, p.K);
+    Transforms::l2_normalize(k, p.K);
   }
   if (p.gate == GateKind::vector) {
     load_row(in.g, offset_of(in.g, b, t, hv, 0), p.K, in.g.stride[3], g);
-    if (p.options.gate_in_kernel)
-      for (int64_t i = 0; i < p.K; ++i) g[i] = gate_activation(p.options, gp, i, g[i]);
+    if (p.options.gate_in_kernel) Transforms::activate_gate(p.options, gp, g, p.K);
   } else if (p.gate == GateKind::scalar) {
     g[0] = load_scalar<T>(in.g, offset_of(in.g, b, t, hv));
     if (p.options.gate_in_kernel) g[0] = gate_activation(p.options, gp, 0, g[0]);

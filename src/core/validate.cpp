@@ -231,19 +231,28 @@ void check_token_inputs(Problem& p, const TensorView& q, const TensorView& k,
 
   // Sequences.
   p.seqs.clear();
+  p.cu_seqlens = cu_seqlens;
   if (cu_seqlens.present()) {
     if (cu_seqlens.dtype != DType::i32 && cu_seqlens.dtype != DType::i64)
       fail(arg("cu_seqlens") + "expected int32 or int64, got " + dtype_name(cu_seqlens.dtype));
     check_rank(cu_seqlens, "cu_seqlens", "[N + 1]", 1);
     check_pointer(cu_seqlens, "cu_seqlens");
-    if (cu_seqlens.device != Device::cpu)
-      fail(arg("cu_seqlens") + "expected a cpu tensor, got a cuda tensor");
+    check_device(cu_seqlens, "cu_seqlens", q.device);
     if (cu_seqlens.shape[0] < 1)
       fail(arg("cu_seqlens") + "expected at least one element (N + 1 offsets), got 0");
     if (p.B != 1)
       fail(arg("cu_seqlens") + "requires batch size B = 1 (sequences packed along T), got B = " +
            std::to_string(p.B));
     const int64_t n = cu_seqlens.shape[0] - 1;
+    // Device-resident offsets are not read by the host (no synchronisation): the CUDA
+    // kernels clamp each sequence to [0, T], so a malformed table cannot reach outside q.
+    if (cu_seqlens.device != Device::cpu) {
+      p.N = n;
+      p.options = o;
+      p.in = {q, k, v, g, beta, A_log, dt_bias};
+      p.indices_on_host = false;
+      return;
+    }
     int64_t prev = load_index(cu_seqlens, 0);
     if (prev != 0)
       fail(arg("cu_seqlens") + "expected cu_seqlens[0] = 0, got " + std::to_string(prev));
@@ -355,17 +364,22 @@ DecodeProblem validate_decode(const DecodeArgs& a, const Options& o) {
     fail(arg("state_indices") + "expected rank 1 [N] or rank 2 [N, S], got rank " +
          std::to_string(idx.rank) + " " + shape_str(idx));
   check_pointer(idx, "state_indices");
-  check_device(idx, "state_indices", Device::cpu);
+  check_device(idx, "state_indices", a.q.device);
   if (idx.shape[0] != p.N)
     fail(arg("state_indices") + "expected " + std::to_string(p.N) +
          " rows (one per sequence), got " + shape_str(idx));
   d.state_indices = idx;
   d.per_token_slots = idx.rank == 2;
-  if (d.per_token_slots && idx.shape[1] < std::max<int64_t>(p.max_len(), 1))
+  // Device-resident indices are not read by the host (no synchronisation, graph capture):
+  // the CUDA kernel treats a slot outside 0..P-1, or a num_accepted_tokens outside 1..S, as
+  // a padding row, and skips token writes beyond S. Only shapes are checked here.
+  const bool read_indices = idx.device == Device::cpu;
+  p.indices_on_host = read_indices;
+  if (d.per_token_slots && read_indices && idx.shape[1] < std::max<int64_t>(p.max_len(), 1))
     fail(arg("state_indices") + "expected at least " + std::to_string(p.max_len()) +
          " slots per row (the longest sequence), got " + shape_str(idx));
   const int64_t slots_per_row = d.per_token_slots ? idx.shape[1] : 1;
-  for (int64_t n = 0; n < p.N; ++n)
+  for (int64_t n = 0; read_indices && n < p.N; ++n)
     for (int64_t s = 0; s < slots_per_row; ++s) {
       const int64_t v = load_index(idx, d.per_token_slots ? offset_of(idx, n, s) : offset_of(idx, n));
       if (v < -1 || v >= P)
@@ -381,8 +395,8 @@ DecodeProblem validate_decode(const DecodeArgs& a, const Options& o) {
       fail(arg("num_accepted_tokens") + "expected int32 or int64, got " + dtype_name(acc.dtype));
     check_shape(acc, "num_accepted_tokens", "[N]", {p.N});
     check_pointer(acc, "num_accepted_tokens");
-    check_device(acc, "num_accepted_tokens", Device::cpu);
-    for (int64_t n = 0; n < p.N; ++n) {
+    check_device(acc, "num_accepted_tokens", a.q.device);
+    for (int64_t n = 0; read_indices && n < p.N; ++n) {
       const int64_t v = load_index(acc, offset_of(acc, n));
       if (v < 1 || v > idx.shape[1])
         fail(arg("num_accepted_tokens") + "expected values in 1.." + std::to_string(idx.shape[1]) +
@@ -393,7 +407,7 @@ DecodeProblem validate_decode(const DecodeArgs& a, const Options& o) {
 
   // Every slot written by a live row must be written by that row only.
   std::vector<std::pair<int64_t, int64_t>> written;  // (slot, row)
-  for (int64_t n = 0; n < p.N; ++n) {
+  for (int64_t n = 0; read_indices && n < p.N; ++n) {
     if (decode_start_slot(d, n) < 0) continue;
     if (!d.per_token_slots) {
       written.push_back({decode_start_slot(d, n), n});

@@ -46,10 +46,14 @@
 #include "hwy/highway.h"
 #include "cpu/chunk_kernels-inl.h"
 #include "cpu/chunk_prepare-inl.h"
+#include "cpu/token_transforms-inl.h"
 // clang-format on
 
 HWY_BEFORE_NAMESPACE();
 namespace flashdelta::detail::chunk::HWY_NAMESPACE {
+
+// The fused input transforms, vectorised (float and double rows alike).
+using Transforms = detail::HWY_NAMESPACE::VectorTransforms;
 
 // Step 5 for state columns [n0, n0 + ns): o = q S + A_qk v_new. S is the chunk-start state
 // and v_new the chunk's corrected values, both with rows Vp apart.
@@ -241,7 +245,7 @@ void RunGroup(const Problem& p, const ForwardIO& io, int64_t n, int64_t hv0, int
   const std::vector<GateParams<T>> gp = LoadGateParams<T>(p, hv0, heads);
   for (int64_t s0 = 0; s0 < seq.len; s0 += split.tokens) {
     const int64_t len = std::min(split.tokens, seq.len - s0);
-    rows.load(p, gp, seq, hv0, s0, len, round_up(len, kBlock));
+    rows.template load<Transforms>(p, gp, seq, hv0, s0, len, round_up(len, kBlock));
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t t0 = 0; t0 < len; t0 += dm.C) {
         prepare.run(rows.rows(h, t0), std::min(dm.C, len - t0), cd);
@@ -314,7 +318,8 @@ void RunPhased(const Problem& p, const ForwardIO& io, const std::vector<int64_t>
         const int64_t s = tasks[static_cast<size_t>(k)], i = s / window, chunk = w0 + s % window;
         if (hv_of(i) != gp_hv) gp = LoadGateParams<T>(p, gp_hv = hv_of(i), 1);
         const int64_t len = len_of(i, chunk);
-        rows.load(p, gp, seq_of(i), hv_of(i), chunk * dm.C, len, round_up(len, kBlock));
+        rows.template load<Transforms>(p, gp, seq_of(i), hv_of(i), chunk * dm.C, len,
+                                       round_up(len, kBlock));
         prepare.run(rows.rows(0, 0), len, slot_of[static_cast<size_t>(s)].cd);
       }
     });

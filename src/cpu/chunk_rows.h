@@ -1,7 +1,8 @@
 // Token rows of the chunkwise CPU schedule: the inputs of several value heads over a run of
 // tokens, read token by token (all heads of a token are adjacent in memory, so each page is
 // visited once rather than once per head) through the fused transforms of load_token, and
-// kept per head for the chunk pipeline.
+// kept per head for the chunk pipeline. Rows are padded to kPad elements, so vectorised
+// transforms (cpu/token_transforms-inl.h) can run whole vectors on them.
 #pragma once
 
 #include <algorithm>
@@ -45,14 +46,17 @@ class RowStaging {
   }
 
   // Loads tokens [t0, t0 + len) of sequence seq for value heads [hv0, hv0 + heads), then
-  // zero tokens up to padded_len (a multiple of kBlock, at most the capacity).
+  // zero tokens up to padded_len (a multiple of kBlock, at most the capacity). Transforms:
+  // see load_token.
+  template <class Transforms>
   void load(const Problem& p, const std::vector<GateParams<T>>& gate_params, const Sequence& seq,
             int64_t hv0, int64_t t0, int64_t len, int64_t padded_len) {
     for (int64_t t = 0; t < len; ++t)
       for (int64_t h = 0; h < heads_; ++h) {
         const Parts s = parts(h);
-        load_token(p, gate_params[static_cast<size_t>(h)], seq.batch, seq.t0 + t0 + t, hv0 + h,
-                   s.q + t * dm_.Kp, s.k + t * dm_.Kp, s.v + t * dm_.Vp, g_row(s, t), s.beta + t);
+        load_token<T, Transforms>(p, gate_params[static_cast<size_t>(h)], seq.batch,
+                                  seq.t0 + t0 + t, hv0 + h, s.q + t * dm_.Kp, s.k + t * dm_.Kp,
+                                  s.v + t * dm_.Vp, g_row(s, t), s.beta + t);
       }
     for (int64_t h = 0; h < heads_; ++h) {
       const Parts s = parts(h);

@@ -1,5 +1,6 @@
 // Token packing of the recurrent schedule: turns one token's inputs (after the fused
-// transforms of load_token) into the contiguous per-token coefficients the pass reads.
+// transforms of load_token, vectorised) into the contiguous per-token coefficients the pass
+// reads.
 //
 // The state is carried as S = Diag(G) S_hat, G the cumulative decay since the last rebase
 // token. The forget step then costs nothing: with d = exp(g_t) and G' = G * d,
@@ -25,6 +26,7 @@
 #include <cstring>
 
 #include "core/token_inputs.h"
+#include "cpu/token_transforms-inl.h"
 #include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
@@ -115,7 +117,8 @@ class TokenPacker {
     // v goes straight into the packed token when the item covers all of V.
     const bool whole_v = col0_ == 0 && cols_ == p_.V;
     float beta = 0;
-    load_token(p_, gp_, seq_.batch, seq_.t0 + t, hv_, q_, k_, whole_v ? out.v : v_, g_, &beta);
+    load_token<float, VectorTransforms>(p_, gp_, seq_.batch, seq_.t0 + t, hv_, q_, k_,
+                                        whole_v ? out.v : v_, g_, &beta);
     out.beta = beta;
     if (!whole_v) std::memcpy(out.v, v_ + col0_, static_cast<size_t>(cols_) * sizeof(float));
     std::memset(out.v + cols_, 0, static_cast<size_t>(vpad_ - cols_) * sizeof(float));

@@ -40,9 +40,9 @@ TEST_F(BenchCommand, QuickWritesValidJson) {
   EXPECT_GT(m.at("peak_gflops_fp32").get<double>(), 0);
   EXPECT_TRUE(j.at("formulas").is_object());
 
-  // Two mechanisms x two schedules of the quick prefill case.
+  // Two mechanisms x two input forms (fused, prepared) x two schedules of the quick case.
   const json& prefill = j.at("prefill");
-  ASSERT_EQ(prefill.size(), 4u) << prefill.dump(2);
+  ASSERT_EQ(prefill.size(), 8u) << prefill.dump(2);
   for (const json& p : prefill) {
     expect_timing(p);
     const json& s = p.at("shape");
@@ -55,9 +55,9 @@ TEST_F(BenchCommand, QuickWritesValidJson) {
                 p.at("gflops").get<double>(), 1e-9 * p.at("gflops").get<double>());
   }
 
-  // One decode entry per mechanism, with its memcpy baseline.
+  // One decode entry per mechanism and input form, with the memcpy and rewrite baselines.
   const json& decode = j.at("decode");
-  ASSERT_EQ(decode.size(), 2u) << decode.dump(2);
+  ASSERT_EQ(decode.size(), 4u) << decode.dump(2);
   for (const json& d : decode) {
     expect_timing(d);
     const json& s = d.at("shape");
@@ -67,9 +67,11 @@ TEST_F(BenchCommand, QuickWritesValidJson) {
                     1e-3 * 1e9,
                 bytes, bytes * 1e-9)
         << "GB/s = 2 N HV K V 4 / median";
-    EXPECT_GE(d.at("state_pools").at("pools").get<int>(), 3);
+    EXPECT_GE(d.at("state_pools").at("pools").get<int>(), 4);
     EXPECT_GT(d.at("memcpy").at("gbps").get<double>(), 0);
     EXPECT_GT(d.at("fraction_of_memcpy").get<double>(), 0);
+    EXPECT_GT(d.at("rewrite").at("gbps").get<double>(), 0);
+    EXPECT_GT(d.at("fraction_of_rewrite").get<double>(), 0);
   }
 }
 

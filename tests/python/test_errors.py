@@ -147,12 +147,3 @@ def test_numpy_errors():
     expect(TypeError, ["state_pool"], lambda: flashdelta.decode(
         a["q"][:, :1], a["k"][:, :1], a["v"][:, :1], a["g"][:, :1], a["beta"][:, :1],
         **pool_args))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_tensors_get_a_clear_error():
-    a = make_inputs("kda")
-    cuda = {n: (x.cuda() if x is not None else None) for n, x in a.items()}
-    with pytest.raises(NotImplementedError, match="cuda"):
-        flashdelta.chunk_kda(cuda["q"], cuda["k"], cuda["v"], cuda["g"], cuda["beta"],
-                             initial_state=cuda["initial_state"])

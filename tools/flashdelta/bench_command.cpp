@@ -7,6 +7,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -50,6 +51,11 @@ constexpr BenchCase kCases[] = {
 };
 constexpr Mechanism kMechanisms[] = {Mechanism::kda, Mechanism::gated_deltanet};
 constexpr Schedule kPrefillSchedules[] = {Schedule::recurrent, Schedule::chunk};
+// Each case runs with the transforms in the kernel (as models call fla) and with inputs
+// transformed beforehand (as ggml's op takes them), to compare with both.
+constexpr Transforms kTransforms[] = {Transforms::fused, Transforms::prepared};
+// Decode state pools (and memcpy pools) in all: this many times the last-level cache.
+constexpr int64_t kCacheMultiple = 4;
 constexpr uint64_t kSeed = 20240917;
 
 // Everything one sweep needs to know besides the case.
@@ -78,33 +84,38 @@ json shape_json(const ProblemShape& s) {
 void bench_prefill(Sweep& sw, const BenchCase& c) {
   const ProblemShape& s = c.shape;
   for (Mechanism m : kMechanisms) {
-    io::TensorMap inputs = random_layer_inputs(m, s, kSeed, /*with_initial_state=*/true);
-    Options options = layer_options(m);
-    options.num_threads = sw.threads;
-    ForwardOutputs outputs = make_forward_outputs(inputs, options.state_layout);
-    const ForwardArgs args = make_forward_args(inputs, outputs, Device::cpu);
-    const MechanismTraits mt = traits(m);
-    for (Schedule schedule : kPrefillSchedules) {
-      progress(sw, std::string(c.name) + " " + mechanism_name(m) + " " + schedule_name(schedule));
-      const TimingStats t =
-          measure([&] { forward(args, options, schedule); }, sw.flags.repeats, sw.budget_s);
-      const double per_token =
-          schedule == Schedule::chunk
-              ? formulas::chunk_flops_per_token(s.K, s.V, options.chunk_size, mt.delta)
-              : formulas::recurrent_flops_per_token(s.K, s.V, mt.gate != GateKind::none, mt.delta);
-      const double tokens = static_cast<double>(s.B * s.T);
-      const double gflop = tokens * static_cast<double>(s.HV) * per_token * 1e-9;
-      json r = {{"case", c.name},
-                {"mechanism", mechanism_name(m)},
-                {"schedule", schedule_name(schedule)},
-                {"shape", shape_json(s)},
-                {"chunk_size", options.chunk_size},
-                {"timing", timing_json(t)},
-                {"tokens_per_s", tokens / t.median_s},
-                {"gflop", gflop},
-                {"gflops", gflop / t.median_s},
-                {"fraction_of_peak", gflop / t.median_s / sw.peak_gflops}};
-      sw.prefill.push_back(r);
+    for (Transforms tr : kTransforms) {
+      io::TensorMap inputs = random_layer_inputs(m, s, kSeed, /*with_initial_state=*/true, tr);
+      Options options = layer_options(m, tr);
+      options.num_threads = sw.threads;
+      ForwardOutputs outputs = make_forward_outputs(inputs, options.state_layout);
+      const ForwardArgs args = make_forward_args(inputs, outputs, Device::cpu);
+      const MechanismTraits mt = traits(m);
+      for (Schedule schedule : kPrefillSchedules) {
+        progress(sw, std::string(c.name) + " " + mechanism_name(m) + " " + transforms_name(tr) +
+                         " " + schedule_name(schedule));
+        const TimingStats t =
+            measure([&] { forward(args, options, schedule); }, sw.flags.repeats, sw.budget_s);
+        const double per_token =
+            schedule == Schedule::chunk
+                ? formulas::chunk_flops_per_token(s.K, s.V, options.chunk_size, mt.delta)
+                : formulas::recurrent_flops_per_token(s.K, s.V, mt.gate != GateKind::none,
+                                                      mt.delta);
+        const double tokens = static_cast<double>(s.B * s.T);
+        const double gflop = tokens * static_cast<double>(s.HV) * per_token * 1e-9;
+        json r = {{"case", c.name},
+                  {"mechanism", mechanism_name(m)},
+                  {"transforms", transforms_name(tr)},
+                  {"schedule", schedule_name(schedule)},
+                  {"shape", shape_json(s)},
+                  {"chunk_size", options.chunk_size},
+                  {"timing", timing_json(t)},
+                  {"tokens_per_s", tokens / t.median_s},
+                  {"gflop", gflop},
+                  {"gflops", gflop / t.median_s},
+                  {"fraction_of_peak", gflop / t.median_s / sw.peak_gflops}};
+        sw.prefill.push_back(r);
+      }
     }
   }
 }
@@ -120,35 +131,64 @@ void parallel_memcpy(char* dst, const char* src, int64_t bytes, int threads) {
   }
 }
 
-// Times `step(r)` for every pool r of `pools`, pass after pass: one warm-up pass, then up to
-// `repeats` passes within the time budget. Every step is one sample.
-template <class Step>
-TimingStats measure_pool_steps(const Sweep& sw, int64_t pools, Step&& step) {
-  for (int64_t r = 0; r < pools; ++r) step(r);
-  std::vector<double> samples;
-  const double start = seconds_now();
-  for (int pass = 0; pass < sw.flags.repeats; ++pass) {
-    for (int64_t r = 0; r < pools; ++r) {
-      const double t0 = seconds_now();
-      step(r);
-      samples.push_back(seconds_now() - t0);
-    }
-    if (pass >= 1 && seconds_now() - start > sw.budget_s) break;
-  }
-  return summarize(std::move(samples));
+// Reads and writes back every float of x in place, one contiguous part per thread: the
+// memory traffic of a decode step (each state read and written once) without its arithmetic.
+// (x + 0 is not folded away: it turns -0 into +0.)
+void parallel_rewrite(float* x, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) x[i] += 0.0f;
 }
 
-// Decode steps over rotating state pools whose total exceeds the last-level cache, so each
-// step reads its states from memory, as a server with many sequences does; compared with
-// memcpy of the same pools on the same threads.
+// Times kinds of steps over rotating pools, pass after pass: one warm-up pass, then up to
+// `repeats` passes within the time budget. A pass runs every kind over all pools in turn,
+// so all kinds see the same machine: the load of a shared machine drifts within seconds.
+// Every step is one sample; returns one TimingStats per kind.
+std::vector<TimingStats> measure_pool_steps(
+    const Sweep& sw, int64_t pools, const std::vector<std::function<void(int64_t)>>& kinds) {
+  for (const auto& step : kinds)
+    for (int64_t r = 0; r < pools; ++r) step(r);
+  std::vector<std::vector<double>> samples(kinds.size());
+  const double start = seconds_now();
+  for (int pass = 0; pass < sw.flags.repeats; ++pass) {
+    for (size_t k = 0; k < kinds.size(); ++k)
+      for (int64_t r = 0; r < pools; ++r) {
+        const double t0 = seconds_now();
+        kinds[k](r);
+        samples[k].push_back(seconds_now() - t0);
+      }
+    if (pass >= 1 && seconds_now() - start > sw.budget_s) break;
+  }
+  std::vector<TimingStats> stats;
+  for (std::vector<double>& s : samples) stats.push_back(summarize(std::move(s)));
+  return stats;
+}
+
+// One decode variant: a mechanism with its inputs in one form, over the state pools.
+struct DecodeRun {
+  Mechanism mechanism;
+  Transforms transforms;
+  io::TensorMap inputs;
+  Options options;
+  ForwardOutputs outputs;
+  DecodeArgs args;
+};
+
+// Decode steps over rotating state pools of at least kCacheMultiple x the last-level cache
+// in all, so each step reads its states from memory, as a server with many sequences does.
+// Two baselines on the same threads, in the same passes, over pools of the same size:
+// memcpy between pools of separate memory (as large in all), the yardstick, and the
+// in-place rewrite of the state pools, the traffic of a decode step. All three count bytes
+// read plus bytes written; memcpy's stores also read their line first (it is below glibc's
+// non-temporal threshold), which the in-place rewrite does not need.
 void bench_decode(Sweep& sw, const BenchCase& c) {
   const ProblemShape& s = c.shape;
   const int64_t N = s.B;
   const int64_t pool_floats = N * s.HV * s.K * s.V;
   const int64_t pool_bytes = pool_floats * static_cast<int64_t>(sizeof(float));
-  const int64_t pools =
-      std::max<int64_t>(3, c.quick ? 3 : (2 * sw.l3_bytes + pool_bytes - 1) / pool_bytes);
+  const int64_t pools = std::max<int64_t>(
+      4, c.quick ? 4 : (kCacheMultiple * sw.l3_bytes + pool_bytes - 1) / pool_bytes);
   std::vector<float> pool_memory(static_cast<size_t>(pools * pool_floats));
+  std::vector<float> copy_memory(pool_memory.size());
   fill_uniform(pool_memory.data(), static_cast<int64_t>(pool_memory.size()), -0.1f, 0.1f, kSeed);
   const json cache = {{"pools", pools},
                       {"pool_bytes", pool_bytes},
@@ -156,51 +196,70 @@ void bench_decode(Sweep& sw, const BenchCase& c) {
                       {"l3_bytes", sw.l3_bytes},
                       {"exceeds_l3", pools * pool_bytes > sw.l3_bytes}};
 
-  progress(sw, std::string(c.name) + " memcpy");
-  char* base = reinterpret_cast<char*>(pool_memory.data());
-  const TimingStats copy = measure_pool_steps(sw, pools, [&](int64_t r) {
-    parallel_memcpy(base + ((r + 1) % pools) * pool_bytes, base + r * pool_bytes, pool_bytes,
-                    sw.threads);
-  });
-  const double memcpy_gbps = formulas::memcpy_bytes(pool_bytes) / copy.median_s * 1e-9;
+  // Step r of the copy reads pool r and writes the pool half the rotation away, which no
+  // step has touched for a while either.
+  char* copy_base = reinterpret_cast<char*>(copy_memory.data());
+  std::vector<std::function<void(int64_t)>> kinds = {
+      [&](int64_t r) {
+        parallel_memcpy(copy_base + (r + pools / 2) % pools * pool_bytes,
+                        copy_base + r * pool_bytes, pool_bytes, sw.threads);
+      },
+      [&](int64_t r) {
+        parallel_rewrite(pool_memory.data() + r * pool_floats, pool_floats, sw.threads);
+      }};
+  constexpr size_t kBaselines = 2;  // memcpy, rewrite
 
   // Slots [r N, (r + 1) N) of one big pool form pool r.
   std::vector<std::vector<int64_t>> slots(static_cast<size_t>(pools));
   for (int64_t r = 0; r < pools; ++r)
     for (int64_t n = 0; n < N; ++n) slots[r].push_back(r * N + n);
+  std::vector<DecodeRun> runs;
+  runs.reserve(std::size(kMechanisms) * std::size(kTransforms));  // args point into runs
+  for (Mechanism m : kMechanisms)
+    for (Transforms tr : kTransforms) {
+      DecodeRun& d = runs.emplace_back();
+      d.mechanism = m;
+      d.transforms = tr;
+      d.inputs = random_layer_inputs(m, s, kSeed, /*with_initial_state=*/false, tr);
+      d.options = layer_options(m, tr);
+      d.options.num_threads = sw.threads;
+      d.outputs = make_forward_outputs(d.inputs, d.options.state_layout);
+      const ForwardArgs f = make_forward_args(d.inputs, d.outputs, Device::cpu);
+      d.args.q = f.q;
+      d.args.k = f.k;
+      d.args.v = f.v;
+      d.args.g = f.g;
+      d.args.beta = f.beta;
+      d.args.A_log = f.A_log;
+      d.args.dt_bias = f.dt_bias;
+      d.args.o = f.o;
+      d.args.state_pool = make_view(pool_memory.data(), DType::f32, {pools * N, s.HV, s.K, s.V});
+      kinds.push_back([&d, &slots, N](int64_t r) {
+        d.args.state_indices = make_view(slots[r].data(), DType::i64, {N});
+        decode(d.args, d.options, Schedule::recurrent);
+      });
+    }
 
-  for (Mechanism m : kMechanisms) {
-    progress(sw, std::string(c.name) + " " + mechanism_name(m) + " recurrent");
-    io::TensorMap inputs = random_layer_inputs(m, s, kSeed, /*with_initial_state=*/false);
-    Options options = layer_options(m);
-    options.num_threads = sw.threads;
-    ForwardOutputs outputs = make_forward_outputs(inputs, options.state_layout);
-    const ForwardArgs f = make_forward_args(inputs, outputs, Device::cpu);
-    DecodeArgs d;
-    d.q = f.q;
-    d.k = f.k;
-    d.v = f.v;
-    d.g = f.g;
-    d.beta = f.beta;
-    d.A_log = f.A_log;
-    d.dt_bias = f.dt_bias;
-    d.o = f.o;
-    d.state_pool = make_view(pool_memory.data(), DType::f32, {pools * N, s.HV, s.K, s.V});
-    const TimingStats t = measure_pool_steps(sw, pools, [&](int64_t r) {
-      d.state_indices = make_view(slots[r].data(), DType::i64, {N});
-      decode(d, options, Schedule::recurrent);
-    });
-    const double state_gbps = formulas::decode_state_bytes(N, s.HV, s.K, s.V) / t.median_s * 1e-9;
+  progress(sw, std::string(c.name) + " memcpy, in-place rewrite and recurrent decode, interleaved");
+  const std::vector<TimingStats> t = measure_pool_steps(sw, pools, kinds);
+  const double memcpy_gbps = formulas::memcpy_bytes(pool_bytes) / t[0].median_s * 1e-9;
+  const double rewrite_gbps = formulas::rewrite_bytes(pool_bytes) / t[1].median_s * 1e-9;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const TimingStats& td = t[kBaselines + i];
+    const double state_gbps = formulas::decode_state_bytes(N, s.HV, s.K, s.V) / td.median_s * 1e-9;
     sw.decode.push_back({{"case", c.name},
-                         {"mechanism", mechanism_name(m)},
+                         {"mechanism", mechanism_name(runs[i].mechanism)},
+                         {"transforms", transforms_name(runs[i].transforms)},
                          {"schedule", "recurrent"},
                          {"shape", shape_json(s)},
                          {"state_pools", cache},
-                         {"timing", timing_json(t)},
-                         {"tokens_per_s", static_cast<double>(N) / t.median_s},
+                         {"timing", timing_json(td)},
+                         {"tokens_per_s", static_cast<double>(N) / td.median_s},
                          {"state_gbps", state_gbps},
-                         {"memcpy", {{"timing", timing_json(copy)}, {"gbps", memcpy_gbps}}},
-                         {"fraction_of_memcpy", state_gbps / memcpy_gbps}});
+                         {"memcpy", {{"timing", timing_json(t[0])}, {"gbps", memcpy_gbps}}},
+                         {"fraction_of_memcpy", state_gbps / memcpy_gbps},
+                         {"rewrite", {{"timing", timing_json(t[1])}, {"gbps", rewrite_gbps}}},
+                         {"fraction_of_rewrite", state_gbps / rewrite_gbps}});
   }
 }
 
@@ -214,22 +273,26 @@ std::string utc_date() {
 }
 
 void print_tables(const Sweep& sw) {
-  std::printf("%-16s %-15s %-9s %10s %10s %12s %9s %7s\n", "prefill", "mechanism", "schedule",
-              "median ms", "min ms", "tokens/s", "GFLOP/s", "% peak");
+  std::printf("%-16s %-15s %-10s %-9s %10s %10s %12s %9s %7s\n", "prefill", "mechanism",
+              "transforms", "schedule", "median ms", "min ms", "tokens/s", "GFLOP/s", "% peak");
   for (const json& r : sw.prefill)
-    std::printf("%-16s %-15s %-9s %10.3f %10.3f %12.0f %9.2f %6.1f%%\n",
+    std::printf("%-16s %-15s %-10s %-9s %10.3f %10.3f %12.0f %9.2f %6.1f%%\n",
                 r["case"].get<std::string>().c_str(), r["mechanism"].get<std::string>().c_str(),
+                r["transforms"].get<std::string>().c_str(),
                 r["schedule"].get<std::string>().c_str(), r["timing"]["median_ms"].get<double>(),
                 r["timing"]["min_ms"].get<double>(), r["tokens_per_s"].get<double>(),
                 r["gflops"].get<double>(), 100 * r["fraction_of_peak"].get<double>());
-  std::printf("\n%-16s %-15s %10s %10s %12s %9s %11s %9s\n", "decode", "mechanism", "ms/step",
-              "min ms", "tokens/s", "GB/s", "memcpy GB/s", "% memcpy");
+  std::printf("\n%-16s %-15s %-10s %10s %10s %12s %9s %11s %9s %12s %10s\n", "decode", "mechanism",
+              "transforms", "ms/step", "min ms", "tokens/s", "GB/s", "memcpy GB/s", "% memcpy",
+              "rewrite GB/s", "% rewrite");
   for (const json& r : sw.decode)
-    std::printf("%-16s %-15s %10.3f %10.3f %12.0f %9.2f %11.2f %8.1f%%\n",
+    std::printf("%-16s %-15s %-10s %10.3f %10.3f %12.0f %9.2f %11.2f %8.1f%% %12.2f %9.1f%%\n",
                 r["case"].get<std::string>().c_str(), r["mechanism"].get<std::string>().c_str(),
-                r["timing"]["median_ms"].get<double>(), r["timing"]["min_ms"].get<double>(),
-                r["tokens_per_s"].get<double>(), r["state_gbps"].get<double>(),
-                r["memcpy"]["gbps"].get<double>(), 100 * r["fraction_of_memcpy"].get<double>());
+                r["transforms"].get<std::string>().c_str(), r["timing"]["median_ms"].get<double>(),
+                r["timing"]["min_ms"].get<double>(), r["tokens_per_s"].get<double>(),
+                r["state_gbps"].get<double>(), r["memcpy"]["gbps"].get<double>(),
+                100 * r["fraction_of_memcpy"].get<double>(), r["rewrite"]["gbps"].get<double>(),
+                100 * r["fraction_of_rewrite"].get<double>());
 }
 
 int resolve_threads(int requested) {
@@ -286,8 +349,9 @@ void run_bench(const BenchFlags& flags) {
   sw.l3_bytes = machine.l3_bytes();
   for (const BenchCase* c : cases)
     sw.steps += c->kind == CaseKind::prefill
-                    ? static_cast<int>(std::size(kMechanisms) * std::size(kPrefillSchedules))
-                    : static_cast<int>(std::size(kMechanisms)) + 1;
+                    ? static_cast<int>(std::size(kMechanisms) * std::size(kTransforms) *
+                                       std::size(kPrefillSchedules))
+                    : 1;
   if (flags.peak_gflops <= 0) sw.steps += 1;
 
   std::string peak_method = "given with --peak-gflops";
@@ -322,7 +386,9 @@ void run_bench(const BenchFlags& flags) {
         {"peak_method", peak_method}}},
       {"settings",
        {{"dtype", "float32"},
-        {"options", "qk_l2norm, beta_sigmoid, gate_in_kernel (A_log, dt_bias), initial_state"},
+        {"options",
+         "fused: qk_l2norm, beta_sigmoid, gate_in_kernel (A_log, dt_bias); prepared: none, "
+         "inputs transformed beforehand; prefill with initial_state"},
         {"warmup_runs", 1},
         {"repeats", flags.repeats},
         {"budget_s_per_measurement", sw.budget_s}}},
@@ -330,7 +396,13 @@ void run_bench(const BenchFlags& flags) {
        {{"recurrent_flops_per_token_head", "(gated ? K V : 0) + (delta ? 2 K V : 0) + 4 K V"},
         {"chunk_flops_per_token_head", "delta: 6 K V + 2 C (3 K + 2 V) + C^2 / 3 + K V / C"},
         {"decode_state_bytes_per_step", "2 N HV K V 4"},
-        {"memcpy_bytes", "2 n (read + write)"}}},
+        {"memcpy_bytes", "2 n (read + write)"},
+        {"rewrite_bytes", "2 n (read + write)"},
+        {"baselines_method",
+         "memcpy: std::memcpy of one pool to another, pools separate from the state pools and "
+         "as many (>= 4x L3 in all); rewrite: every float of a state pool read and written back "
+         "in place; both one contiguous part per OpenMP thread, same threads as decode, timed "
+         "in the same passes as the decode steps; median of per-step samples"}}},
       {"prefill", sw.prefill},
       {"decode", sw.decode}};
   std::ofstream f(flags.json_path);

@@ -42,8 +42,12 @@ constexpr double decode_state_bytes(int64_t N, int64_t HV, int64_t K, int64_t V)
          static_cast<double>(V) * 4.0;
 }
 
-// Bytes one memcpy of n bytes moves: n read plus n written.
+// Bytes one memcpy of n bytes moves: n read plus n written (as decode_state_bytes counts;
+// the reads for ownership of the destination lines are not counted).
 constexpr double memcpy_bytes(int64_t n) { return 2.0 * static_cast<double>(n); }
+
+// Bytes an in-place rewrite of n bytes moves: n read plus n written.
+constexpr double rewrite_bytes(int64_t n) { return 2.0 * static_cast<double>(n); }
 
 static_assert(static_cast<int64_t>(chunk_flops_per_token(128, 128, 64, true)) == 181845);
 

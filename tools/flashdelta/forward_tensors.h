@@ -33,6 +33,7 @@ ForwardOutputs make_forward_outputs(const io::TensorMap& inputs, StateLayout lay
 
 // Views of the inputs and outputs. `device` labels every tensor but cu_seqlens, which the
 // library reads on the host.
-ForwardArgs make_forward_args(io::TensorMap& inputs, ForwardOutputs& outputs, Device device);
+ForwardArgs make_forward_args(io::TensorMap& inputs, ForwardOutputs& outputs,
+                              Device device = Device::cpu);
 
 }  // namespace flashdelta::cli

@@ -4,6 +4,7 @@
 
 #include "flashdelta/flashdelta.h"
 #include "flashdelta/safetensors.h"
+#include "device_forward.h"
 #include "forward_tensors.h"
 #include "self_check.h"
 #include "timing.h"
@@ -54,17 +55,14 @@ Options options_from(const RunFlags& f) {
 
 void run_file(const RunFlags& f) {
   const Options options = options_from(f);
-  const Schedule schedule = parse_schedule(f.schedule);
-  // This build has no CUDA schedules, and the library refuses cuda views before touching
-  // them; a CUDA build will need the tensors copied to the device here.
+  const Schedule schedule = parse_schedule(f.schedule.value_or("chunk"));
   const Device device = f.device == "cuda" ? Device::cuda : Device::cpu;
 
   io::TensorMap inputs = io::read_safetensors(f.in);
   check_input_names(inputs, f.in);
   ForwardOutputs outputs = make_forward_outputs(inputs, options.state_layout);
-  const double t0 = seconds_now();
-  forward(make_forward_args(inputs, outputs, device), options, schedule);
-  const double elapsed = seconds_now() - t0;
+  const double elapsed =
+      forward_on(device, make_forward_args(inputs, outputs), options, schedule);
 
   // The library accepted the inputs, so both outputs were sized from them.
   if (!outputs.o || !outputs.final_state)
@@ -74,8 +72,9 @@ void run_file(const RunFlags& f) {
   result.emplace("final_state", std::move(*outputs.final_state));
   // Only now, and atomically: a failed run leaves an existing --out untouched.
   io::write_safetensors(f.out, result);
-  std::printf("%s %s: %.3f ms; wrote o %s, final_state %s to %s\n",
-              mechanism_name(options.mechanism), schedule_name(schedule), elapsed * 1e3,
+  std::printf("%s %s on %s: %.3f ms; wrote o %s, final_state %s to %s\n",
+              mechanism_name(options.mechanism), schedule_name(schedule), f.device.c_str(),
+              elapsed * 1e3,
               describe(result.at("o")).c_str(), describe(result.at("final_state")).c_str(),
               f.out.c_str());
 }
@@ -100,15 +99,18 @@ CLI::App* add_run_command(CLI::App& app, RunFlags& f) {
   in->needs(out);
   in->needs(mechanism);
   out->needs(in);
-  // Everything else describes the file's problem, except the two execution settings.
+  // Where and how to run: with --in, for the file; without, the built-in check runs that
+  // schedule (default: every fast schedule of the device) on that device.
+  cmd->add_option_function<std::string>(
+         "--schedule", [&f](const std::string& s) { f.schedule = s; },
+         "reference, recurrent or chunk (default: chunk with --in)")
+      ->check(library_spelling(parse_schedule, "reference|recurrent|chunk"));
+  cmd->add_option("--device", f.device, "Where to run: cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  // Everything else describes the file's problem.
   const std::vector<CLI::Option*> with_in = {
       mechanism,
-      cmd->add_option("--schedule", f.schedule, "reference, recurrent or chunk")
-          ->check(library_spelling(parse_schedule, "reference|recurrent|chunk"))
-          ->capture_default_str(),
-      cmd->add_option("--device", f.device, "Where to run")
-          ->check(CLI::IsMember({"cpu", "cuda"}))
-          ->capture_default_str(),
       cmd->add_option_function<double>(
           "--scale", [&f](double x) { f.scale = x; }, "Query scale (default K^-1/2)"),
       cmd->add_flag("--qk-l2norm", f.qk_l2norm, "L2-normalise q and k in the kernel"),
@@ -133,7 +135,9 @@ void run_command(const RunFlags& f) {
   if (f.from_file)
     run_file(f);
   else
-    run_self_check(f.threads, f.chunk_size);
+    run_self_check(f.threads, f.chunk_size, f.device == "cuda" ? Device::cuda : Device::cpu,
+                   f.schedule ? std::optional<Schedule>(parse_schedule(*f.schedule))
+                              : std::nullopt);
 }
 
 }  // namespace flashdelta::cli

@@ -14,7 +14,7 @@ struct RunFlags {
   bool from_file = false;  // --in given
   std::string in, out;
   std::string mechanism;
-  std::string schedule = "chunk";
+  std::optional<std::string> schedule;  // default: chunk with --in, every one without
   std::string device = "cpu";
   std::optional<double> scale, lower_bound;
   bool qk_l2norm = false, beta_sigmoid = false, allow_neg_eigval = false;

@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/tensor_io.h"
 #include "flashdelta/flashdelta.h"
+#include "device_forward.h"
 #include "forward_tensors.h"
 #include "synthetic.h"
 #include "timing.h"
@@ -45,30 +48,35 @@ struct Run {
   TimingStats time;
 };
 
-// The fast schedules are timed after a warm-up (median of 3); the slow reference runs once.
-Run run_schedule(io::TensorMap& inputs, const Options& options, Schedule schedule) {
+// The fast schedules are timed after a warm-up (median of 3, the call alone: on cuda without
+// the copies); the slow reference runs once.
+Run run_schedule(io::TensorMap& inputs, const Options& options, Schedule schedule,
+                 Device device) {
   Run r;
   r.out = make_forward_outputs(inputs, options.state_layout);
-  const ForwardArgs args = make_forward_args(inputs, r.out, Device::cpu);
-  const auto run = [&] { forward(args, options, schedule); };
-  if (schedule == Schedule::reference) {
-    const double t0 = seconds_now();
-    run();
-    r.time = summarize({seconds_now() - t0});
-  } else {
-    r.time = measure(run, /*repeats=*/3, /*budget_s=*/1.0);
-  }
+  const ForwardArgs args = make_forward_args(inputs, r.out);
+  const int runs = schedule == Schedule::reference ? 1 : 4;
+  std::vector<double> seconds;
+  for (int i = 0; i < runs; ++i) seconds.push_back(forward_on(device, args, options, schedule));
+  if (runs > 1) seconds.erase(seconds.begin());  // warm-up
+  r.time = summarize(seconds);
   return r;
 }
 
 }  // namespace
 
-void run_self_check(int threads, int chunk_size) {
+void run_self_check(int threads, int chunk_size, Device device, std::optional<Schedule> only) {
   const ProblemShape& s = kShape;
+  // The fast schedules of the device (cuda: the recurrent one today), or the one asked for.
+  std::vector<Schedule> schedules(std::begin(kSchedules), std::end(kSchedules));
+  if (device == Device::cuda) schedules = {Schedule::recurrent};
+  if (only) schedules = {*only};
   std::printf(
-      "flashdelta %s, SIMD %s: B=%ld T=%ld H=%ld HV=%ld K=%ld V=%ld float32, qk L2 norm, beta "
-      "sigmoid, gate in kernel; relative error vs the fp64 reference (tolerance %.0e)\n\n",
-      version(), cpu_simd_target(), static_cast<long>(s.B), static_cast<long>(s.T),
+      "flashdelta %s on %s (CPU SIMD %s): B=%ld T=%ld H=%ld HV=%ld K=%ld V=%ld float32, qk L2 "
+      "norm, beta sigmoid, gate in kernel; relative error vs the fp64 reference on the CPU "
+      "(tolerance %.0e)\n\n",
+      version(), device == Device::cuda ? "cuda" : "cpu", cpu_simd_target(),
+      static_cast<long>(s.B), static_cast<long>(s.T),
       static_cast<long>(s.H), static_cast<long>(s.HV), static_cast<long>(s.K),
       static_cast<long>(s.V), kTolerance);
   std::printf("%-15s %-9s %10s %12s %11s %11s\n", "mechanism", "schedule", "time ms", "tokens/s",
@@ -80,11 +88,11 @@ void run_self_check(int threads, int chunk_size) {
     Options options = layer_options(m);
     options.num_threads = threads;
     options.chunk_size = chunk_size;
-    Run ref = run_schedule(inputs, options, Schedule::reference);
+    Run ref = run_schedule(inputs, options, Schedule::reference, Device::cpu);
     std::printf("%-15s %-9s %10.2f %12.0f %11s %11s\n", mechanism_name(m), "reference",
                 ref.time.median_s * 1e3, tokens / ref.time.median_s, "-", "-");
-    for (Schedule schedule : kSchedules) {
-      Run fast = run_schedule(inputs, options, schedule);
+    for (Schedule schedule : schedules) {
+      Run fast = run_schedule(inputs, options, schedule, device);
       const double err_o = relative_error(*fast.out.o, *ref.out.o);
       const double err_s = relative_error(*fast.out.final_state, *ref.out.final_state);
       const bool ok = err_o <= kTolerance && err_s <= kTolerance;

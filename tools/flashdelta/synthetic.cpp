@@ -1,8 +1,11 @@
 #include "synthetic.h"
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
+
+#include "core/token_inputs.h"
 
 namespace flashdelta::cli {
 namespace {
@@ -21,20 +24,65 @@ io::OwnedTensor normal_tensor(std::vector<int64_t> shape, std::mt19937_64& rng, 
   return random_tensor(std::move(shape), rng, std::normal_distribution<float>(mean, stddev));
 }
 
+float* floats(io::OwnedTensor& t) { return reinterpret_cast<float*>(t.bytes.data()); }
+
+// Calls f(row, head) on each row of t [.., heads, width] as doubles, and stores it back.
+template <class F>
+void for_each_row(io::OwnedTensor& t, int64_t heads, int64_t width, F&& f) {
+  const int64_t rows = t.numel() / width;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = floats(t) + r * width;
+    std::vector<double> row(x, x + width);
+    f(row.data(), r % heads);
+    for (int64_t i = 0; i < width; ++i) x[i] = static_cast<float>(row[static_cast<size_t>(i)]);
+  }
+}
+
+// Applies the fused transforms of `fused` options to raw layer inputs, in place, with the
+// reference's formulas (core/token_inputs.h), and drops A_log and dt_bias.
+void apply_transforms(const Options& fused, const MechanismTraits& mt, const ProblemShape& s,
+                      io::TensorMap& t) {
+  for (const char* name : {"q", "k"})
+    for_each_row(t[name], s.H, s.K, [&](double* x, int64_t) { detail::l2_normalize(x, s.K); });
+  if (mt.delta)
+    for_each_row(t["beta"], s.HV, 1, [](double* x, int64_t) { *x = detail::sigmoid(*x); });
+  if (mt.gate != GateKind::none) {
+    const int64_t width = mt.gate == GateKind::vector ? s.K : 1;
+    std::vector<detail::GateParams<double>> gp(static_cast<size_t>(s.HV));
+    for (int64_t hv = 0; hv < s.HV; ++hv) {
+      detail::GateParams<double>& h = gp[static_cast<size_t>(hv)];
+      h.has_a = true;
+      h.a = std::exp(static_cast<double>(floats(t["A_log"])[hv]));
+      for (int64_t i = 0; i < width; ++i) h.bias[i] = floats(t["dt_bias"])[hv * width + i];
+    }
+    for_each_row(t["g"], s.HV, width, [&](double* x, int64_t hv) {
+      for (int64_t i = 0; i < width; ++i)
+        x[i] = detail::gate_activation(fused, gp[static_cast<size_t>(hv)], i, x[i]);
+    });
+    t.erase("A_log");
+    t.erase("dt_bias");
+  }
+}
+
 }  // namespace
 
-Options layer_options(Mechanism mechanism) {
+Options layer_options(Mechanism mechanism, Transforms transforms) {
   const MechanismTraits mt = traits(mechanism);
+  const bool fused = transforms == Transforms::fused;
   Options o;
   o.mechanism = mechanism;
-  o.qk_l2norm = true;
-  o.beta_sigmoid = mt.delta;
-  o.gate_in_kernel = mt.gate != GateKind::none;
+  o.qk_l2norm = fused;
+  o.beta_sigmoid = fused && mt.delta;
+  o.gate_in_kernel = fused && mt.gate != GateKind::none;
   return o;
 }
 
+const char* transforms_name(Transforms transforms) {
+  return transforms == Transforms::fused ? "fused" : "prepared";
+}
+
 io::TensorMap random_layer_inputs(Mechanism mechanism, const ProblemShape& s, uint64_t seed,
-                                  bool with_initial_state) {
+                                  bool with_initial_state, Transforms transforms) {
   const MechanismTraits mt = traits(mechanism);
   std::mt19937_64 rng(seed);
   io::TensorMap t;
@@ -52,6 +100,8 @@ io::TensorMap random_layer_inputs(Mechanism mechanism, const ProblemShape& s, ui
     t["dt_bias"] = normal_tensor({vector_gate ? s.HV * s.K : s.HV}, rng, 0, 0.5f);
   }
   if (with_initial_state) t["initial_state"] = normal_tensor({s.B, s.HV, s.K, s.V}, rng, 0, 0.5f);
+  if (transforms == Transforms::prepared)
+    apply_transforms(layer_options(mechanism, Transforms::fused), mt, s, t);
   return t;
 }
 

@@ -8,7 +8,12 @@ from .._api import is_torch
 
 # Keywords selecting the vLLM-style serving form of fused_recurrent_kda and
 # fused_recurrent_gated_delta_rule.
-SERVING_KWARGS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state")
+SERVING_KWARGS = frozenset(("ssm_state_indices", "num_accepted_tokens", "inplace_final_state"))
+
+
+def is_serving(kwargs):
+    """True when kwargs select the serving form (any of SERVING_KWARGS)."""
+    return bool(kwargs) and not SERVING_KWARGS.isdisjoint(kwargs)
 
 # fla keyword arguments that tune fla's own kernels: accepted and ignored (the result is
 # the same without them).
@@ -20,6 +25,8 @@ def extra_options(fn_name, kwargs, state_v_first=False):
     """Consumes the keyword arguments fla takes through **kwargs (plus `schedule`, which picks
     a FlashDelta schedule) and returns (state_v_first, chunk_size, schedule). An unknown
     keyword is a TypeError: fla ignores them silently, which hides typos."""
+    if not kwargs:
+        return state_v_first, 64, None
     kwargs = dict(kwargs)
     if "transpose_state_layout" in kwargs:
         if state_v_first:
@@ -156,11 +163,13 @@ def serving_call(mechanism, q, k, v, g, beta, A_log, dt_bias, scale, initial_sta
                  use_gate_in_kernel, beta_sigmoid, allow_neg_eigval, lower_bound,
                  state_v_first, cu_seqlens, kwargs, fn_name):
     """The vLLM-style serving form of fused_recurrent_*: initial_state is the state pool."""
-    kwargs = dict(kwargs)
-    indices = kwargs.pop("ssm_state_indices", None)
-    accepted = kwargs.pop("num_accepted_tokens", None)
-    inplace = kwargs.pop("inplace_final_state", True)
-    state_v_first, _, schedule = extra_options(fn_name, kwargs, state_v_first)
+    indices = kwargs.get("ssm_state_indices")
+    accepted = kwargs.get("num_accepted_tokens")
+    inplace = kwargs.get("inplace_final_state", True)
+    schedule = None
+    if not kwargs.keys() <= SERVING_KWARGS:  # more than the serving keywords
+        rest = {n: x for n, x in kwargs.items() if n not in SERVING_KWARGS}
+        state_v_first, _, schedule = extra_options(fn_name, rest, state_v_first)
     if indices is None:
         raise ValueError("argument 'ssm_state_indices': required for the serving form "
                          "(num_accepted_tokens / inplace_final_state given)")
@@ -170,7 +179,8 @@ def serving_call(mechanism, q, k, v, g, beta, A_log, dt_bias, scale, initial_sta
     if initial_state is None:
         raise ValueError("argument 'initial_state': the state pool [P, HV, K, V] is required "
                          "with ssm_state_indices")
-    check_neg_eigval(allow_neg_eigval, beta_sigmoid)
+    if allow_neg_eigval:
+        check_neg_eigval(allow_neg_eigval, beta_sigmoid)
     gate_in_kernel, A_log, dt_bias, lower_bound = gate_arguments(use_gate_in_kernel, A_log,
                                                                  dt_bias, lower_bound)
     o = _api.decode(q, k, v, g, beta, mechanism=mechanism, state_pool=initial_state,

@@ -6,7 +6,7 @@ Drop-in for fla.ops.gated_delta_rule: same names, parameters, defaults and retur
 """
 
 from .. import _api
-from ._common import SERVING_KWARGS, check_arrays, extra_options, ones_beta, run, serving_call
+from ._common import check_arrays, extra_options, is_serving, ones_beta, run, serving_call
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
@@ -92,7 +92,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
         mechanism, g = "kda", gk if g is None else g[..., None] + gk
     elif g is None:
         mechanism = "deltanet"
-    if any(n in kwargs for n in SERVING_KWARGS):
+    if is_serving(kwargs):
         return serving_call(mechanism, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                             use_qk_l2norm_in_kernel, use_gate_in_kernel,
                             use_beta_sigmoid_in_kernel, allow_neg_eigval, None, state_v_first,

@@ -6,7 +6,7 @@ Drop-in for fla.ops.kda: same names, parameters, defaults and return values.
 """
 
 from .. import _api
-from ._common import SERVING_KWARGS, extra_options, run, serving_call
+from ._common import extra_options, is_serving, run, serving_call
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -76,7 +76,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
     ``ssm_state_indices`` is given), ``initial_state`` is a state pool ``[P, HV, K, V]``
     updated in place, and the result is ``(o, initial_state)``; see ``flashdelta.decode``.
     """
-    if any(n in kwargs for n in SERVING_KWARGS):
+    if is_serving(kwargs):
         return serving_call("kda", q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                             use_qk_l2norm_in_kernel, use_gate_in_kernel,
                             use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,

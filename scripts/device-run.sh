@@ -1,0 +1,243 @@
+#!/usr/bin/env bash
+# FlashDelta's GPU harness, run on the device machine from the repository root with $OUT set:
+# builds the C++ project with CUDA, runs the GPU tests (ctest -L cuda, compute-sanitizer),
+# the CUDA Python tests and the decode benchmark, and leaves in $OUT:
+#   device-run.log      everything, stage by stage, with a summary at the end
+#   sanitizer.log       compute-sanitizer memcheck + racecheck (when that stage runs)
+#   bench_decode.json / .txt / .png   the benchmark (bench/device/bench_decode.py)
+# A stage that fails is reported and the later ones still run where they can. Every stage
+# has a timeout drawn from one time budget (BUDGET_S) that keeps a minimum for the stages
+# after it, so the whole run ends in time; the benchmark skips the cases it has no time for.
+#
+# Nothing is fetched on the device: it reads what travels in .whl/ (git-ignored; name it in
+# the device tool's `carry`): Python wheels (.whl/*.whl, installed into /tmp/site) and
+# Debian packages of the C++ build dependencies (.whl/debs/*.deb: Highway, nlohmann-json,
+# CLI11, GoogleTest; unpacked into /tmp/devdeps, never into /). See bench/device/README.md.
+#
+# Environment (all optional):
+#   OUT          output folder (default: ./device-out)
+#   BUDGET_S     time budget of the whole run in seconds (default 450)
+#   STAGES       stages to run, in order (default: "info deps configure build ctest sanitize
+#                pytest bench kernel-bench overhead pytest-all"); e.g.
+#                STAGES="deps configure build bench"
+#   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test binary
+#                (build-device/**/test_cuda_recurrent); 0: skip
+#   SANITIZE_FILTER   --gtest_filter for the sanitizer runs (default: every test)
+#   BENCH_ARGS   extra arguments for bench_decode.py (e.g. "--cases kda_n1,kda_n256")
+#   JOBS         build parallelism (default: all cores)
+#   CUDA_ARCH    CMAKE_CUDA_ARCHITECTURES (default 90a)
+#   BUILD_TYPE   CMAKE_BUILD_TYPE (default Release)
+#   BUILD_DIR    the CMake build folder (default build-device; kept between calls while the
+#                machine stays warm, so a second run builds incrementally)
+#   CMAKE_ARGS   extra configure arguments; FD_CUDA=OFF configures without CUDA (to check this
+#                script on a machine without a GPU)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export ROOT=$PWD
+export OUT=${OUT:-$ROOT/device-out}
+mkdir -p "$OUT"
+export LOG=$OUT/device-run.log
+export SANLOG=$OUT/sanitizer.log
+: >"$LOG"
+BUDGET_S=${BUDGET_S:-450}
+STAGES=${STAGES:-"info deps configure build ctest sanitize pytest bench kernel-bench overhead pytest-all"}
+export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-}
+export JOBS=${JOBS:-$(nproc)}
+export CUDA_ARCH=${CUDA_ARCH:-90a}
+export BUILD_TYPE=${BUILD_TYPE:-Release}
+export BUILD=${BUILD_DIR:-$ROOT/build-device}
+export FD_CUDA=${FD_CUDA:-ON} CMAKE_ARGS=${CMAKE_ARGS:-}
+export PKG=/tmp/fd-python   # python/flashdelta plus the module built in $BUILD
+export DEPS=/tmp/devdeps
+export PYTHONUNBUFFERED=1
+# Python: the package built here first, then the carried wheels.
+export PYTHONPATH=$PKG:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# CMake 4 refuses packages that declare compatibility with CMake < 3.5; harmless on CMake 3.
+export CMAKE_POLICY_VERSION_MINIMUM=3.5
+START=$SECONDS
+
+# The longest each stage may take, and the least it is kept for it while earlier stages run.
+declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=150 [sanitize]=150
+                [pytest]=150 [bench]=400 [kernel-bench]=60 [overhead]=40 [pytest-all]=150)
+declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
+                [pytest]=40 [bench]=90 [kernel-bench]=10 [overhead]=15 [pytest-all]=0)
+
+log() { echo "$*" | tee -a "$LOG"; }
+left() { echo $((BUDGET_S - (SECONDS - START))); }
+
+declare -a SUMMARY=()
+FAILED=0
+
+stage_info() {
+  set -x
+  date -u
+  uname -a
+  nvidia-smi -L
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
+  nvcc --version | tail -2
+  cmake --version | head -1
+  ninja --version
+  c++ --version | head -1
+  command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer
+  python3 -c 'import sys, sysconfig, os; inc = sysconfig.get_paths()["include"]; print(sys.version, sys.executable); print("Python.h:", inc, os.path.exists(os.path.join(inc, "Python.h")))'
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "| triton", triton.__version__); print("DLPack C exchange API:", hasattr(torch.Tensor, "__dlpack_c_exchange_api__"))'
+  python3 -m nanobind --version
+  nproc
+  ls -la .whl .whl/debs
+  true
+}
+
+stage_deps() {
+  set -e
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl
+    ls /tmp/site
+  else
+    echo "no wheels in .whl/: the fla comparisons will be skipped (carry .whl)"
+  fi
+  if ls .whl/debs/*.deb >/dev/null 2>&1; then
+    mkdir -p "$DEPS"
+    for f in .whl/debs/*.deb; do dpkg -x "$f" "$DEPS"; done
+    echo "unpacked $(ls .whl/debs/*.deb | wc -l) packages into $DEPS"
+  else
+    echo "no .whl/debs/: relying on the system's Highway, nlohmann-json, CLI11, GoogleTest"
+  fi
+  python3 -W ignore -c 'import fla; print("fla", fla.__version__, "from", fla.__file__)' || true
+}
+
+stage_configure() {
+  # shellcheck disable=SC2206
+  local common=(-S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE"
+                -DFLASHDELTA_CUDA="$FD_CUDA" -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH"
+                -DCMAKE_PREFIX_PATH="$DEPS/usr" -DPython_EXECUTABLE="$(command -v python3)"
+                $CMAKE_ARGS)
+  if cmake "${common[@]}" -DFLASHDELTA_PYTHON=ON; then
+    return 0
+  fi
+  echo "!! configuring with the Python module failed; configuring without it"
+  rm -f "$BUILD/CMakeCache.txt"
+  cmake "${common[@]}" -DFLASHDELTA_PYTHON=OFF
+  return 1
+}
+
+stage_build() {
+  # -k 0: keep going, so that one failing target leaves the others (tests, module) built.
+  cmake --build "$BUILD" -j "$JOBS" -- -k 0
+  local rc=$?
+  rm -rf "$PKG" && mkdir -p "$PKG"
+  cp -r python/flashdelta "$PKG/"
+  local so
+  so=$(find "$BUILD" -name '_C*.so' -path '*python*' | head -1)
+  if [ -n "$so" ]; then
+    cp "$so" "$PKG/flashdelta/"
+    (cd /tmp && python3 -c 'import flashdelta; print("flashdelta", flashdelta.__version__, "from", flashdelta.__file__)') || rc=1
+  else
+    echo "!! no flashdelta._C module was built"
+    rc=1
+  fi
+  return $rc
+}
+
+stage_ctest() {
+  ctest --test-dir "$BUILD" -L cuda --output-on-failure --no-tests=error --timeout 300
+  local rc=$?
+  if [ -x "$BUILD/flashdelta" ]; then
+    echo "-- smoke: flashdelta run --device cuda --schedule recurrent"
+    "$BUILD/flashdelta" run --device cuda --schedule recurrent || rc=1
+  fi
+  return $rc
+}
+
+stage_sanitize() {
+  if [ "$SANITIZE" = 0 ]; then echo "SANITIZE=0: skipped"; return 77; fi
+  local san bin filter=() rc=0 tool r
+  san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  bin=$(find "$BUILD" -name test_cuda_recurrent -type f -perm -u+x | head -1)
+  if [ -z "$bin" ]; then echo "!! no test_cuda_recurrent binary under $BUILD"; return 1; fi
+  [ -n "$SANITIZE_FILTER" ] && filter=("--gtest_filter=$SANITIZE_FILTER")
+  : >"$SANLOG"
+  # Half of the stage's time for each tool; the report goes to its own log (at most 8 MB).
+  local each=$((STAGE_TIMEOUT / 2 - 5))
+  for tool in memcheck racecheck; do
+    echo "-- compute-sanitizer --tool $tool $bin ${filter[*]} (timeout ${each}s)" | tee -a "$SANLOG"
+    timeout --kill-after=5 "$each" "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
+      "$bin" "${filter[@]}" --gtest_brief=1 2>&1 | head -c 8000000 >>"$SANLOG"
+    r=${PIPESTATUS[0]}
+    echo "-- $tool: exit $r$( ((r == 124)) && echo ' (timeout: set SANITIZE_FILTER)')" | tee -a "$SANLOG"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|FAILED" "$SANLOG" | tail -4
+    ((r != 0)) && rc=1
+  done
+  return $rc
+}
+
+stage_pytest() {
+  python3 -m pytest -p no:cacheprovider -q -rs tests/python/test_cuda.py
+}
+
+stage_bench() {
+  # shellcheck disable=SC2086
+  python3 bench/device/bench_decode.py --out "$OUT" --time-budget $((STAGE_TIMEOUT - 20)) \
+    $BENCH_ARGS
+}
+
+stage_kernel-bench() {
+  # The CUDA kernels timed from C++ (no Python), when the build has that tool.
+  local bin
+  bin=$(find "$BUILD" -name flashdelta_cuda_decode_bench -type f -perm -u+x | head -1)
+  if [ -z "$bin" ]; then echo "no flashdelta_cuda_decode_bench in $BUILD"; return 77; fi
+  "$bin"
+}
+
+stage_overhead() {
+  echo "-- host time per call, N=1 HV=32 K=V=128 (bench/device/overhead.py)"
+  python3 bench/device/overhead.py --device cuda --n 1 --hv 32 --k 128 --v 128 --calls 1000
+}
+
+stage_pytest-all() {
+  # The rest of the Python suite (CPU tests) under this machine's torch, triton and fla.
+  python3 -m pytest -p no:cacheprovider -q -rs tests/python --ignore=tests/python/test_cuda.py
+}
+
+# run_stage NAME: runs stage_NAME with a timeout of min(MAX, time left - the MIN of every
+# later stage), its output teed into the log; skipped when less than 10 s would remain.
+run_stage() {
+  local name=$1 reserve=0 later=0 s
+  for s in $STAGES; do
+    ((later)) && reserve=$((reserve + ${MIN[$s]:-0}))
+    [ "$s" = "$name" ] && later=1
+  done
+  local t=$(($(left) - reserve))
+  ((t > ${MAX[$name]})) && t=${MAX[$name]}
+  if ((t < 10)); then
+    log "== $name: skipped ($(left) s of the budget left, $reserve s kept for later stages)"
+    SUMMARY+=("$(printf '%-11s %-24s' "$name" "skipped (no time)")")
+    FAILED=$((FAILED + 1))
+    return
+  fi
+  log ""
+  log "== $name (timeout ${t}s; $(left) s of the budget left) =="
+  local t0=$SECONDS rc what=ok
+  STAGE_TIMEOUT=$t timeout --kill-after=15 "$t" \
+    bash -c "$(declare -f "stage_$name"); stage_$name" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  if ((rc == 124 || rc == 137)); then what="TIMEOUT after ${t}s"; FAILED=$((FAILED + 1))
+  elif ((rc == 77)); then what="skipped"
+  elif ((rc != 0)); then what="FAILED (exit $rc)"; FAILED=$((FAILED + 1)); fi
+  SUMMARY+=("$(printf '%-11s %-24s %4d s' "$name" "$what" $((SECONDS - t0)))")
+  log "-- $name: $what ($((SECONDS - t0)) s)"
+}
+
+log "FlashDelta device run: $(date -u '+%F %T UTC') on $(hostname); budget ${BUDGET_S} s"
+log "stages: $STAGES"
+for stage in $STAGES; do
+  if [ -z "${MAX[$stage]:-}" ]; then log "unknown stage: $stage"; continue; fi
+  run_stage "$stage"
+done
+
+log ""
+log "== summary ($((SECONDS - START)) s; outputs in $OUT) =="
+for line in "${SUMMARY[@]}"; do log "  $line"; done
+ls -la "$OUT" | tee -a "$LOG"
+((FAILED == 0))

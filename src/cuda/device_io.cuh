@@ -1,0 +1,139 @@
+// Device-side element access for the CUDA kernels: runtime-dtype scalar loads and stores for
+// the small per-token tensors, and streaming vector runs for the state, which is read and
+// written exactly once per call and should not displace anything else from L2.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/recurrent_params.h"
+
+namespace flashdelta::detail::cuda {
+
+__device__ __forceinline__ float load_float(const void* base, DType t, int64_t off) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(base)[off];
+    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[off]);
+    case DType::f16: return __half2float(static_cast<const __half*>(base)[off]);
+    case DType::f64: return static_cast<float>(static_cast<const double*>(base)[off]);
+    default: return 0.f;
+  }
+}
+
+// Loads split in two so that a thread can issue all its loads before it waits on any: the
+// raw bits first (float64 is narrowed at load time: rare, and it waits there), then the
+// conversion. A conversion inside the load's dtype switch would serialise the latencies.
+__device__ __forceinline__ uint32_t load_raw(const void* base, DType t, int64_t off) {
+  switch (t) {
+    case DType::bf16:
+    case DType::f16: return static_cast<const unsigned short*>(base)[off];
+    case DType::f64: return __float_as_uint(static_cast<float>(static_cast<const double*>(base)[off]));
+    default: return static_cast<const uint32_t*>(base)[off];
+  }
+}
+
+__device__ __forceinline__ float raw_to_float(uint32_t r, DType t) {
+  switch (t) {
+    case DType::bf16: return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(r)));
+    case DType::f16: return __half2float(__ushort_as_half(static_cast<unsigned short>(r)));
+    default: return __uint_as_float(r);
+  }
+}
+
+__device__ __forceinline__ void store_float(void* base, DType t, int64_t off, float x) {
+  switch (t) {
+    case DType::f32: static_cast<float*>(base)[off] = x; break;
+    case DType::bf16: static_cast<__nv_bfloat16*>(base)[off] = __float2bfloat16(x); break;
+    case DType::f16: static_cast<__half*>(base)[off] = __float2half(x); break;
+    case DType::f64: static_cast<double*>(base)[off] = x; break;
+    default: break;
+  }
+}
+
+__device__ __forceinline__ int64_t load_index(const IndexTensor& t, int64_t row, int64_t col) {
+  const int64_t off = row * t.stride[0] + col * t.stride[1];
+  return t.is_i64 ? static_cast<const int64_t*>(t.data)[off]
+                  : static_cast<int64_t>(static_cast<const int32_t*>(t.data)[off]);
+}
+
+// The widest load/store word for a run of `Bytes` bytes (at most 16 per instruction).
+template <int Bytes> struct Word;
+template <> struct Word<2> { using type = unsigned short; };
+template <> struct Word<4> { using type = unsigned int; };
+template <> struct Word<8> { using type = uint2; };
+template <> struct Word<16> { using type = uint4; };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class S> __device__ __forceinline__ S from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+
+// W state elements starting at p, `step` elements apart. With `vec` (step == 1 and p aligned
+// to the word) a full run is loaded with streaming vector loads; elements at or past `valid`
+// read as 0 and are never touched.
+template <int W, class S>
+__device__ __forceinline__ void load_run(const S* p, int64_t step, int valid, bool vec,
+                                         float (&out)[W]) {
+  constexpr int kBytes = W * static_cast<int>(sizeof(S));
+  constexpr int kWord = kBytes < 16 ? kBytes : 16;
+  using WordT = typename Word<kWord>::type;
+  if (vec && valid == W) {
+    WordT raw[kBytes / kWord];
+#pragma unroll
+    for (int x = 0; x < kBytes / kWord; ++x) raw[x] = __ldcs(reinterpret_cast<const WordT*>(p) + x);
+    const S* e = reinterpret_cast<const S*>(raw);
+#pragma unroll
+    for (int w = 0; w < W; ++w) out[w] = to_float(e[w]);
+  } else {
+#pragma unroll
+    for (int w = 0; w < W; ++w) out[w] = w < valid ? to_float(p[w * step]) : 0.f;
+  }
+}
+
+template <int W, class S>
+__device__ __forceinline__ void store_run(S* p, int64_t step, int valid, bool vec,
+                                          const float (&in)[W]) {
+  constexpr int kBytes = W * static_cast<int>(sizeof(S));
+  constexpr int kWord = kBytes < 16 ? kBytes : 16;
+  using WordT = typename Word<kWord>::type;
+  if (vec && valid == W) {
+    WordT raw[kBytes / kWord];
+    S* e = reinterpret_cast<S*>(raw);
+#pragma unroll
+    for (int w = 0; w < W; ++w) e[w] = from_float<S>(in[w]);
+#pragma unroll
+    for (int x = 0; x < kBytes / kWord; ++x) __stcs(reinterpret_cast<WordT*>(p) + x, raw[x]);
+  } else {
+#pragma unroll
+    for (int w = 0; w < W; ++w)
+      if (w < valid) p[w * step] = from_float<S>(in[w]);
+  }
+}
+
+// Asynchronous global -> shared copy of Bytes (4, 8 or 16) bytes of which the first
+// src_bytes are read and the rest zero-filled (cp.async; Ampere and later).
+template <int Bytes>
+__device__ __forceinline__ void copy_async(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (Bytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+                 "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem),
+                 "n"(Bytes), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int Pending>
+__device__ __forceinline__ void wait_async() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+
+}  // namespace flashdelta::detail::cuda

@@ -1,0 +1,84 @@
+// Arguments of the CUDA recurrent kernel: plain data, built on the host from a validated
+// problem (cuda/recurrent.cpp) and passed by value to the kernel (cuda/recurrent_kernel.cu).
+// Every offset is 64-bit; strides are in elements.
+#pragma once
+
+#include <cstdint>
+
+#include "flashdelta/types.h"
+
+namespace flashdelta::detail::cuda {
+
+// A token input or output [B, T, heads, D] (or [B, T, heads] for g/beta of scalar form).
+struct TokenTensor {
+  const void* data = nullptr;
+  int64_t stride[4] = {0, 0, 0, 0};
+  DType dtype = DType::f32;
+};
+
+// A state tensor addressed by (slot, hv, key i, value j): the layout is resolved on the
+// host, so the kernel never branches on K-first / V-first beyond its thread mapping.
+struct StateTensor {
+  void* data = nullptr;
+  int64_t slot_stride = 0, head_stride = 0, key_stride = 0, value_stride = 0;
+};
+
+// An int32/int64 index tensor of rank 1 or 2.
+struct IndexTensor {
+  const void* data = nullptr;
+  int64_t stride[2] = {0, 0};
+  int64_t cols = 0;  // S for [N, S]; 1 for [N]
+  bool is_i64 = false;
+};
+
+enum class GateForm : uint8_t { none, scalar, vector };
+
+struct RecurrentParams {
+  // Sizes.
+  int64_t N = 0;      // sequences (batch rows, or cu_seqlens entries)
+  int64_t T = 0;      // tokens per batch row (total tokens with cu_seqlens)
+  int64_t HV = 0, group = 1, K = 0, V = 0;
+  int64_t value_tiles = 0;  // ceil(V / columns per block)
+
+  // The recurrence.
+  GateForm gate = GateForm::none;
+  bool delta = false;
+  float scale = 1.f;
+  bool qk_l2norm = false;
+  bool beta_sigmoid = false;
+  float beta_factor = 1.f;  // 2 for negative eigenvalues
+  bool gate_in_kernel = false;
+  bool has_lower_bound = false;
+  float lower_bound = 0.f;
+
+  // Inputs and output.
+  TokenTensor q, k, v, g, beta, o;
+  const void* A_log = nullptr;  // [HV]
+  DType A_log_dtype = DType::f32;
+  int64_t A_log_stride = 0;
+  const void* dt_bias = nullptr;  // element (hv, i) at hv * head_stride + i * key_stride
+  DType dt_bias_dtype = DType::f32;
+  int64_t dt_bias_head_stride = 0, dt_bias_key_stride = 0;
+  IndexTensor cu_seqlens;  // data == nullptr: batch rows of T tokens
+
+  // States. Forward: read initial (absent = zeros) at slot n, write final at slot n.
+  // Serving: pool read and written in place at the slots of state_indices.
+  StateTensor state_in, state_out;
+  bool vector_ok = false;  // both state tensors allow aligned vector access
+  bool serving = false;
+  int64_t pool_slots = 0;  // P
+  IndexTensor state_indices, num_accepted;
+  bool per_token_slots = false;
+};
+
+// Launches the kernel on `stream` (a cudaStream_t); the state dtype is float32 or bfloat16.
+// Throws flashdelta::Error on a launch failure.
+void launch_recurrent(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
+                      void* stream);
+
+// Columns of V one thread block covers for head size K (the kernel's tile width).
+int64_t recurrent_block_columns(int64_t K);
+// Elements of one thread's contiguous run of state values (the vector access width).
+inline constexpr int64_t kStateRunLength = 4;
+
+}  // namespace flashdelta::detail::cuda

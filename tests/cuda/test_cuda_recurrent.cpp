@@ -1,0 +1,394 @@
+// The CUDA recurrent schedule (forward and serving decode) against the fp64 reference on
+// random inputs. Skipped on machines without a GPU; run on the device by
+// scripts/device-run.sh, also under compute-sanitizer.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/device_mirror.h"
+#include "decode_case.h"
+#include "test_util.h"
+
+namespace flashdelta::testing {
+namespace {
+
+struct Outputs {
+  std::vector<double> o, state;
+};
+
+Outputs run_reference(const Case& c) {
+  HostTensor o = c.make_output(DType::f64), s = c.make_state();
+  forward(c.args(o, &s), c.options, Schedule::reference);
+  return {o.to_double(), s.to_double()};
+}
+
+Outputs run_cuda(const Case& c, DType o_dtype) {
+  HostTensor o = c.make_output(o_dtype), s = c.make_state();
+  o.fill(kPoison);
+  s.fill(kPoison);
+  forward_on_device(c.args(o, &s), c.options);
+  return {o.to_double(), s.to_double()};
+}
+
+double cuda_tolerance(DType dtype) { return tolerance(dtype == DType::f64 ? DType::f32 : dtype); }
+
+void expect_forward_matches_reference(const Case& c, const std::string& what) {
+  const Outputs ref = run_reference(c);
+  const Outputs gpu = run_cuda(c, c.cfg.dtype == DType::f64 ? DType::f32 : c.cfg.dtype);
+  const double tol = cuda_tolerance(c.cfg.dtype);
+  EXPECT_LT(rel_error(gpu.o, ref.o), tol) << what << ": output relative error";
+  EXPECT_LT(rel_error(gpu.state, ref.state), tol) << what << ": final state relative error";
+}
+
+std::string describe(const CaseConfig& c) {
+  std::string s = std::string(mechanism_name(c.mechanism)) + "_T" + std::to_string(c.T) + "_K" +
+                  std::to_string(c.K) + "_V" + std::to_string(c.V) + "_H" + std::to_string(c.H) +
+                  "_HV" + std::to_string(c.HV) + "_" + dtype_name(c.dtype);
+  if (c.layout == StateLayout::v_first) s += "_vfirst";
+  if (!c.initial_state) s += "_zero_state";
+  return s;
+}
+
+// Every mechanism over shapes covering each K bucket of the kernel (32/64/128/256), odd
+// sizes (partial vector runs, unaligned strides: the scalar path), GVA, both layouts and
+// every input dtype.
+std::vector<CaseConfig> forward_grid() {
+  struct Shape {
+    int64_t T, K, V, H, HV;
+    StateLayout layout;
+    DType dtype;
+    bool initial_state;
+  };
+  const StateLayout kf = StateLayout::k_first, vf = StateLayout::v_first;
+  const Shape shapes[] = {
+      {1, 128, 128, 2, 4, kf, DType::f32, true},   {1, 128, 128, 2, 2, vf, DType::bf16, true},
+      {2, 64, 64, 1, 4, kf, DType::f16, true},     {4, 60, 100, 2, 4, vf, DType::f32, true},
+      {8, 17, 33, 1, 2, kf, DType::f32, false},    {8, 17, 33, 1, 2, vf, DType::f32, true},
+      {15, 256, 256, 1, 1, kf, DType::f32, true},  {16, 256, 200, 1, 2, vf, DType::bf16, true},
+      {17, 100, 60, 2, 2, kf, DType::f64, true},   {65, 16, 16, 2, 8, vf, DType::f32, true},
+      {1000, 32, 48, 1, 1, kf, DType::f32, true},  {3, 1, 1, 1, 1, kf, DType::f32, true},
+  };
+  std::vector<CaseConfig> grid;
+  uint64_t seed = 100;
+  for (const Mechanism m : kAllMechanisms)
+    for (const Shape& s : shapes) {
+      grid.push_back({.mechanism = m, .B = 2, .T = s.T, .H = s.H, .HV = s.HV, .K = s.K,
+                      .V = s.V, .dtype = s.dtype, .initial_state = s.initial_state,
+                      .layout = s.layout, .seed = seed++});
+    }
+  return grid;
+}
+
+class CudaRecurrentGrid : public ::testing::TestWithParam<CaseConfig> {};
+
+TEST_P(CudaRecurrentGrid, MatchesReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  expect_forward_matches_reference(make_case(GetParam()), describe(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Forward, CudaRecurrentGrid, ::testing::ValuesIn(forward_grid()),
+                         [](const auto& info) { return describe(info.param); });
+
+TEST(CudaRecurrent, VarlenWithEmptyAndOneTokenSequences) {
+  FLASHDELTA_REQUIRE_GPU();
+  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet, Mechanism::gla}) {
+    const CaseConfig c{.mechanism = m, .T = 63, .H = 2, .HV = 4, .K = 64, .V = 96,
+                       .seqlens = {0, 1, 17, 0, 5, 40}};
+    expect_forward_matches_reference(make_case(c), std::string("varlen ") + mechanism_name(m));
+  }
+}
+
+TEST(CudaRecurrent, FusedTransformsAndGateForms) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 300;
+  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
+    for (int form = 0; form < 4; ++form) {
+      // Form 0: softplus with A_log and dt_bias; 1-3: lower bound, 2 without A_log, 3
+      // without dt_bias and with negative eigenvalues.
+      CaseConfig c{.mechanism = m, .B = 2, .T = 9, .H = 2, .HV = 4, .K = 128, .V = 128,
+                   .dtype = DType::bf16,
+                   .layout = form % 2 ? StateLayout::v_first : StateLayout::k_first,
+                   .qk_l2norm = true, .beta_sigmoid = true, .allow_neg_eigval = form == 3,
+                   .gate_in_kernel = true, .with_A_log = form != 2, .with_dt_bias = form != 3,
+                   .seed = seed++};
+      if (form >= 1) c.lower_bound = -5.0;
+      expect_forward_matches_reference(
+          make_case(c), std::string(mechanism_name(m)) + " gate form " + std::to_string(form));
+    }
+}
+
+TEST(CudaRecurrent, StrongGatesAndBetaZeroOne) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 400;
+  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet, Mechanism::simple_gla}) {
+    const CaseConfig c{.mechanism = m, .T = 30, .K = 64, .V = 64, .gate_min = -1000,
+                       .seed = seed++};
+    expect_forward_matches_reference(make_case(c), std::string("strong gates ") + mechanism_name(m));
+    for (const double b : {0.0, 1.0}) {
+      CaseConfig d = c;
+      d.gate_min = -1;
+      d.beta_value = b;
+      if (traits(m).delta)
+        expect_forward_matches_reference(make_case(d), "beta " + std::to_string(b));
+    }
+  }
+}
+
+TEST(CudaRecurrent, InPlaceAndWithoutFinalState) {
+  FLASHDELTA_REQUIRE_GPU();
+  const Case c = make_case({.B = 3, .T = 5, .K = 128, .V = 64});
+  const Outputs ref = run_reference(c);
+
+  HostTensor state = c.initial_state, o = c.make_output(DType::f32);
+  ForwardArgs a = c.args(o, nullptr);
+  a.initial_state = state.view;
+  a.final_state = state.view;  // in place
+  forward_on_device(a, c.options);
+  EXPECT_LT(rel_error(o.to_double(), ref.o), 2e-4);
+  EXPECT_LT(rel_error(state.to_double(), ref.state), 2e-4);
+
+  HostTensor o2 = c.make_output(DType::f32);
+  forward_on_device(c.args(o2, nullptr), c.options);
+  EXPECT_LT(rel_error(o2.to_double(), ref.o), 2e-4);
+}
+
+TEST(CudaRecurrent, DeterministicBitwise) {
+  FLASHDELTA_REQUIRE_GPU();
+  const Case c = make_case({.B = 4, .T = 33, .HV = 4, .K = 128, .V = 128});
+  HostTensor o1 = c.make_output(DType::f32), s1 = c.make_state();
+  HostTensor o2 = c.make_output(DType::f32), s2 = c.make_state();
+  forward_on_device(c.args(o1, &s1), c.options);
+  forward_on_device(c.args(o2, &s2), c.options);
+  EXPECT_EQ(o1.bytes, o2.bytes);
+  EXPECT_EQ(s1.bytes, s2.bytes);
+}
+
+// ---------------------------------------------------------------------------------------
+// Serving
+
+TEST(CudaDecode, InPlaceSlotsWithPaddingRows) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 1;
+  for (const Mechanism m : kAllMechanisms)
+    for (const int64_t T : {1, 2, 4, 8}) {
+      const CaseConfig cfg = decode_config(m, 4, T, 128, 128, seed++);
+      const DecodeCase d = make_decode_case(cfg, 9, DType::f32, {{7}, {-1}, {2}, {4}});
+      expect_decode_matches_reference(
+          d, std::string(mechanism_name(m)) + " T=" + std::to_string(T), decode_on_device);
+    }
+}
+
+TEST(CudaDecode, PerTokenSlotsWithAcceptedTokens) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 50;
+  for (const Mechanism m : {Mechanism::gla, Mechanism::gated_deltanet, Mechanism::kda})
+    for (const int64_t T : {2, 4, 8}) {
+      CaseConfig cfg = decode_config(m, 3, T, 64, 72, seed++);
+      cfg.layout = T == 4 ? StateLayout::v_first : StateLayout::k_first;
+      std::vector<std::vector<int64_t>> slots = {{0, 1, 2, 3}, {4, -1, 5, 6}, {-1, 7, 8, 9}};
+      for (size_t r = 0; r < slots.size(); ++r)
+        for (int64_t t = 4; t < T; ++t) slots[r].push_back(10 + static_cast<int64_t>(r) * 8 + t);
+      const DecodeCase d = make_decode_case(cfg, 40, DType::f32, slots, {2, 1, 1});
+      expect_decode_matches_reference(
+          d, std::string(mechanism_name(m)) + " per-token T=" + std::to_string(T),
+          decode_on_device);
+    }
+}
+
+TEST(CudaDecode, BFloat16PoolOddSizesBothLayouts) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 80;
+  for (const StateLayout layout : {StateLayout::k_first, StateLayout::v_first})
+    for (const Mechanism m : {Mechanism::gated_deltanet, Mechanism::kda, Mechanism::simple_gla})
+      for (const DType pool : {DType::f32, DType::bf16}) {
+        CaseConfig cfg = decode_config(m, 3, 2, 33, 47, seed++);
+        cfg.layout = layout;
+        const DecodeCase d = make_decode_case(cfg, 6, pool, {{5}, {0}, {3}});
+        expect_decode_matches_reference(
+            d, std::string(mechanism_name(m)) + " pool " + dtype_name(pool) +
+                   (layout == StateLayout::v_first ? " v_first" : " k_first"),
+            decode_on_device);
+      }
+}
+
+TEST(CudaDecode, VarlenRowsFusedTransformsBFloat16Inputs) {
+  FLASHDELTA_REQUIRE_GPU();
+  CaseConfig cfg = decode_config(Mechanism::kda, 1, 7, 128, 128, 99);
+  cfg.seqlens = {1, 0, 4, 2};
+  cfg.dtype = DType::bf16;
+  cfg.qk_l2norm = true;
+  cfg.beta_sigmoid = true;
+  cfg.gate_in_kernel = true;
+  cfg.lower_bound = -5.0;
+  const DecodeCase d = make_decode_case(cfg, 8, DType::f32, {{3}, {6}, {1}, {-1}});
+  expect_decode_matches_reference(d, "varlen kda bf16 inputs", decode_on_device);
+}
+
+TEST(CudaDecode, GroupedValueHeadsAndLargeHeads) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 120;
+  for (const int64_t kv : {256, 100}) {
+    CaseConfig cfg = decode_config(Mechanism::kda, 3, 1, kv, kv, seed++);
+    cfg.H = 2;
+    cfg.HV = 8;
+    const DecodeCase d = make_decode_case(cfg, 5, DType::f32, {{4}, {1}, {2}});
+    expect_decode_matches_reference(d, "gva K=V=" + std::to_string(kv), decode_on_device);
+  }
+}
+
+// Device-resident indices are not read by the host: an out-of-range slot (or accepted
+// count) makes the row a padding row instead of an out-of-bounds access.
+TEST(CudaDecode, OutOfRangeDeviceIndicesArePaddingRows) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig cfg = decode_config(Mechanism::kda, 3, 2, 64, 64, 5);
+  const DecodeCase d = make_decode_case(cfg, 3, DType::f32, {{-1}, {-1}, {-1}});
+  HostTensor pool = d.pool, o = d.c.make_output(DType::f32);
+  HostTensor idx(DType::i64, {3});
+  const int64_t bad[3] = {3, 1000000, -7};
+  std::memcpy(idx.bytes.data(), bad, sizeof bad);
+  o.fill(kPoison);
+  DecodeArgs a = d.args(o, pool);
+  a.state_indices = idx.view;
+  decode_on_device(a, d.c.options);
+  for (const double x : o.to_double()) ASSERT_EQ(x, 0.0);
+  EXPECT_EQ(pool.bytes, d.pool.bytes);
+}
+
+TEST(CudaDecode, DeterministicBitwise) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig cfg = decode_config(Mechanism::kda, 4, 2, 128, 128, 7);
+  const DecodeCase d = make_decode_case(cfg, 4, DType::f32, {{0}, {1}, {2}, {3}});
+  HostTensor pool_a = d.pool, pool_b = d.pool;
+  HostTensor o_a = d.c.make_output(DType::f32), o_b = d.c.make_output(DType::f32);
+  decode_on_device(d.args(o_a, pool_a), d.c.options);
+  decode_on_device(d.args(o_b, pool_b), d.c.options);
+  EXPECT_EQ(o_a.bytes, o_b.bytes);
+  EXPECT_EQ(pool_a.bytes, pool_b.bytes);
+}
+
+// A decode step captured in a CUDA graph and replayed twice equals two reference steps:
+// the call neither synchronises nor reads device memory on the host.
+TEST(CudaDecode, CapturedInCudaGraph) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig cfg = decode_config(Mechanism::kda, 2, 1, 128, 128, 11);
+  const DecodeCase d = make_decode_case(cfg, 2, DType::f32, {{1}, {0}});
+  HostTensor ref_pool = d.pool, ref_o = d.c.make_output(DType::f64);
+  decode(d.args(ref_o, ref_pool), d.c.options, Schedule::reference);
+  decode(d.args(ref_o, ref_pool), d.c.options, Schedule::reference);
+
+  HostTensor pool = d.pool, o = d.c.make_output(DType::f32);
+  const DecodeArgs host = d.args(o, pool);
+  DeviceMirror m;
+  DecodeArgs a = host;
+  for (auto [h, dv] : {std::pair{&host.q, &a.q}, {&host.k, &a.k}, {&host.v, &a.v},
+                       {&host.g, &a.g}, {&host.beta, &a.beta}, {&host.o, &a.o},
+                       {&host.state_pool, &a.state_pool}, {&host.state_indices, &a.state_indices}})
+    *dv = m.upload(*h);
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreate(&stream), "stream");
+  a.stream = stream;
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+  decode(a, d.c.options, Schedule::recurrent);
+  check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  check_cuda(cudaGraphLaunch(exec, stream), "replay 1");
+  check_cuda(cudaGraphLaunch(exec, stream), "replay 2");
+  check_cuda(cudaStreamSynchronize(stream), "sync");
+  m.download(a.o, o.view);
+  m.download(a.state_pool, pool.view);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  EXPECT_LT(rel_error(o.to_double(), ref_o.to_double()), 2e-4);
+  EXPECT_LT(rel_error(pool.to_double(), ref_pool.to_double()), 2e-4);
+}
+
+// 64-bit addressing: a pool of more than 2^31 elements (rows at its far end) and a launch
+// of more than 65,535 blocks.
+TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig cfg = decode_config(Mechanism::gated_deltanet, 2, 1, 128, 128, 13);
+  const DecodeCase d = make_decode_case(cfg, 2, DType::bf16, {{0}, {1}});
+  HostTensor ref_pool = d.pool, ref_o = d.c.make_output(DType::f64);
+  decode(d.args(ref_o, ref_pool), d.c.options, Schedule::reference);
+
+  const int64_t slot_elems = cfg.HV * cfg.K * cfg.V;  // 65536
+  const int64_t P = (int64_t{1} << 31) / slot_elems + 3;
+  HostTensor pool = d.pool, o = d.c.make_output(DType::f32);
+  const DecodeArgs host = d.args(o, pool);
+  DeviceMirror m;
+  DecodeArgs a = host;
+  for (auto [h, dv] : {std::pair{&host.q, &a.q}, {&host.k, &a.k}, {&host.v, &a.v},
+                       {&host.g, &a.g}, {&host.beta, &a.beta}, {&host.o, &a.o}})
+    *dv = m.upload(*h);
+  a.state_pool.device = Device::cuda;
+  a.state_pool.shape[0] = P;
+  a.state_pool.data = m.allocate(static_cast<size_t>(P * slot_elems * 2));
+  const size_t slot_bytes = static_cast<size_t>(slot_elems * 2);
+  auto* base = static_cast<unsigned char*>(a.state_pool.data);
+  // Host slot 0 -> device slot P - 1, host slot 1 -> device slot P - 2.
+  check_cuda(cudaMemcpy(base + (P - 1) * slot_bytes, pool.bytes.data(), slot_bytes,
+                        cudaMemcpyHostToDevice), "slot");
+  check_cuda(cudaMemcpy(base + (P - 2) * slot_bytes, pool.bytes.data() + slot_bytes, slot_bytes,
+                        cudaMemcpyHostToDevice), "slot");
+  HostTensor idx(DType::i64, {2});
+  const int64_t slots[2] = {P - 1, P - 2};
+  std::memcpy(idx.bytes.data(), slots, sizeof slots);
+  a.state_indices = m.upload(idx.view);
+  decode(a, d.c.options, Schedule::recurrent);
+  check_cuda(cudaDeviceSynchronize(), "decode");
+  m.download(a.o, o.view);
+  check_cuda(cudaMemcpy(pool.bytes.data(), base + (P - 1) * slot_bytes, slot_bytes,
+                        cudaMemcpyDeviceToHost), "slot");
+  check_cuda(cudaMemcpy(pool.bytes.data() + slot_bytes, base + (P - 2) * slot_bytes, slot_bytes,
+                        cudaMemcpyDeviceToHost), "slot");
+  EXPECT_LT(rel_error(o.to_double(), ref_o.to_double()), 1e-2);
+  EXPECT_LT(rel_error(pool.to_double(), ref_pool.to_double()), 1e-2);
+
+  // 1100 rows x 64 heads x 1 tile = 70,400 blocks.
+  CaseConfig wide = decode_config(Mechanism::kda, 1100, 1, 16, 16, 17);
+  wide.H = 16;
+  wide.HV = 64;
+  std::vector<std::vector<int64_t>> rows;
+  for (int64_t n = 0; n < 1100; ++n) rows.push_back({n});
+  const DecodeCase w = make_decode_case(wide, 1100, DType::f32, rows);
+  expect_decode_matches_reference(w, "70,400 blocks", decode_on_device);
+}
+
+TEST(CudaErrors, ClearMessagesAndNothingWritten) {
+  FLASHDELTA_REQUIRE_GPU();
+  const Case c = make_case(CaseConfig{});
+  DeviceMirror m;
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  const ForwardArgs host = c.args(o, &s);
+  ForwardArgs a = host;
+  for (auto [h, dv] : {std::pair{&host.q, &a.q}, {&host.k, &a.k}, {&host.v, &a.v},
+                       {&host.g, &a.g}, {&host.beta, &a.beta}, {&host.o, &a.o},
+                       {&host.initial_state, &a.initial_state}, {&host.final_state, &a.final_state}})
+    *dv = m.upload(*h);
+  auto expect_error = [&](const ForwardArgs& args, Schedule schedule, const std::string& needle) {
+    try {
+      forward(args, c.options, schedule);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error(a, Schedule::chunk, "'schedule'");
+  expect_error(a, Schedule::reference, "'schedule'");
+  ForwardArgs mixed = a;
+  mixed.k = host.k;  // a cpu tensor among cuda ones
+  expect_error(mixed, Schedule::recurrent, "'k'");
+  HostTensor s64(DType::f64, c.state_shape());
+  ForwardArgs f64 = a;
+  f64.final_state = m.upload(s64.view);
+  expect_error(f64, Schedule::recurrent, "'final_state'");
+}
+
+}  // namespace
+}  // namespace flashdelta::testing
