@@ -46,6 +46,7 @@ struct Case {
   fd::StateLayout layout;
   fd::DType state;
   fd::Mechanism mechanism;
+  bool out_of_place = false;  // forward from one pool into another instead of in place
 };
 
 struct Result {
@@ -97,14 +98,25 @@ Result run_case(const Case& c) {
   cudaStream_t s;
   check(cudaStreamCreate(&s), "stream");
   for (auto& a : args) a.stream = s;
+  // One step: a serving call in place, or a forward reading pool i and writing pool i + 1.
+  const auto step = [&](int i) {
+    const fd::DecodeArgs& a = args[i % pools];
+    if (!c.out_of_place) return fd::decode(a, o);
+    fd::ForwardArgs f;
+    f.q = a.q, f.k = a.k, f.v = a.v, f.g = a.g, f.beta = a.beta, f.A_log = a.A_log;
+    f.dt_bias = a.dt_bias, f.o = a.o, f.stream = a.stream;
+    f.initial_state = a.state_pool;
+    f.final_state = args[(i + 1) % pools].state_pool;
+    fd::forward(f, o, fd::Schedule::recurrent);
+  };
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  for (int i = 0; i < 3 * pools; ++i) fd::decode(args[i % pools], o);
+  for (int i = 0; i < 3 * pools; ++i) step(i);
   std::vector<double> ms;
   for (int i = 0; i < 200; ++i) {
     cudaEventRecord(e0, s);
-    fd::decode(args[i % pools], o);
+    step(i);
     cudaEventRecord(e1, s);
     cudaEventSynchronize(e1);
     float t = 0;
@@ -115,7 +127,7 @@ Result run_case(const Case& c) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   check(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
-  for (int i = 0; i < 100; ++i) fd::decode(args[i % pools], o);
+  for (int i = 0; i < 100; ++i) step(i);
   check(cudaStreamEndCapture(s, &graph), "capture end");
   check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
   std::vector<double> graph_us;
@@ -189,6 +201,8 @@ int main(int argc, char** argv) {
       {"kda T=4 N=64 per-token", 64, 32, 32, 128, 128, 4, kf, f32, fd::Mechanism::kda},
       {"kda bf16 state N=256", 256, 32, 32, 128, 128, 1, kf, bf16, fd::Mechanism::kda},
       {"gdn N=256 HV=32", 256, 32, 32, 128, 128, 1, kf, f32, fd::Mechanism::gated_deltanet},
+      {"kda N=256 out-of-place k_first", 256, 32, 32, 128, 128, 1, kf, f32, fd::Mechanism::kda, true},
+      {"kda N=256 out-of-place v_first", 256, 32, 32, 128, 128, 1, vf, f32, fd::Mechanism::kda, true},
   };
   std::printf("device: %s, copy bandwidth %.0f GB/s (read + write)\n", prop.name, copy);
   std::printf("%-28s %10s %12s %10s %8s\n", "case", "ms", "graph us", "GB/s", "% copy");

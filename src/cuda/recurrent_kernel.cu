@@ -16,6 +16,7 @@
 // a warp all the keys of its columns, so a column sum is an in-thread sum and a few
 // shuffles, with no shared memory and no barrier. Per-thread work is large (up to 64
 // values) so that the per-token fixed costs (staging, addressing) are spread thin.
+#include <atomic>
 #include <climits>
 #include <string>
 
@@ -278,10 +279,10 @@ __global__ void __launch_bounds__(kThreads, Tile<KB, KeyContig>::kMinBlocks)
 template <int KB, bool KeyContig, class S>
 int64_t resident_blocks() {
   constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
+  static std::atomic<int> cached[kMaxDevices] = {};  // 0 = not yet known
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
-  if (cached[device] == 0) {
+  if (cached[device].load(std::memory_order_relaxed) == 0) {
     const auto kernel = recurrent_kernel<KB, KeyContig, S>;
     constexpr int smem = prefetch_bytes<KB, KeyContig, S>();
     int sms = 0, per_sm = 0;
@@ -291,9 +292,9 @@ int64_t resident_blocks() {
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) !=
             cudaSuccess)
       return 0;
-    cached[device] = sms * (per_sm > 0 ? per_sm : 1);
+    cached[device].store(sms * (per_sm > 0 ? per_sm : 1), std::memory_order_relaxed);
   }
-  return cached[device];
+  return cached[device].load(std::memory_order_relaxed);
 }
 
 template <int KB, bool KeyContig, class S>
@@ -303,8 +304,9 @@ void launch(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t resident = resident_blocks<KB, KeyContig, S>();
   if (resident == 0) {
     const cudaError_t err = cudaGetLastError();
-    throw Error(ErrorCode::runtime, std::string("CUDA recurrent kernel setup failed: ") +
-                                        cudaGetErrorString(err));
+    throw Error(ErrorCode::runtime,
+                std::string("CUDA recurrent kernel setup failed on the current device: ") +
+                    cudaGetErrorString(err));
   }
   const int64_t grid = blocks < resident ? blocks : resident;
   recurrent_kernel<KB, KeyContig, S>
