@@ -117,9 +117,11 @@ __device__ __forceinline__ void store_run(S* p, int64_t step, int valid, bool ve
 }
 
 // Asynchronous global -> shared copy of Bytes (4, 8 or 16) bytes of which the first
-// src_bytes are read and the rest zero-filled (cp.async; Ampere and later).
+// src_bytes are read and the rest zero-filled (cp.async, Ampere and later; older GPUs copy
+// synchronously, which is correct, only slower).
 template <int Bytes>
 __device__ __forceinline__ void copy_async(void* smem, const void* gmem, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   if constexpr (Bytes == 16)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
@@ -127,13 +129,24 @@ __device__ __forceinline__ void copy_async(void* smem, const void* gmem, int src
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem),
                  "n"(Bytes), "r"(src_bytes));
+#else
+  for (int b = 0; b < Bytes; ++b)
+    static_cast<unsigned char*>(smem)[b] =
+        b < src_bytes ? static_cast<const unsigned char*>(gmem)[b] : 0;
+#endif
 }
 
-__device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void commit_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 
 template <int Pending>
 __device__ __forceinline__ void wait_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+#endif
 }
 
 }  // namespace flashdelta::detail::cuda
