@@ -149,4 +149,15 @@ inline CaseConfig decode_config(Mechanism m, int64_t N, int64_t T, int64_t K, in
   return cfg;
 }
 
+// KDA rows of 1, 0, 4 and 2 tokens (varlen) with bf16 inputs, every fused transform and the
+// lower-bound gate; the last row is padding.
+inline DecodeCase varlen_fused_decode_case() {
+  CaseConfig cfg = decode_config(Mechanism::kda, 1, 7, 128, 128, 99);
+  cfg.seqlens = {1, 0, 4, 2};
+  cfg.dtype = DType::bf16;
+  cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
+  cfg.lower_bound = -5.0;
+  return make_decode_case(cfg, 8, DType::f32, {{3}, {6}, {1}, {-1}});
+}
+
 }  // namespace flashdelta::testing

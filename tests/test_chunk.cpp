@@ -435,19 +435,7 @@ TEST(Chunk, VectorisedTransformsOnEveryTarget) {
       for (int64_t K : {1, 7, 33, 128})
         for (std::optional<double> lower_bound : {std::optional<double>(), {-5.0}})
           for (double spread : {1.0, 40.0}) {
-            CaseConfig cfg;
-            cfg.dtype = dtype;
-            cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
-            cfg.lower_bound = lower_bound;
-            cfg.T = 24;
-            cfg.K = K;
-            cfg.V = 16;
-            Case c = make_case(cfg);
-            for (HostTensor* raw : {&c.g, &c.beta}) {
-              std::vector<double> x = raw->to_double();
-              for (double& e : x) e *= spread;
-              raw->set(x);
-            }
+            const Case c = make_transform_case(dtype, K, lower_bound, spread);
             SCOPED_TRACE("raw gates and betas x" + std::to_string(spread));
             expect_matches_reference(c, RunConfig{16});
           }

@@ -425,14 +425,7 @@ TEST(RecurrentDecode, BFloat16PoolOddSizesVFirst) {
 }
 
 TEST(RecurrentDecode, VarlenRowsAndBFloat16Inputs) {
-  CaseConfig cfg = decode_config(Mechanism::kda, 1, 7, 128, 128, 99);
-  cfg.seqlens = {1, 0, 4, 2};
-  cfg.dtype = DType::bf16;
-  cfg.qk_l2norm = true;
-  cfg.beta_sigmoid = true;
-  cfg.gate_in_kernel = true;
-  cfg.lower_bound = -5.0;
-  const DecodeCase d = make_decode_case(cfg, 8, DType::f32, {{3}, {6}, {1}, {-1}});
+  const DecodeCase d = varlen_fused_decode_case();
   expect_decode_matches_reference(d, "varlen kda bf16 inputs");
 }
 
@@ -498,18 +491,7 @@ TEST(RecurrentTargets, VectorisedTransformsMatchReference) {
     for (const int64_t K : {1, 7, 33, 128})
       for (const std::optional<double> lower_bound : {std::optional<double>(), {-5.0}})
         for (const double spread : {1.0, 40.0}) {
-          CaseConfig cfg;
-          cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
-          cfg.lower_bound = lower_bound;
-          cfg.T = 24;
-          cfg.K = K;
-          cfg.V = 16;
-          Case c = make_case(cfg);
-          for (HostTensor* raw : {&c.g, &c.beta}) {
-            std::vector<double> x = raw->to_double();
-            for (double& e : x) e *= spread;
-            raw->set(x);
-          }
+          const Case c = make_transform_case(DType::f32, K, lower_bound, spread);
           expect_matches_reference(c, std::string(cpu_simd_target()) + ": K=" + std::to_string(K) +
                                           (lower_bound ? " lower_bound" : " softplus") +
                                           " spread=" + std::to_string(spread));

@@ -191,6 +191,27 @@ inline Case make_case(const CaseConfig& c) {
   return out;
 }
 
+// A case with every fused transform on (q/k L2 norm, beta sigmoid, gate activation in the
+// softplus or lower-bound form), T = 24, V = 16, and the raw gates and betas scaled by
+// `spread` so that the activations reach their saturated ranges.
+inline Case make_transform_case(DType dtype, int64_t K, std::optional<double> lower_bound,
+                                double spread) {
+  CaseConfig cfg;
+  cfg.dtype = dtype;
+  cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
+  cfg.lower_bound = lower_bound;
+  cfg.T = 24;
+  cfg.K = K;
+  cfg.V = 16;
+  Case c = make_case(cfg);
+  for (HostTensor* raw : {&c.g, &c.beta}) {
+    std::vector<double> x = raw->to_double();
+    for (double& e : x) e *= spread;
+    raw->set(x);
+  }
+  return c;
+}
+
 // Relative Frobenius error ||a - b|| / max(||b||, tiny).
 inline double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;

@@ -149,16 +149,21 @@ class Problem:
 # The two implementations: call(problem, r, pool=None) runs one serving step on set r and
 # returns (o, states written) (states for the correctness check: the pool slots of set r).
 
+def serving_kwargs(prob, r, pool):
+    """The fla serving-form keywords of one step on set r (ours and the reference share them)."""
+    kw = dict(initial_state=pool, ssm_state_indices=prob.indices[r], inplace_final_state=True,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=prob.A_log,
+              dt_bias=prob.dt_bias, use_beta_sigmoid_in_kernel=True,
+              state_v_first=prob.v_first, scale=prob.scale)
+    if prob.p["spec"]:
+        kw["num_accepted_tokens"] = prob.accepted[r]
+    return kw
+
+
 def ours_call(flashdelta, prob, r, pool=None):
     pool = prob.pool if pool is None else pool
     x = prob.inputs[r]
-    common = dict(initial_state=pool, ssm_state_indices=prob.indices[r],
-                  inplace_final_state=True, use_qk_l2norm_in_kernel=True,
-                  use_gate_in_kernel=True, A_log=prob.A_log, dt_bias=prob.dt_bias,
-                  use_beta_sigmoid_in_kernel=True, state_v_first=prob.v_first,
-                  scale=prob.scale)
-    if prob.p["spec"]:
-        common["num_accepted_tokens"] = prob.accepted[r]
+    common = serving_kwargs(prob, r, pool)
     if prob.p["mech"] == "gdn":
         o, _ = flashdelta.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"],
                                                            beta=x["beta"], **common)
@@ -172,13 +177,7 @@ def reference_call(flashdelta, prob, r, pool=None):
     """The dry run's baseline: FlashDelta's fp64 reference (results cast to the inputs')."""
     pool = prob.pool if pool is None else pool
     x = prob.inputs[r]
-    common = dict(initial_state=pool, ssm_state_indices=prob.indices[r],
-                  inplace_final_state=True, use_qk_l2norm_in_kernel=True,
-                  use_gate_in_kernel=True, A_log=prob.A_log, dt_bias=prob.dt_bias,
-                  use_beta_sigmoid_in_kernel=True, state_v_first=prob.v_first,
-                  scale=prob.scale)
-    if prob.p["spec"]:
-        common["num_accepted_tokens"] = prob.accepted[r]
+    common = serving_kwargs(prob, r, pool)
     ref = flashdelta.reference
     if prob.p["mech"] == "gdn":
         o, _ = ref.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"],

@@ -216,14 +216,7 @@ TEST(CudaDecode, BFloat16PoolOddSizesBothLayouts) {
 
 TEST(CudaDecode, VarlenRowsFusedTransformsBFloat16Inputs) {
   FLASHDELTA_REQUIRE_GPU();
-  CaseConfig cfg = decode_config(Mechanism::kda, 1, 7, 128, 128, 99);
-  cfg.seqlens = {1, 0, 4, 2};
-  cfg.dtype = DType::bf16;
-  cfg.qk_l2norm = true;
-  cfg.beta_sigmoid = true;
-  cfg.gate_in_kernel = true;
-  cfg.lower_bound = -5.0;
-  const DecodeCase d = make_decode_case(cfg, 8, DType::f32, {{3}, {6}, {1}, {-1}});
+  const DecodeCase d = varlen_fused_decode_case();
   expect_decode_matches_reference(d, "varlen kda bf16 inputs", decode_on_device);
 }
 
