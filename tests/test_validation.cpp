@@ -50,6 +50,16 @@ TEST(Validation, WrongRank) {
                        {"'q'", "rank 4", "rank 3"});
 }
 
+// An empty batch of 2^40 rows is refused with a message, not an allocation failure.
+TEST(Validation, HugeEmptyBatch) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) {
+    for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.o}) {
+      t->shape[0] = int64_t{1} << 40;
+      t->shape[1] = 0;
+    }
+  }, {"'q'", "batch size"});
+}
+
 TEST(Validation, KeyShapeMismatch) {
   expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) { a.k.shape[3] = 7; },
                        {"'k'", "[1, 9, 2, 8]", "[1, 9, 2, 7]"});
@@ -248,6 +258,17 @@ TEST(DecodeValidation, SlotOutOfRange) {
 TEST(DecodeValidation, DuplicateSlots) {
   DecodeCase d = make_decode(3, 1, 4, {2, -1, 2}, {3});
   expect_decode_error(d, d.args(), {"'state_indices'", "slot 2", "rows 0 and 2"});
+}
+
+// Rows run concurrently, so a row may not start from a slot another row writes.
+TEST(DecodeValidation, StartSlotWrittenByAnotherRow) {
+  DecodeCase d = make_decode(2, 1, 8, {4, 1, 1, 5}, {2, 2});
+  d.accepted = HostTensor(DType::i64, {2});
+  static_cast<int64_t*>(d.accepted.view.data)[0] = 2;  // row 0 starts from slot 1
+  static_cast<int64_t*>(d.accepted.view.data)[1] = 1;  // row 1 writes slot 1
+  DecodeArgs a = d.args();
+  a.num_accepted_tokens = d.accepted.view;
+  expect_decode_error(d, a, {"'state_indices'", "row 0 starts from slot 1", "row 1 writes"});
 }
 
 TEST(DecodeValidation, AcceptedTokensNeedPerTokenSlots) {

@@ -132,6 +132,11 @@ void check_token_inputs(Problem& p, const TensorView& q, const TensorView& k,
   check_float(q, "q");
   check_pointer(q, "q");
   p.B = q.shape[0];
+  // The sequence table has one entry per row: bound B so a huge empty batch fails here
+  // with a message rather than in an allocation.
+  constexpr int64_t kMaxBatch = int64_t{1} << 31;
+  if (p.B > kMaxBatch)
+    fail(arg("q") + "expected batch size B <= 2^31, got B = " + std::to_string(p.B));
   p.T = q.shape[1];
   p.H = q.shape[2];
   p.K = q.shape[3];
@@ -424,6 +429,16 @@ DecodeProblem validate_decode(const DecodeArgs& a, const Options& o) {
       fail(arg("state_indices") + "slot " + std::to_string(written[i].first) +
            " is written by rows " + std::to_string(written[i - 1].second) + " and " +
            std::to_string(written[i].second));
+  // Rows run concurrently: a row must not start from a slot another row writes.
+  for (int64_t n = 0; read_indices && n < p.N; ++n) {
+    const int64_t start = decode_start_slot(d, n);
+    if (start < 0) continue;
+    auto it = std::lower_bound(written.begin(), written.end(), std::pair<int64_t, int64_t>{start, -1});
+    for (; it != written.end() && it->first == start; ++it)
+      if (it->second != n)
+        fail(arg("state_indices") + "row " + std::to_string(n) + " starts from slot " +
+             std::to_string(start) + ", which row " + std::to_string(it->second) + " writes");
+  }
 
   if (!a.o.present()) fail(arg("o") + "is required (the output)");
   check_output_like(a.o, "o", "[B, T, HV, V]", {p.B, p.T, p.HV, p.V}, a.q.device);
