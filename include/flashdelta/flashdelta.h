@@ -23,6 +23,12 @@
 //   A_log    [HV]; dt_bias [HV, K] or [HV * K] (vector gate), [HV] (scalar gate)
 // K and V are 1..256. Nothing is written unless every argument is valid; errors are
 // thrown as flashdelta::Error with a message naming the argument.
+//
+// Devices: every tensor of a call lives on the device of q. On cuda (builds with CUDA) the
+// recurrent schedule runs, asynchronously on `stream`, and the host reads no tensor data:
+// cu_seqlens, state_indices and num_accepted_tokens are checked for shape and dtype only,
+// and the kernel treats an out-of-range value as a padding row (or clamps an offset) rather
+// than access memory outside the tensors.
 #pragma once
 
 #include "flashdelta/options.h"
