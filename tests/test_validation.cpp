@@ -2,6 +2,8 @@
 // names the argument, and nothing is written.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <functional>
 
 #include "test_util.h"
@@ -287,6 +289,29 @@ TEST(DecodeValidation, AcceptedTokensInRange) {
   DecodeArgs a = d.args();
   a.num_accepted_tokens = d.accepted.view;
   expect_decode_error(d, a, {"'num_accepted_tokens'", "1..2", "got 3"});
+}
+
+TEST(DecodeValidation, NoSlotsPerRow) {
+  DecodeCase d = make_decode(2, 1, 4, {}, {2, 0});
+  expect_decode_error(d, d.args(), {"'state_indices'", "at least 1 slot"});
+}
+
+TEST(DecodeValidation, OutputOverlappingTheIndices) {
+  DecodeCase d = make_decode(1, 1, 2, {0}, {1});
+  DecodeArgs a = d.args();
+  const int64_t slot = 0;
+  std::memcpy(d.o.view.data, &slot, sizeof slot);  // a valid index stored inside o
+  a.state_indices.data = d.o.view.data;
+  const std::vector<unsigned char> o_before = d.o.bytes;
+  try {
+    decode(a, d.c.options);
+    FAIL() << "expected an overlap error";
+  } catch (const Error& e) {
+    for (const char* n : {"'o'", "overlaps", "'state_indices'"})
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(d.o.bytes, o_before);
+  for (double x : d.pool.to_double()) ASSERT_EQ(x, kPoison);
 }
 
 TEST(DecodeValidation, TooFewSlotsPerRow) {

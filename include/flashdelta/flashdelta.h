@@ -65,7 +65,9 @@ void forward(const ForwardArgs& args, const Options& options,
 //              a_n = num_accepted_tokens[n] (1 when absent), and after its token t writes
 //              the state to slot state_indices[n, t] (if >= 0). S >= tokens per row.
 //   A start slot of -1 marks a padding row: it is skipped and its outputs are zeros.
-//   Slots written by different rows must differ (checked).
+//   Slots written by different rows must differ, and no row may start from a slot another
+//   row writes (checked for cpu indices; on cuda the host cannot read them, and such a call
+//   gives timing-dependent states).
 struct DecodeArgs {
   TensorView q, k, v, g, beta;
   TensorView cu_seqlens;           // optional

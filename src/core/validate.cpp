@@ -134,9 +134,9 @@ void check_token_inputs(Problem& p, const TensorView& q, const TensorView& k,
   p.B = q.shape[0];
   // The sequence table has one entry per row: bound B so a huge empty batch fails here
   // with a message rather than in an allocation.
-  constexpr int64_t kMaxBatch = int64_t{1} << 31;
+  constexpr int64_t kMaxBatch = int64_t{1} << 24;
   if (p.B > kMaxBatch)
-    fail(arg("q") + "expected batch size B <= 2^31, got B = " + std::to_string(p.B));
+    fail(arg("q") + "expected batch size B <= 2^24, got B = " + std::to_string(p.B));
   p.T = q.shape[1];
   p.H = q.shape[2];
   p.K = q.shape[3];
@@ -158,6 +158,9 @@ void check_token_inputs(Problem& p, const TensorView& q, const TensorView& k,
   if (p.HV < 1 || p.HV % p.H != 0)
     fail(arg("v") + "expected HV a positive multiple of H = " + std::to_string(p.H) +
          ", got HV = " + std::to_string(p.HV));
+  constexpr int64_t kMaxHeads = int64_t{1} << 24;  // with B <= 2^24: B x HV fits in 2^48
+  if (p.HV > kMaxHeads)
+    fail(arg("v") + "expected at most 2^24 value heads, got HV = " + std::to_string(p.HV));
   if (p.V < 1 || p.V > kMaxHeadDim)
     fail(arg("v") + "expected value dimension V in 1..256, got V = " + std::to_string(p.V));
   p.group = p.HV / p.H;
@@ -313,6 +316,7 @@ void check_inputs_untouched(const TensorView& out, const char* name, const Probl
   check_no_overlap(out, name, in.v, "v");
   check_no_overlap(out, name, in.g, "g");
   check_no_overlap(out, name, in.beta, "beta");
+  check_no_overlap(out, name, p.cu_seqlens, "cu_seqlens");
   check_no_overlap(out, name, in.A_log, "A_log");
   check_no_overlap(out, name, in.dt_bias, "dt_bias");
   if (!same_view(out, initial_state)) check_no_overlap(out, name, initial_state, "initial_state");
@@ -380,6 +384,8 @@ DecodeProblem validate_decode(const DecodeArgs& a, const Options& o) {
   // a padding row, and skips token writes beyond S. Only shapes are checked here.
   const bool read_indices = idx.device == Device::cpu;
   p.indices_on_host = read_indices;
+  if (d.per_token_slots && idx.shape[1] < 1)
+    fail(arg("state_indices") + "expected at least 1 slot per row, got " + shape_str(idx));
   if (d.per_token_slots && read_indices && idx.shape[1] < std::max<int64_t>(p.max_len(), 1))
     fail(arg("state_indices") + "expected at least " + std::to_string(p.max_len()) +
          " slots per row (the longest sequence), got " + shape_str(idx));
@@ -445,6 +451,10 @@ DecodeProblem validate_decode(const DecodeArgs& a, const Options& o) {
   check_inputs_untouched(a.o, "o", p, TensorView{});
   check_no_overlap(a.o, "o", a.state_pool, "state_pool");
   check_inputs_untouched(a.state_pool, "state_pool", p, TensorView{});
+  for (const auto& [out, out_name] : {std::pair{&a.o, "o"}, {&a.state_pool, "state_pool"}}) {
+    check_no_overlap(*out, out_name, a.state_indices, "state_indices");
+    check_no_overlap(*out, out_name, a.num_accepted_tokens, "num_accepted_tokens");
+  }
   return d;
 }
 

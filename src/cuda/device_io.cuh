@@ -125,10 +125,12 @@ __device__ __forceinline__ void copy_async(void* smem, const void* gmem, int src
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   if constexpr (Bytes == 16)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-                 "r"(src_bytes));
+                 "r"(src_bytes)
+                 : "memory");
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem),
-                 "n"(Bytes), "r"(src_bytes));
+                 "n"(Bytes), "r"(src_bytes)
+                 : "memory");
 #else
   for (int b = 0; b < Bytes; ++b)
     static_cast<unsigned char*>(smem)[b] =
@@ -138,14 +140,14 @@ __device__ __forceinline__ void copy_async(void* smem, const void* gmem, int src
 
 __device__ __forceinline__ void commit_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 
 template <int Pending>
 __device__ __forceinline__ void wait_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 #endif
 }
 

@@ -50,11 +50,9 @@ __device__ __forceinline__ int64_t token_offset(const TokenTensor& x, const Sequ
 // Slot the row starts from; -1 = padding row (also for out-of-range device indices).
 __device__ int64_t start_slot(const RecurrentParams& p, int64_t n) {
   if (!p.serving) return n;
-  int64_t col = 0;
-  if (p.per_token_slots && p.num_accepted.data) {
-    col = load_index(p.num_accepted, n, 0) - 1;
-    if (col < 0 || col >= p.state_indices.cols) return -1;
-  }
+  const int64_t col =
+      p.per_token_slots && p.num_accepted.data ? load_index(p.num_accepted, n, 0) - 1 : 0;
+  if (col < 0 || col >= p.state_indices.cols) return -1;
   const int64_t s = load_index(p.state_indices, n, col);
   return s >= 0 && s < p.pool_slots ? s : -1;
 }
