@@ -485,6 +485,8 @@ Judgement judge(const Case& c) {
   for (int64_t s : {B, T, H, HV, K, V, N})  // far beyond memory: not this harness's question
     if (s > (int64_t{1} << 40)) j.unknown();
   if (B < 0 || T < 0) j.invalid("negative B or T");
+  if (B > (int64_t{1} << 24)) j.invalid("B above 2^24");
+  if (HV > (int64_t{1} << 24)) j.invalid("HV above 2^24");
   if (H < 1) j.invalid("H < 1");
   if (HV < 1 || (H >= 1 && HV % H != 0)) j.invalid("HV not a positive multiple of H");
   if (K < 1 || K > 256 || V < 1 || V > 256) j.invalid("K or V outside 1..256");
