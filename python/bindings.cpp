@@ -327,6 +327,22 @@ fd::StateLayout parse_layout(const std::string& s) {
                   "argument 'state_layout': expected k_first or v_first, got " + s);
 }
 
+// The per-token inputs every entry point takes, read in one order (q first: it fixes the
+// array kind and device the others must match).
+template <class Args>
+void set_token_inputs(CallViews& views, Args& a, nb::handle q, nb::handle k, nb::handle v,
+                      nb::handle g, nb::handle beta, nb::handle cu_seqlens, nb::handle A_log,
+                      nb::handle dt_bias) {
+  a.q = views.input(q, "q");
+  a.k = views.input(k, "k");
+  a.v = views.input(v, "v");
+  a.g = views.input(g, "g");
+  a.beta = views.input(beta, "beta");
+  a.cu_seqlens = views.input(cu_seqlens, "cu_seqlens");
+  a.A_log = views.input(A_log, "A_log");
+  a.dt_bias = views.input(dt_bias, "dt_bias");
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -362,15 +378,8 @@ NB_MODULE(_C, m) {
          const std::string& schedule, uintptr_t stream) {
         CallViews views;
         fd::ForwardArgs a;
-        a.q = views.input(q, "q");
-        a.k = views.input(k, "k");
-        a.v = views.input(v, "v");
-        a.g = views.input(g, "g");
-        a.beta = views.input(beta, "beta");
+        set_token_inputs(views, a, q, k, v, g, beta, cu_seqlens, A_log, dt_bias);
         a.initial_state = views.input(initial_state, "initial_state");
-        a.cu_seqlens = views.input(cu_seqlens, "cu_seqlens");
-        a.A_log = views.input(A_log, "A_log");
-        a.dt_bias = views.input(dt_bias, "dt_bias");
         a.o = views.output(o, "o");
         a.final_state = views.output(final_state, "final_state");
         a.stream = reinterpret_cast<void*>(stream);
@@ -393,14 +402,7 @@ NB_MODULE(_C, m) {
          const fd::Options& options, const std::string& schedule, uintptr_t stream) {
         CallViews views;
         fd::DecodeArgs a;
-        a.q = views.input(q, "q");
-        a.k = views.input(k, "k");
-        a.v = views.input(v, "v");
-        a.g = views.input(g, "g");
-        a.beta = views.input(beta, "beta");
-        a.cu_seqlens = views.input(cu_seqlens, "cu_seqlens");
-        a.A_log = views.input(A_log, "A_log");
-        a.dt_bias = views.input(dt_bias, "dt_bias");
+        set_token_inputs(views, a, q, k, v, g, beta, cu_seqlens, A_log, dt_bias);
         a.state_pool = views.output(state_pool, "state_pool");
         a.state_indices = views.input(state_indices, "state_indices");
         a.num_accepted_tokens = views.input(num_accepted_tokens, "num_accepted_tokens");
@@ -426,15 +428,8 @@ NB_MODULE(_C, m) {
          uintptr_t stream) {
         CallViews views;
         fd::BackwardArgs a;
-        a.q = views.input(q, "q");
-        a.k = views.input(k, "k");
-        a.v = views.input(v, "v");
-        a.g = views.input(g, "g");
-        a.beta = views.input(beta, "beta");
+        set_token_inputs(views, a, q, k, v, g, beta, cu_seqlens, A_log, dt_bias);
         a.initial_state = views.input(initial_state, "initial_state");
-        a.cu_seqlens = views.input(cu_seqlens, "cu_seqlens");
-        a.A_log = views.input(A_log, "A_log");
-        a.dt_bias = views.input(dt_bias, "dt_bias");
         a.d_o = views.input(d_o, "d_o");
         a.d_final_state = views.input(d_final_state, "d_final_state");
         a.dq = views.output(dq, "dq");

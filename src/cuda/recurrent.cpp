@@ -102,12 +102,11 @@ RecurrentParams problem_params(const Problem& p) {
   return r;
 }
 
-void launch(RecurrentParams& r, const StateTensor& a, const StateTensor& b, DType state_dtype,
-            bool key_contiguous, void* stream) {
-  const int64_t run = cuda::kStateRunLength;
+// Picks the vector path when both state tensors allow it, then launches.
+void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* stream) {
   const int64_t elem = dtype_size(state_dtype);
-  r.vector_ok = allows_vectors(a, key_contiguous, run, elem) &&
-                allows_vectors(b, key_contiguous, run, elem);
+  r.vector_ok = allows_vectors(r.state_in, key_contiguous, cuda::kStateRunLength, elem) &&
+                allows_vectors(r.state_out, key_contiguous, cuda::kStateRunLength, elem);
   cuda::launch_recurrent(r, state_dtype, key_contiguous, stream);
 }
 
@@ -127,8 +126,7 @@ void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream)
   r.o = token_tensor(io.o);
   r.state_in = state_tensor(io.initial_state);
   r.state_out = state_tensor(io.final_state);
-  launch(r, r.state_in, r.state_out, DType::f32,
-         p.options.state_layout == StateLayout::v_first, stream);
+  launch(r, DType::f32, p.options.state_layout == StateLayout::v_first, stream);
 }
 
 void cuda_recurrent_decode(const DecodeProblem& d, const TensorView& o, void* stream) {
@@ -140,8 +138,7 @@ void cuda_recurrent_decode(const DecodeProblem& d, const TensorView& o, void* st
   r.state_indices = index_tensor(d.state_indices);
   r.num_accepted = index_tensor(d.num_accepted_tokens);
   r.per_token_slots = d.per_token_slots;
-  launch(r, r.state_in, r.state_out, d.pool.t.dtype,
-         d.p.options.state_layout == StateLayout::v_first, stream);
+  launch(r, d.pool.t.dtype, d.p.options.state_layout == StateLayout::v_first, stream);
 }
 
 }  // namespace flashdelta::detail

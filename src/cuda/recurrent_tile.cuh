@@ -49,7 +49,6 @@ struct Tile {
 // axis: key-contiguous, chunk c = 4 g + e holds keys key(4 g)..+3 of column e; otherwise
 // chunk c holds columns 0..3 of key row key(c). Out-of-range elements read 0 and are never
 // written (`valid` counts the in-range ones).
-template <int KB, bool KeyContig>
 struct Chunk {
   int64_t offset;  // from the thread's tile base
   int64_t step;    // between the chunk's elements
@@ -57,7 +56,7 @@ struct Chunk {
 };
 
 template <int KB, bool KeyContig>
-__device__ __forceinline__ Chunk<KB, KeyContig> chunk_of(const RecurrentParams& p,
+__device__ __forceinline__ Chunk chunk_of(const RecurrentParams& p,
                                                          const StateTensor& st,
                                                          const Tile<KB, KeyContig>& tile,
                                                          int j0, int c) {
@@ -94,7 +93,7 @@ __device__ void load_tile(const RecurrentParams& p, const StateTensor& st, const
                           float (&x)[Tile<KB, KeyContig>::RK][4]) {
 #pragma unroll
   for (int c = 0; c < Tile<KB, KeyContig>::RK; ++c) {
-    const Chunk<KB, KeyContig> ch = chunk_of(p, st, tile, j0, c);
+    const Chunk ch = chunk_of(p, st, tile, j0, c);
     float run[4];
     load_run<4>(base + ch.offset, ch.step, ch.valid, p.vector_ok, run);
     set_chunk<Tile<KB, KeyContig>::RK, KeyContig>(x, c, run);
@@ -107,7 +106,7 @@ __device__ void store_tile(const RecurrentParams& p, const StateTensor& st, S* b
                            const float (&x)[Tile<KB, KeyContig>::RK][4]) {
 #pragma unroll
   for (int c = 0; c < Tile<KB, KeyContig>::RK; ++c) {
-    const Chunk<KB, KeyContig> ch = chunk_of(p, st, tile, j0, c);
+    const Chunk ch = chunk_of(p, st, tile, j0, c);
     float run[4];
     get_chunk<Tile<KB, KeyContig>::RK, KeyContig>(x, c, run);
     store_run<4>(base + ch.offset, ch.step, ch.valid, p.vector_ok, run);
@@ -123,7 +122,7 @@ __device__ void prefetch_tile(const RecurrentParams& p, const StateTensor& st, c
   constexpr int kBytes = 4 * sizeof(S);
 #pragma unroll
   for (int c = 0; c < Tile<KB, KeyContig>::RK; ++c) {
-    const Chunk<KB, KeyContig> ch = chunk_of(p, st, tile, j0, c);
+    const Chunk ch = chunk_of(p, st, tile, j0, c);
     copy_async<kBytes>(buffer + 4 * (c * kThreads + threadIdx.x), base + ch.offset,
                        ch.valid * static_cast<int>(sizeof(S)));
   }

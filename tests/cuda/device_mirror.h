@@ -35,18 +35,9 @@ inline void forward_on_device(const ForwardArgs& host, const Options& options,
 
 // The same for a serving call: the pool is updated in place and read back whole.
 inline void decode_on_device(const DecodeArgs& host, const Options& options) {
-  DeviceMirror m;
-  DecodeArgs d = host;
-  for (auto [h, dv] : {std::pair{&host.q, &d.q}, {&host.k, &d.k}, {&host.v, &d.v},
-                       {&host.g, &d.g}, {&host.beta, &d.beta}, {&host.cu_seqlens, &d.cu_seqlens},
-                       {&host.A_log, &d.A_log}, {&host.dt_bias, &d.dt_bias}, {&host.o, &d.o},
-                       {&host.state_pool, &d.state_pool}, {&host.state_indices, &d.state_indices},
-                       {&host.num_accepted_tokens, &d.num_accepted_tokens}})
-    *dv = m.upload(*h);
-  decode(d, options, Schedule::recurrent);
-  check_cuda(cudaDeviceSynchronize(), "decode");
-  m.download(d.o, host.o);
-  m.download(d.state_pool, host.state_pool);
+  cli::DeviceDecode d(host);
+  decode(d.args, options, Schedule::recurrent);
+  d.download_outputs(host);
 }
 
 }  // namespace flashdelta::testing

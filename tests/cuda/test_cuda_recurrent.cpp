@@ -273,13 +273,9 @@ TEST(CudaDecode, CapturedInCudaGraph) {
   decode(d.args(ref_o, ref_pool), d.c.options, Schedule::reference);
 
   HostTensor pool = d.pool, o = d.c.make_output(DType::f32);
-  const DecodeArgs host = d.args(o, pool);
-  DeviceMirror m;
-  DecodeArgs a = host;
-  for (auto [h, dv] : {std::pair{&host.q, &a.q}, {&host.k, &a.k}, {&host.v, &a.v},
-                       {&host.g, &a.g}, {&host.beta, &a.beta}, {&host.o, &a.o},
-                       {&host.state_pool, &a.state_pool}, {&host.state_indices, &a.state_indices}})
-    *dv = m.upload(*h);
+  cli::DeviceDecode device(d.args(o, pool));
+  DecodeArgs& a = device.args;
+  DeviceMirror& m = device.mirror;
   cudaStream_t stream;
   check_cuda(cudaStreamCreate(&stream), "stream");
   a.stream = stream;
@@ -313,13 +309,9 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
   const int64_t slot_elems = cfg.HV * cfg.K * cfg.V;  // 65536
   const int64_t P = (int64_t{1} << 31) / slot_elems + 3;
   HostTensor pool = d.pool, o = d.c.make_output(DType::f32);
-  const DecodeArgs host = d.args(o, pool);
-  DeviceMirror m;
-  DecodeArgs a = host;
-  for (auto [h, dv] : {std::pair{&host.q, &a.q}, {&host.k, &a.k}, {&host.v, &a.v},
-                       {&host.g, &a.g}, {&host.beta, &a.beta}, {&host.o, &a.o}})
-    *dv = m.upload(*h);
-  a.state_pool.device = Device::cuda;
+  cli::DeviceDecode device(d.args(o, pool));  // the pool and indices are replaced below
+  DecodeArgs& a = device.args;
+  DeviceMirror& m = device.mirror;
   a.state_pool.shape[0] = P;
   a.state_pool.data = m.allocate(static_cast<size_t>(P * slot_elems * 2));
   const size_t slot_bytes = static_cast<size_t>(slot_elems * 2);
@@ -356,14 +348,11 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
 TEST(CudaErrors, ClearMessagesAndNothingWritten) {
   FLASHDELTA_REQUIRE_GPU();
   const Case c = make_case(CaseConfig{});
-  DeviceMirror m;
   HostTensor o = c.make_output(DType::f32), s = c.make_state();
   const ForwardArgs host = c.args(o, &s);
-  ForwardArgs a = host;
-  for (auto [h, dv] : {std::pair{&host.q, &a.q}, {&host.k, &a.k}, {&host.v, &a.v},
-                       {&host.g, &a.g}, {&host.beta, &a.beta}, {&host.o, &a.o},
-                       {&host.initial_state, &a.initial_state}, {&host.final_state, &a.final_state}})
-    *dv = m.upload(*h);
+  cli::DeviceForward device(host);
+  const ForwardArgs& a = device.args;
+  DeviceMirror& m = device.mirror;
   auto expect_error = [&](const ForwardArgs& args, Schedule schedule, const std::string& needle) {
     try {
       forward(args, c.options, schedule);

@@ -89,7 +89,7 @@ void bench_prefill(Sweep& sw, const BenchCase& c) {
       Options options = layer_options(m, tr);
       options.num_threads = sw.threads;
       ForwardOutputs outputs = make_forward_outputs(inputs, options.state_layout);
-      const ForwardArgs args = make_forward_args(inputs, outputs, Device::cpu);
+      const ForwardArgs args = make_forward_args(inputs, outputs);
       const MechanismTraits mt = traits(m);
       for (Schedule schedule : kPrefillSchedules) {
         progress(sw, std::string(c.name) + " " + mechanism_name(m) + " " + transforms_name(tr) +
@@ -224,7 +224,7 @@ void bench_decode(Sweep& sw, const BenchCase& c) {
       d.options = layer_options(m, tr);
       d.options.num_threads = sw.threads;
       d.outputs = make_forward_outputs(d.inputs, d.options.state_layout);
-      const ForwardArgs f = make_forward_args(d.inputs, d.outputs, Device::cpu);
+      const ForwardArgs f = make_forward_args(d.inputs, d.outputs);
       d.args.q = f.q;
       d.args.k = f.k;
       d.args.v = f.v;

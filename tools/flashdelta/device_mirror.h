@@ -87,4 +87,26 @@ struct DeviceForward {
   }
 };
 
+// The same for a serving call; the pool is updated in place on the device and read back.
+struct DeviceDecode {
+  DeviceMirror mirror;
+  DecodeArgs args;
+
+  explicit DeviceDecode(const DecodeArgs& host) : args(host) {
+    for (auto [h, d] : {std::pair{&host.q, &args.q}, {&host.k, &args.k}, {&host.v, &args.v},
+                        {&host.g, &args.g}, {&host.beta, &args.beta},
+                        {&host.cu_seqlens, &args.cu_seqlens}, {&host.A_log, &args.A_log},
+                        {&host.dt_bias, &args.dt_bias}, {&host.o, &args.o},
+                        {&host.state_pool, &args.state_pool},
+                        {&host.state_indices, &args.state_indices},
+                        {&host.num_accepted_tokens, &args.num_accepted_tokens}})
+      *d = mirror.upload(*h);
+  }
+  void download_outputs(const DecodeArgs& host) {
+    check_cuda(cudaDeviceSynchronize(), "decode");
+    mirror.download(args.o, host.o);
+    mirror.download(args.state_pool, host.state_pool);
+  }
+};
+
 }  // namespace flashdelta::cli

@@ -23,12 +23,6 @@ const io::OwnedTensor* find(const io::TensorMap& inputs, const char* name) {
 
 bool has_rank(const io::OwnedTensor* t, size_t rank) { return t && t->shape.size() == rank; }
 
-TensorView view_of(io::OwnedTensor& t, Device device) {
-  TensorView v = t.view();
-  v.device = device;
-  return v;
-}
-
 }  // namespace
 
 std::string describe(const io::OwnedTensor& t) {
@@ -73,23 +67,23 @@ ForwardOutputs make_forward_outputs(const io::TensorMap& inputs, StateLayout lay
   return out;
 }
 
-ForwardArgs make_forward_args(io::TensorMap& inputs, ForwardOutputs& outputs, Device device) {
-  const auto input = [&](const char* name, Device dev) {
+ForwardArgs make_forward_args(io::TensorMap& inputs, ForwardOutputs& outputs) {
+  const auto input = [&](const char* name) {
     const auto it = inputs.find(name);
-    return it == inputs.end() ? TensorView{} : view_of(it->second, dev);
+    return it == inputs.end() ? TensorView{} : it->second.view();
   };
   ForwardArgs a;
-  a.q = input("q", device);
-  a.k = input("k", device);
-  a.v = input("v", device);
-  a.g = input("g", device);
-  a.beta = input("beta", device);
-  a.initial_state = input("initial_state", device);
-  a.cu_seqlens = input("cu_seqlens", Device::cpu);
-  a.A_log = input("A_log", device);
-  a.dt_bias = input("dt_bias", device);
-  if (outputs.o) a.o = view_of(*outputs.o, device);
-  if (outputs.final_state) a.final_state = view_of(*outputs.final_state, device);
+  a.q = input("q");
+  a.k = input("k");
+  a.v = input("v");
+  a.g = input("g");
+  a.beta = input("beta");
+  a.initial_state = input("initial_state");
+  a.cu_seqlens = input("cu_seqlens");
+  a.A_log = input("A_log");
+  a.dt_bias = input("dt_bias");
+  if (outputs.o) a.o = outputs.o->view();
+  if (outputs.final_state) a.final_state = outputs.final_state->view();
   return a;
 }
 

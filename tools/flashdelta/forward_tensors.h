@@ -31,9 +31,7 @@ struct ForwardOutputs {
 };
 ForwardOutputs make_forward_outputs(const io::TensorMap& inputs, StateLayout layout);
 
-// Views of the inputs and outputs. `device` labels every tensor but cu_seqlens, which the
-// library reads on the host.
-ForwardArgs make_forward_args(io::TensorMap& inputs, ForwardOutputs& outputs,
-                              Device device = Device::cpu);
+// Host views of the inputs and outputs (forward_on runs them on either device).
+ForwardArgs make_forward_args(io::TensorMap& inputs, ForwardOutputs& outputs);
 
 }  // namespace flashdelta::cli
