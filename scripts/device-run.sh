@@ -4,7 +4,8 @@
 # the CUDA Python tests and the decode benchmark, and leaves in $OUT:
 #   device-run.log      everything, stage by stage, with a summary at the end
 #   sanitizer.log       compute-sanitizer memcheck + racecheck (when that stage runs)
-#   bench_decode.json / .txt / .png   the benchmark (bench/device/bench_decode.py)
+#   bench_decode.json / .txt / .png   the decode benchmark (bench/device/bench_decode.py)
+#   bench_chunk.json / .txt / .png    the chunkwise forward benchmark (bench/device/bench_chunk.py)
 # A stage that fails is reported and the later ones still run where they can. Every stage
 # has a timeout drawn from one time budget (BUDGET_S) that keeps a minimum for the stages
 # after it, so the whole run ends in time; the benchmark skips the cases it has no time for.
@@ -24,6 +25,7 @@
 #                (build-device/**/test_cuda_recurrent); 0: skip
 #   SANITIZE_FILTER   --gtest_filter for the sanitizer runs (default: every test)
 #   BENCH_ARGS   extra arguments for bench_decode.py (e.g. "--cases kda_n1,kda_n256")
+#   BENCH_CHUNK_ARGS  extra arguments for bench_chunk.py (e.g. "--no-sweep")
 #   JOBS         build parallelism (default: all cores)
 #   CUDA_ARCH    CMAKE_CUDA_ARCHITECTURES (default 90a)
 #   BUILD_TYPE   CMAKE_BUILD_TYPE (default Release)
@@ -40,8 +42,8 @@ export LOG=$OUT/device-run.log
 export SANLOG=$OUT/sanitizer.log
 : >"$LOG"
 BUDGET_S=${BUDGET_S:-450}
-STAGES=${STAGES:-"info deps configure build ctest sanitize pytest bench kernel-bench overhead pytest-all"}
-export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-}
+STAGES=${STAGES:-"info deps configure build ctest sanitize pytest bench bench-chunk kernel-bench overhead pytest-all"}
+export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-}
 export JOBS=${JOBS:-$(nproc)}
 export CUDA_ARCH=${CUDA_ARCH:-90a}
 export BUILD_TYPE=${BUILD_TYPE:-Release}
@@ -59,9 +61,9 @@ START=$SECONDS
 
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=150 [sanitize]=150
-                [pytest]=150 [bench]=400 [kernel-bench]=60 [overhead]=40 [pytest-all]=150)
+                [pytest]=150 [bench]=400 [bench-chunk]=300 [kernel-bench]=60 [overhead]=40 [pytest-all]=150)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
-                [pytest]=40 [bench]=90 [kernel-bench]=10 [overhead]=15 [pytest-all]=0)
+                [pytest]=40 [bench]=90 [bench-chunk]=60 [kernel-bench]=10 [overhead]=15 [pytest-all]=0)
 
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
@@ -152,22 +154,25 @@ stage_ctest() {
 
 stage_sanitize() {
   if [ "$SANITIZE" = 0 ]; then echo "SANITIZE=0: skipped"; return 77; fi
-  local san bin filter=() rc=0 tool r
+  local san bin bins filter=() rc=0 tool r each
   san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  bin=$(find "$BUILD" -name test_cuda_recurrent -type f -perm -u+x | head -1)
-  if [ -z "$bin" ]; then echo "!! no test_cuda_recurrent binary under $BUILD"; return 1; fi
+  bins=$(find "$BUILD" \( -name test_cuda_recurrent -o -name test_cuda_chunk \) -type f -perm -u+x)
+  if [ -z "$bins" ]; then echo "!! no GPU test binaries under $BUILD"; return 1; fi
   [ -n "$SANITIZE_FILTER" ] && filter=("--gtest_filter=$SANITIZE_FILTER")
   : >"$SANLOG"
-  # Half of the stage's time for each tool; the report goes to its own log (at most 8 MB).
-  local each=$((STAGE_TIMEOUT / 2 - 5))
-  for tool in memcheck racecheck; do
-    echo "-- compute-sanitizer --tool $tool $bin ${filter[*]} (timeout ${each}s)" | tee -a "$SANLOG"
-    timeout --kill-after=5 "$each" "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
-      "$bin" "${filter[@]}" --gtest_brief=1 2>&1 | head -c 8000000 >>"$SANLOG"
-    r=${PIPESTATUS[0]}
-    echo "-- $tool: exit $r$( ((r == 124)) && echo ' (timeout: set SANITIZE_FILTER)')" | tee -a "$SANLOG"
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|FAILED" "$SANLOG" | tail -4
-    ((r != 0)) && rc=1
+  # An equal share of the stage's time for each tool and binary; the report goes to its own
+  # log (at most 8 MB per run).
+  each=$((STAGE_TIMEOUT / (2 * $(echo "$bins" | wc -l)) - 5))
+  for bin in $bins; do
+    for tool in memcheck racecheck; do
+      echo "-- compute-sanitizer --tool $tool $bin ${filter[*]} (timeout ${each}s)" | tee -a "$SANLOG"
+      timeout --kill-after=5 "$each" "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
+        "$bin" "${filter[@]}" --gtest_brief=1 2>&1 | head -c 8000000 >>"$SANLOG"
+      r=${PIPESTATUS[0]}
+      echo "-- $tool: exit $r$( ((r == 124)) && echo ' (timeout: set SANITIZE_FILTER)')" | tee -a "$SANLOG"
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|FAILED" "$SANLOG" | tail -4
+      ((r != 0)) && rc=1
+    done
   done
   return $rc
 }
@@ -180,6 +185,11 @@ stage_bench() {
   # shellcheck disable=SC2086
   python3 bench/device/bench_decode.py --out "$OUT" --time-budget $((STAGE_TIMEOUT - 20)) \
     $BENCH_ARGS
+}
+
+stage_bench-chunk() {
+  # shellcheck disable=SC2086
+  FLA_FLASH_KDA=0 python3 bench/device/bench_chunk.py --out "$OUT" $BENCH_CHUNK_ARGS
 }
 
 stage_kernel-bench() {

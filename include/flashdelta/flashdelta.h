@@ -25,10 +25,13 @@
 // thrown as flashdelta::Error with a message naming the argument.
 //
 // Devices: every tensor of a call lives on the device of q. On cuda (builds with CUDA) the
-// recurrent schedule runs, asynchronously on `stream`, and the host reads no tensor data:
-// cu_seqlens, state_indices and num_accepted_tokens are checked for shape and dtype only,
-// and the kernel treats an out-of-range value as a padding row (or clamps an offset) rather
-// than access memory outside the tensors.
+// recurrent and chunk schedules run, asynchronously on `stream`, and the host reads no
+// tensor data: cu_seqlens, state_indices and num_accepted_tokens are checked for shape and
+// dtype only, and the kernels treat an out-of-range value as a padding row (or clamp an
+// offset) rather than access memory outside the tensors. The CUDA chunk schedule (sm_80 and
+// later) uses 64-token chunks whatever Options::chunk_size says, multiplies bfloat16
+// operands with float32 accumulation (float32 states) for every input dtype, and takes its
+// temporary memory from the stream-ordered allocator (cudaMallocAsync) of the stream.
 #pragma once
 
 #include "flashdelta/options.h"

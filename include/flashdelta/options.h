@@ -63,8 +63,9 @@ struct Options {
   bool gate_in_kernel = false;
   std::optional<double> lower_bound;
   StateLayout state_layout = StateLayout::k_first;
-  // Tokens per chunk of the chunkwise schedule: 16, 32, 64 or 128. 16 is the fastest on
-  // the CPU (bench/NOTES.md): the chunk form does less work in its small blocks.
+  // Tokens per chunk of the CPU chunkwise schedule: 16, 32, 64 or 128. 16 is the fastest
+  // on the CPU (bench/NOTES.md): the chunk form does less work in its small blocks. The CUDA
+  // chunk schedule always uses 64.
   int chunk_size = 16;
   // CPU worker threads; 0 means all available.
   int num_threads = 0;

@@ -25,16 +25,16 @@ constexpr bool kBuiltWithCuda = true;
 constexpr bool kBuiltWithCuda = false;
 #endif
 
-// CUDA tensors run the CUDA schedules: the recurrent one today.
+// CUDA tensors run the CUDA schedules: recurrent and chunk (forward only).
 void require_cuda_schedule(Schedule schedule) {
   if (!kBuiltWithCuda)
     throw Error(ErrorCode::unsupported,
                 "argument 'q': cuda tensors need a build with CUDA (this one was built "
                 "without a CUDA compiler); pass cpu tensors");
-  if (schedule != Schedule::recurrent)
+  if (schedule == Schedule::reference)
     throw Error(ErrorCode::unsupported,
-                std::string("argument 'schedule': on cuda only the recurrent schedule exists "
-                            "in this version, got ") + schedule_name(schedule));
+                "argument 'schedule': the reference schedule runs on cpu tensors only; on cuda "
+                "use recurrent or chunk");
 }
 
 }  // namespace
@@ -46,7 +46,10 @@ void forward(const ForwardArgs& args, const Options& options, Schedule schedule)
   if (args.q.device == Device::cuda) {
     require_cuda_schedule(schedule);
 #ifdef FLASHDELTA_WITH_CUDA
-    detail::cuda_recurrent_forward(p, io, args.stream);
+    if (schedule == Schedule::chunk)
+      detail::cuda_chunk_forward(p, io, args.stream);
+    else
+      detail::cuda_recurrent_forward(p, io, args.stream);
 #endif
     return;
   }

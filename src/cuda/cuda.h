@@ -10,5 +10,7 @@ namespace flashdelta::detail {
 
 void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream);
 void cuda_recurrent_decode(const DecodeProblem& d, const TensorView& o, void* stream);
+// The chunkwise forward (prefill); needs sm_80 or later.
+void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream);
 
 }  // namespace flashdelta::detail

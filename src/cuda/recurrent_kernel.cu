@@ -24,28 +24,10 @@
 #include "cuda/recurrent_params.h"
 #include "cuda/recurrent_tile.cuh"
 #include "cuda/recurrent_token.cuh"
+#include "cuda/sequence.cuh"
 
 namespace flashdelta::detail::cuda {
 namespace {
-
-struct Sequence {
-  int64_t batch, t0, len;
-};
-
-__device__ Sequence sequence_of(const RecurrentParams& p, int64_t n) {
-  if (!p.cu_seqlens.data) return {n, 0, p.T};
-  // Clamped: a malformed device-resident table cannot address outside [0, T).
-  int64_t lo = load_index(p.cu_seqlens, n, 0);
-  int64_t hi = load_index(p.cu_seqlens, n + 1, 0);
-  lo = lo < 0 ? 0 : (lo > p.T ? p.T : lo);
-  hi = hi < lo ? lo : (hi > p.T ? p.T : hi);
-  return {0, lo, hi - lo};
-}
-
-__device__ __forceinline__ int64_t token_offset(const TokenTensor& x, const Sequence& s,
-                                                int64_t h) {
-  return s.batch * x.stride[0] + s.t0 * x.stride[1] + h * x.stride[2];
-}
 
 // Slot the row starts from; -1 = padding row (also for out-of-range device indices).
 __device__ int64_t start_slot(const RecurrentParams& p, int64_t n) {

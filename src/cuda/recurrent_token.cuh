@@ -6,24 +6,10 @@
 #include "cuda/device_io.cuh"
 #include "cuda/recurrent_params.h"
 #include "cuda/recurrent_tile.cuh"
+#include "cuda/transforms.cuh"
 
 namespace flashdelta::detail::cuda {
 namespace {
-
-constexpr float kL2NormEps = 1e-6f;
-
-__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
-__device__ __forceinline__ float softplusf(float x) {
-  return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x)));
-}
-
-// Sum over the lanes whose index differs in the bits first..last (powers of two).
-template <int First, int Last>
-__device__ __forceinline__ float lane_sum(float x) {
-#pragma unroll
-  for (int off = First; off <= Last; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
 
 struct alignas(16) Shared {
   float q[256], k[256], decay[256];
@@ -81,10 +67,6 @@ __device__ void fetch_token(const RecurrentParams& p, const RowOffsets& row, int
   }
 }
 
-__device__ __forceinline__ float activate_gate(const RecurrentParams& p, float x, float a) {
-  return p.has_lower_bound ? p.lower_bound * sigmoidf(a * x) : -a * softplusf(x);
-}
-
 // Converts a fetched token into shared memory (raw q and k, the decays exp(g), beta) and
 // leaves the per-warp |q|^2, |k|^2, q.k partials; ends with a barrier.
 template <int KB>
@@ -128,7 +110,7 @@ __device__ void stage_token(const RecurrentParams& p, Shared& sh, const TokenRaw
     }
     if (p.delta) {
       const float b = raw_to_float(raw.beta, p.beta.dtype);
-      sh.beta = p.beta_sigmoid ? p.beta_factor * sigmoidf(b) : b;
+      sh.beta = activate_beta(p, b);
     }
   }
   pq = lane_sum<1, 16>(pq);

@@ -422,21 +422,17 @@ def test_index_tensors_must_be_on_the_gpu():
                                        cu_seqlens=b["cu_seqlens"].cpu())
 
 
-def test_chunk_schedule_on_cuda_runs_or_says_so():
-    """chunk_* on CUDA tensors: the CUDA chunk schedule's results, or until it exists a clear
-    NotImplementedError from the library."""
+def test_chunk_schedule_on_cuda_matches_cpu():
+    """chunk_* on CUDA tensors runs the CUDA chunk schedule (bfloat16 tensor-core operands,
+    float32 accumulation: agreement to bfloat16 precision)."""
     a = make_inputs("kda")
     call = lambda a: flashdelta.chunk_kda(a["q"], a["k"], a["v"], a["g"], a["beta"],  # noqa
                                           initial_state=a["initial_state"],
                                           output_final_state=True)
-    try:
-        o, s = call(cuda(a))
-    except NotImplementedError as e:
-        assert "cuda" in str(e).lower() or "chunk" in str(e).lower(), str(e)
-        return
+    o, s = call(cuda(a))
     o_cpu, s_cpu = call(a)
-    assert_same(o, o_cpu, 1e-4, "o")
-    assert_same(s, s_cpu, 1e-4, "final_state")
+    assert_same(o, o_cpu, 1e-2, "o")
+    assert_same(s, s_cpu, 1e-2, "final_state")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -1,0 +1,121 @@
+// Host side of the CUDA chunkwise forward: sizes the workspace of prepared chunk records
+// (cuda/chunk_params.h), takes it from the stream-ordered allocator (no synchronisation,
+// capturable in CUDA graphs), and launches the chunk table, prepare and state kernels.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "cuda/chunk_params.h"
+#include "cuda/cuda.h"
+#include "cuda/host_params.h"
+
+namespace flashdelta::detail {
+namespace {
+
+constexpr int64_t kAlign = 256;
+
+int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// The workspace regions in order: chunk table, qg, kg, w, u, aqk, decay.
+struct Layout {
+  int64_t sizes[7];
+  int64_t total() const {
+    int64_t t = 0;
+    for (const int64_t s : sizes) t += aligned(s);
+    return t;
+  }
+};
+
+Layout layout_of(const cuda::ChunkParams& c, bool varlen) {
+  const int64_t records = c.max_chunks * c.p.HV, rows = records * cuda::kChunk, b16 = 2;
+  return {{varlen ? (c.p.N + 1) * 8 : 0, rows * c.KP * b16, rows * c.KP * b16,
+           c.p.delta ? rows * c.KP * b16 : 0, rows * c.VP * b16, rows * cuda::kChunk * b16,
+           records * c.KP * 4}};
+}
+
+void carve(cuda::ChunkParams& c, const Layout& l, char* base) {
+  char* at[7];
+  for (int i = 0; i < 7; ++i) {
+    at[i] = base;
+    base += aligned(l.sizes[i]);
+  }
+  cuda::ChunkWorkspace& w = c.ws;
+  w.chunk_start = l.sizes[0] ? reinterpret_cast<int64_t*>(at[0]) : nullptr;
+  w.qg = reinterpret_cast<uint16_t*>(at[1]);
+  w.kg = reinterpret_cast<uint16_t*>(at[2]);
+  w.w = reinterpret_cast<uint16_t*>(at[3]);
+  w.u = reinterpret_cast<uint16_t*>(at[4]);
+  w.aqk = reinterpret_cast<uint16_t*>(at[5]);
+  w.decay = reinterpret_cast<float*>(at[6]);
+}
+
+void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw Error(ErrorCode::runtime,
+                std::string("CUDA chunk ") + what + " kernel launch failed: " + cudaGetErrorString(err));
+}
+
+// Releases the workspace on the stream however the launches end.
+struct StreamAllocation {
+  void* ptr = nullptr;
+  cudaStream_t stream = nullptr;
+  ~StreamAllocation() {
+    if (ptr) cudaFreeAsync(ptr, stream);
+  }
+};
+
+}  // namespace
+
+void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream) {
+  require_f32_state(io.initial_state.t, "initial_state");
+  require_f32_state(io.final_state.t, "final_state");
+  require_sm80("the CUDA chunk schedule");
+  cuda::ChunkParams c;
+  c.p = problem_params(p);
+  c.p.o = token_tensor(io.o);
+  c.p.state_in = state_tensor(io.initial_state);
+  c.p.state_out = state_tensor(io.final_state);
+  c.KP = cuda::chunk_key_width(p.K);
+  c.VP = cuda::chunk_value_width(p.V);
+  const bool varlen = p.cu_seqlens.present();
+  c.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;
+  // With cu_seqlens each sequence adds at most one partial chunk to T / C whole ones.
+  c.max_chunks = varlen ? c.chunks_per_row + p.N : p.B * c.chunks_per_row;
+  const int64_t columns = cuda::chunk_state_columns(c.KP);
+  const int64_t state_blocks = p.N * p.HV * ((p.V + columns - 1) / columns);
+  if (c.max_chunks * p.HV > INT_MAX || state_blocks > INT_MAX)
+    throw Error(ErrorCode::unsupported,
+                "argument 'q': the CUDA chunk schedule runs at most 2^31 - 1 blocks, got " +
+                    std::to_string(c.max_chunks * p.HV) + " chunk records and " +
+                    std::to_string(state_blocks) + " state tiles");
+
+  const Layout layout = layout_of(c, varlen);
+  StreamAllocation ws;
+  ws.stream = static_cast<cudaStream_t>(stream);
+  const int64_t bytes = layout.total();
+  if (bytes > 0) {
+    const cudaError_t err = cudaMallocAsync(&ws.ptr, static_cast<size_t>(bytes), ws.stream);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // clear it: nothing was launched
+      throw Error(ErrorCode::runtime, "CUDA chunk schedule: cannot allocate its workspace of " +
+                                          std::to_string(bytes) + " bytes: " +
+                                          cudaGetErrorString(err));
+    }
+    carve(c, layout, static_cast<char*>(ws.ptr));
+  }
+  if (varlen) {
+    cuda::launch_chunk_table(c, stream);
+    check_launch("table");
+  }
+  if (c.max_chunks > 0) {
+    cuda::launch_chunk_prepare(c, stream);
+    check_launch("prepare");
+  }
+  cuda::launch_chunk_state(c, stream);
+  check_launch("state");
+}
+
+}  // namespace flashdelta::detail

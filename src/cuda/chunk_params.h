@@ -1,0 +1,51 @@
+// Arguments of the CUDA chunkwise forward (DESIGN.md section 3): the problem as the recurrent
+// kernel sees it, plus the chunk geometry and the workspace that carries each chunk's
+// prepared operands from the prepare kernel (steps 1-3, every chunk in parallel) to the state
+// kernel (steps 4-5, chunks in order per sequence and value head).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/recurrent_params.h"
+
+namespace flashdelta::detail::cuda {
+
+// Tokens per chunk and per sub-chunk (one warp's block of rows in the prepare kernel).
+inline constexpr int kChunk = 64;
+inline constexpr int kSubChunk = 16;
+
+// Key width the kernels are compiled for: K padded with zero channels to 64, 128 or 256.
+constexpr int chunk_key_width(int64_t K) { return K <= 64 ? 64 : K <= 128 ? 128 : 256; }
+// Value columns of u per chunk record: V padded with zeros to a multiple of 64.
+constexpr int64_t chunk_value_width(int64_t V) { return (V + 63) / 64 * 64; }
+// Value columns one state-kernel block owns (its K x columns state tile stays in registers).
+constexpr int chunk_state_columns(int KP) { return KP <= 128 ? 64 : 32; }
+
+// One record per (chunk, value head), index chunk * HV + hv, all zero past the chunk's last
+// token and past K / V, with Gamma the cumulative log2 decay from the chunk start:
+struct ChunkWorkspace {
+  uint16_t* qg = nullptr;   // [C, KP] bf16: scale q 2^Gamma (reads the chunk-start state)
+  uint16_t* kg = nullptr;   // [C, KP] bf16: k 2^(Gamma_end - Gamma) (writes the end state)
+  uint16_t* w = nullptr;    // [C, KP] bf16: T (beta k 2^Gamma), delta rule only
+  uint16_t* u = nullptr;    // [C, VP] bf16: T (beta v) (delta) or v (linear)
+  uint16_t* aqk = nullptr;  // [C, C]  bf16: scale q_i . k_j 2^(Gamma_i - Gamma_j), j <= i
+  float* decay = nullptr;   // [KP] 2^Gamma_end
+  int64_t* chunk_start = nullptr;  // [N + 1] first chunk of each sequence (cu_seqlens only)
+};
+
+struct ChunkParams {
+  RecurrentParams p;  // sizes, options, token tensors, o, initial / final state, cu_seqlens
+  int KP = 64;
+  int64_t VP = 64;
+  int64_t chunks_per_row = 0;  // ceil(T / C), batch rows without cu_seqlens
+  int64_t max_chunks = 0;      // chunks of all sequences, or an upper bound with cu_seqlens
+  ChunkWorkspace ws;
+};
+
+// The three launches of a forward, in order on `stream` (a cudaStream_t); each returns
+// without synchronising. The chunk table runs only with cu_seqlens (ws.chunk_start set).
+void launch_chunk_table(const ChunkParams& c, void* stream);
+void launch_chunk_prepare(const ChunkParams& c, void* stream);
+void launch_chunk_state(const ChunkParams& c, void* stream);
+
+}  // namespace flashdelta::detail::cuda

@@ -1,0 +1,454 @@
+// Steps 1-3 of the chunkwise forward for one (chunk, value head) per block, all chunks in
+// parallel (DESIGN.md section 3): the fused transforms, Gamma (cumulative log2 decay), the
+// intra-chunk matrices A_qk and A_kk on tensor cores, T = (I + A_kk)^-1, and the record the
+// state kernel consumes (cuda/chunk_params.h).
+//
+// A vector gate makes A[i, j] = sum_c x_ic y_jc 2^(Gamma_ic - Gamma_jc) a product only after
+// factorising each key channel c around a reference point r_c: x 2^(Gamma_i - r) and
+// y 2^(r - Gamma_j). Warp I builds row block I (16 rows, columns j < 16 (I + 1)) with
+// r = Gamma after the middle token of block I: left of the diagonal block every y factor has
+// an exponent <= 0, and inside it both factors stay within 2^kMaxFactorLog2 unless the
+// channel decays by more than 2 kMaxFactorLog2 over the block (about 5.2 nats per token,
+// beyond fla's lower bound of -5). Such a channel takes r = Gamma before the block (every
+// exponent <= 0) and its diagonal-block terms are summed pairwise and exactly instead.
+// Scalar gates factor out of the key sum, and take 2^(Gamma_i - Gamma_j) per entry.
+//
+// Keys are processed in slices of kSlice channels so the block fits twice per SM.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/chunk_params.h"
+#include "cuda/chunk_records.cuh"
+#include "cuda/device_io.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/transforms.cuh"
+
+namespace flashdelta::detail::cuda {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps: warp I owns row block I of the chunk
+constexpr int kSlice = 32;
+constexpr float kMaxFactorLog2 = 60.f;
+constexpr int kSliceLd = kSlice + 8;
+constexpr int kChunkLd = kChunk + 8;
+static_assert(kThreads / 32 * kSubChunk == kChunk, "one warp per row block");
+
+template <int KP>
+struct PrepareShared {
+  // Per key slice (steps 1-2).
+  struct Slice {
+    float q[kChunk][kSlice], k[kChunk][kSlice];  // transformed q, k (zero past len / K)
+    float gamma[kChunk][kSlice];                 // vector gate: Gamma after each token
+    bf16 xq[4][kSubChunk][kSliceLd], xk[4][kSubChunk][kSliceLd];  // row factors per warp
+    bf16 kbar[4][kChunk][kSliceLd];                                // column factors per warp
+  };
+  // After the slices (step 3 and the record).
+  struct Solve {
+    float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
+    float t[kChunk][kChunk + 1];  // T = (I + A_kk)^-1 (lower, unit diagonal)
+    float x[3][kSubChunk][kSubChunk + 1];
+    bf16 tb[kChunk][kChunkLd];
+    bf16 vb[kChunk][64 + 8];  // beta v of one 64-column tile
+  };
+  union {
+    Slice s;
+    Solve v;
+  } u;
+  bf16 wsrc[kChunk][KP + 8];  // beta k 2^Gamma
+  float fix_qk[4][kSubChunk][kSubChunk + 1], fix_kk[4][kSubChunk][kSubChunk + 1];
+  float beta[kChunk], gs[kChunk];  // beta; scalar gate: Gamma after each token
+  float inv_q[kChunk], inv_k[kChunk];
+};
+
+__device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+}
+
+// Per-token scalars: beta, the scalar gate's Gamma, the L2 norms' inverse lengths.
+template <GateForm G, int KP>
+__device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& sh,
+                                   const ChunkRef& ref, int64_t hv, float a_gate) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t h = hv / p.group;
+  if (tid < kChunk) {
+    const int t = tid;
+    const bool live = t < ref.len;
+    float b = 0.f, gl = 0.f;
+    if (p.delta && live)
+      b = activate_beta(p, load_float(p.beta.data, p.beta.dtype,
+                                      token_offset(p.beta, ref.seq, hv) + (ref.t + t) * p.beta.stride[1]));
+    if (G == GateForm::scalar && live) {
+      float gx = load_float(p.g.data, p.g.dtype,
+                            token_offset(p.g, ref.seq, hv) + (ref.t + t) * p.g.stride[1]);
+      if (p.gate_in_kernel) {
+        if (p.dt_bias) gx += load_float(p.dt_bias, p.dt_bias_dtype, hv * p.dt_bias_head_stride);
+        gx = activate_gate(p, gx, a_gate);
+      }
+      gl = gx * kLog2e;
+    }
+    sh.beta[t] = b;
+    sh.gs[t] = gl;
+  }
+  // Rows 0..63 are q, 64..127 are k; each warp loads kRows rows at once so their loads are
+  // all in flight together (a load waited on one at a time costs a DRAM latency each).
+  constexpr int kPer = KP / 32, kRows = 8;
+  static_assert(kChunk % kRows == 0, "a group of rows is all q or all k");
+  if (p.qk_l2norm)
+    for (int r0 = warp * kRows; r0 < 2 * kChunk; r0 += kThreads / 32 * kRows) {
+      const TokenTensor& x = r0 < kChunk ? p.q : p.k;
+      const int64_t base = token_offset(x, ref.seq, h) + ref.t * x.stride[1];
+      uint32_t raw[kRows][kPer];
+#pragma unroll
+      for (int rr = 0; rr < kRows; ++rr)
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          const int t = (r0 + rr) % kChunk, c = lane + 32 * e;
+          raw[rr][e] = t < ref.len && c < p.K
+                           ? load_raw(x.data, x.dtype, base + t * x.stride[1] + c * x.stride[3])
+                           : 0u;
+        }
+#pragma unroll
+      for (int rr = 0; rr < kRows; ++rr) {
+        float sum = 0.f;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          const float v = raw_to_float(raw[rr][e], x.dtype);
+          sum += v * v;
+        }
+        const int t = (r0 + rr) % kChunk;
+        const float inv = t < ref.len ? rsqrtf(lane_sum<1, 16>(sum) + kL2NormEps) : 0.f;
+        if (lane == 0) (r0 < kChunk ? sh.inv_q : sh.inv_k)[t] = inv;
+      }
+    }
+  else if (tid < kChunk)
+    sh.inv_q[tid] = sh.inv_k[tid] = tid < ref.len ? 1.f : 0.f;
+  __syncthreads();
+  if (G == GateForm::scalar && tid == 0) {
+    float run = 0.f;
+    for (int t = 0; t < kChunk; ++t) sh.gs[t] = run += sh.gs[t];
+  }
+}
+
+// Loads key channels [c0, c0 + kSlice) of q, k (transformed) and the vector gate's Gamma.
+template <GateForm G, int KP>
+__device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, const ChunkRef& ref,
+                           int64_t hv, float a_gate, int c0) {
+  auto& s = sh.u.s;
+  const int tid = threadIdx.x, ch = tid % kSlice;
+  const int64_t key = c0 + ch, h = hv / p.group;
+  const int64_t oq = token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1] + key * p.q.stride[3];
+  const int64_t ok = token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1] + key * p.k.stride[3];
+  const int64_t og = token_offset(p.g, ref.seq, hv) + ref.t * p.g.stride[1] + key * p.g.stride[3];
+  float bias = 0.f;
+  if (G == GateForm::vector && p.gate_in_kernel && p.dt_bias && key < p.K)
+    bias = load_float(p.dt_bias, p.dt_bias_dtype,
+                      hv * p.dt_bias_head_stride + key * p.dt_bias_key_stride);
+  // Every load of the slice is issued before any is used.
+  constexpr int kTokens = kChunk / (kThreads / kSlice);
+  uint32_t rq[kTokens], rk[kTokens], rg[kTokens];
+  const bool key_live = key < p.K;
+#pragma unroll
+  for (int x = 0; x < kTokens; ++x) {
+    const int t = tid / kSlice + x * (kThreads / kSlice);
+    const bool live = key_live && t < ref.len;
+    rq[x] = live ? load_raw(p.q.data, p.q.dtype, oq + t * p.q.stride[1]) : 0u;
+    rk[x] = live ? load_raw(p.k.data, p.k.dtype, ok + t * p.k.stride[1]) : 0u;
+    rg[x] = live && G == GateForm::vector ? load_raw(p.g.data, p.g.dtype, og + t * p.g.stride[1]) : 0u;
+  }
+#pragma unroll
+  for (int x = 0; x < kTokens; ++x) {
+    const int t = tid / kSlice + x * (kThreads / kSlice);
+    float gv = 0.f;
+    if (G == GateForm::vector && key_live && t < ref.len) {
+      float gx = raw_to_float(rg[x], p.g.dtype);
+      if (p.gate_in_kernel) gx = activate_gate(p, gx + bias, a_gate);
+      gv = gx * kLog2e;
+    }
+    s.q[t][ch] = raw_to_float(rq[x], p.q.dtype) * sh.inv_q[t];
+    s.k[t][ch] = raw_to_float(rk[x], p.k.dtype) * sh.inv_k[t];
+    s.gamma[t][ch] = gv;
+  }
+  __syncthreads();
+  if (G == GateForm::vector && tid < kSlice) {
+    float run = 0.f;
+    for (int t = 0; t < kChunk; ++t) s.gamma[t][tid] = run += s.gamma[t][tid];
+  }
+  __syncthreads();
+}
+
+template <GateForm G, int KP>
+__device__ __forceinline__ float gamma_at(const PrepareShared<KP>& sh, int t, int ch) {
+  if constexpr (G == GateForm::vector) return sh.u.s.gamma[t][ch];
+  else if constexpr (G == GateForm::scalar) return sh.gs[t];
+  else return 0.f;
+}
+
+// The slice's columns of qg, kg and decay (to the record) and of beta k 2^Gamma (shared).
+template <GateForm G, int KP>
+__device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>& sh,
+                                    const Record& rec, const ChunkRef& ref, int c0) {
+  const auto& s = sh.u.s;
+  const int tid = threadIdx.x, ch = tid % kSlice, key = c0 + ch;
+  const float gend = gamma_at<G>(sh, ref.len - 1, ch);
+  if (tid < kSlice) rec.decay[key] = exp2f(gend);
+  for (int t = tid / kSlice; t < kChunk; t += kThreads / kSlice) {
+    const float gam = gamma_at<G>(sh, t, ch), qv = s.q[t][ch], kv = s.k[t][ch];
+    rec.qg[t * KP + key] = __float2bfloat16(p.scale * qv * exp2f(gam));
+    rec.kg[t * KP + key] = __float2bfloat16(kv * exp2f(gend - gam));
+    sh.wsrc[t][key] = __float2bfloat16(sh.beta[t] * kv * exp2f(gam));
+  }
+}
+
+// Warp I's share of A over one key slice: acc_q / acc_k for row block I, column tiles
+// 0 .. 2I+1 (tile pairs np <= I); see the file comment for the factorisation.
+template <GateForm G, int KP>
+__device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&acc_k)[8]) {
+  auto& s = sh.u.s;
+  const int I = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = kSubChunk * I;
+  const int rows = r0 + kSubChunk;
+  const int c = lane;  // key channel of this lane
+  float r = 0.f;
+  bool exact = true;
+  if constexpr (G == GateForm::vector) {
+    const float before = I == 0 ? 0.f : s.gamma[r0 - 1][c];
+    exact = before - s.gamma[r0 + kSubChunk - 1][c] <= 2.f * kMaxFactorLog2;
+    r = exact ? s.gamma[r0 + kSubChunk / 2 - 1][c] : before;
+  }
+  bf16(*xq)[kSliceLd] = s.xq[I];
+  bf16(*xk)[kSliceLd] = s.xk[I];
+  bf16(*kbar)[kSliceLd] = s.kbar[I];
+  for (int i = 0; i < kSubChunk; ++i) {
+    const float e = G == GateForm::vector ? exp2f(s.gamma[r0 + i][c] - r) : 1.f;
+    xq[i][c] = __float2bfloat16(s.q[r0 + i][c] * e);
+    xk[i][c] = __float2bfloat16(s.k[r0 + i][c] * e);
+  }
+  for (int j = 0; j < rows; ++j) {
+    float e = 1.f;
+    if constexpr (G == GateForm::vector) e = j >= r0 && !exact ? 0.f : exp2f(r - s.gamma[j][c]);
+    kbar[j][c] = __float2bfloat16(s.k[j][c] * e);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int k0 = 0; k0 < kSlice; k0 += 16) {
+    uint32_t aq[4], ak[4];
+    load_a(aq, &xq[0][0], kSliceLd, 0, k0);
+    load_a(ak, &xk[0][0], kSliceLd, 0, k0);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (np > I) break;
+      uint32_t b[4];
+      load_b_pair_nk(b, &kbar[0][0], kSliceLd, 16 * np, k0);
+      mma_bf16(acc_q[2 * np], aq, b[0], b[1]);
+      mma_bf16(acc_q[2 * np + 1], aq, b[2], b[3]);
+      mma_bf16(acc_k[2 * np], ak, b[0], b[1]);
+      mma_bf16(acc_k[2 * np + 1], ak, b[2], b[3]);
+    }
+  }
+  if constexpr (G == GateForm::vector) {
+    const unsigned inexact = __ballot_sync(0xffffffffu, !exact);
+    for (int e = lane; inexact && e < kSubChunk * kSubChunk; e += 32) {
+      const int i = e / kSubChunk, j = e % kSubChunk;
+      if (j > i) continue;
+      float fq = 0.f, fk = 0.f;
+      for (unsigned m = inexact; m; m &= m - 1) {
+        const int cc = __ffs(m) - 1;
+        const float kj = s.k[r0 + j][cc] * exp2f(s.gamma[r0 + i][cc] - s.gamma[r0 + j][cc]);
+        fq += s.q[r0 + i][cc] * kj;
+        fk += s.k[r0 + i][cc] * kj;
+      }
+      sh.fix_qk[I][i][j] += fq;
+      sh.fix_kk[I][i][j] += fk;
+    }
+  }
+}
+
+// Row block I of A_qk to the record and of A_kk to shared memory (zeros above the diagonal).
+template <GateForm G, int KP>
+__device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
+                         const Acc (&acc_q)[8], const Acc (&acc_k)[8]) {
+  const int I = threadIdx.x / 32, r0 = kSubChunk * I;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int i = acc_row(e), t = r0 + i;
+      float vq[2] = {0.f, 0.f}, vk[2] = {0.f, 0.f};
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int j = 8 * nt + acc_col(e + x);
+        if (nt / 2 > I || j > t) continue;
+        float fq = acc_q[nt].d[e + x], fk = acc_k[nt].d[e + x];
+        if (G == GateForm::vector && j >= r0) {
+          fq += sh.fix_qk[I][i][j - r0];
+          fk += sh.fix_kk[I][i][j - r0];
+        }
+        if (G == GateForm::scalar) {
+          const float f = exp2f(sh.gs[t] - sh.gs[j]);
+          fq *= f;
+          fk *= f;
+        }
+        vq[x] = p.scale * fq;
+        vk[x] = j < t ? sh.beta[t] * fk : 0.f;
+      }
+      const int j0 = 8 * nt + acc_col(e);
+      store_pair(rec.aqk + t * kChunk + j0, vq[0], vq[1]);
+      sh.u.v.a[t][j0] = vk[0];
+      sh.u.v.a[t][j0 + 1] = vk[1];
+    }
+}
+
+// T = (I + A_kk)^-1 by blocks: the diagonal 16 x 16 blocks by forward substitution, then
+// T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ in order of I - J. Leaves T in bfloat16 in tb.
+template <int KP>
+__device__ void solve(PrepareShared<KP>& sh) {
+  auto& v = sh.u.v;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  for (int e = tid; e < kChunk * kChunk; e += kThreads) v.t[e / kChunk][e % kChunk] = 0.f;
+  __syncthreads();
+  if (lane < kSubChunk) {
+    const int b = kSubChunk * warp;
+    float x[kSubChunk];
+#pragma unroll
+    for (int i = 0; i < kSubChunk; ++i) {
+      float acc = i == lane ? 1.f : 0.f;
+#pragma unroll
+      for (int m = 0; m < i; ++m) acc -= v.a[b + i][b + m] * x[m];
+      x[i] = acc;
+      v.t[b + i][b + lane] = acc;
+    }
+  }
+  __syncthreads();
+  constexpr int kBlocks = kChunk / kSubChunk, kCells = kSubChunk * kSubChunk;
+  for (int d = 1; d < kBlocks; ++d) {
+    const int pairs = kBlocks - d;
+    for (int e = tid; e < pairs * kCells; e += kThreads) {
+      const int I = d + e / kCells, J = I - d, i = e % kCells / kSubChunk, j = e % kSubChunk;
+      float acc = 0.f;
+      for (int m = kSubChunk * J; m < kSubChunk * I; ++m)
+        acc += v.a[kSubChunk * I + i][m] * v.t[m][kSubChunk * J + j];
+      v.x[e / kCells][i][j] = acc;
+    }
+    __syncthreads();
+    for (int e = tid; e < pairs * kCells; e += kThreads) {
+      const int I = d + e / kCells, J = I - d, i = e % kCells / kSubChunk, j = e % kSubChunk;
+      float acc = 0.f;
+      for (int m = 0; m <= i; ++m) acc -= v.t[kSubChunk * I + i][kSubChunk * I + m] * v.x[e / kCells][m][j];
+      v.t[kSubChunk * I + i][kSubChunk * J + j] = acc;
+    }
+    __syncthreads();
+  }
+  for (int e = tid; e < kChunk * kChunk; e += kThreads)
+    v.tb[e / kChunk][e % kChunk] = __float2bfloat16(v.t[e / kChunk][e % kChunk]);
+  __syncthreads();
+}
+
+// out[rows of block I][n0 .. n0 + 63] = tb[block I rows] . src[tokens][n0 ..], in bfloat16.
+__device__ void lower_product_rows(const bf16* tb, const bf16* src, int ld_src, int n0, bf16* out,
+                                   int64_t ld_out) {
+  const int I = threadIdx.x / 32, r0 = kSubChunk * I;
+  Acc acc[8];
+  for (int k0 = 0; k0 <= r0; k0 += 16) {
+    uint32_t a[4];
+    load_a(a, tb, kChunkLd, r0, k0);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t b[4];
+      load_b_pair_kn(b, src, ld_src, n0 + 16 * np, k0);
+      mma_bf16(acc[2 * np], a, b[0], b[1]);
+      mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2)
+      store_pair(out + (r0 + acc_row(e)) * ld_out + 8 * nt + acc_col(e), acc[nt].d[e],
+                 acc[nt].d[e + 1]);
+}
+
+template <GateForm G, int KP>
+__global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const ChunkParams c) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto& sh = *reinterpret_cast<PrepareShared<KP>*>(smem);
+  const RecurrentParams& p = c.p;
+  const int64_t chunk = blockIdx.x / p.HV, hv = blockIdx.x % p.HV;
+  ChunkRef ref;
+  if (!locate_chunk(c, chunk, ref)) return;
+  const Record rec = record_of(c, blockIdx.x);
+  const float a_gate = p.gate_in_kernel && p.A_log
+                           ? expf(load_float(p.A_log, p.A_log_dtype, hv * p.A_log_stride))
+                           : 1.f;
+  const int tid = threadIdx.x;
+  for (int e = tid; e < 4 * kSubChunk * (kSubChunk + 1); e += kThreads) {
+    (&sh.fix_qk[0][0][0])[e] = 0.f;
+    (&sh.fix_kk[0][0][0])[e] = 0.f;
+  }
+  load_token_scalars<G>(p, sh, ref, hv, a_gate);
+
+  Acc acc_q[8], acc_k[8];
+  for (int c0 = 0; c0 < KP; c0 += kSlice) {
+    load_slice<G>(p, sh, ref, hv, a_gate, c0);
+    write_slice_factors<G>(p, sh, rec, ref, c0);
+    accumulate_slice<G>(sh, acc_q, acc_k);
+    __syncthreads();  // the next slice overwrites the slice buffers
+  }
+  finish_a<G>(p, sh, rec, acc_q, acc_k);
+  if (p.delta) solve(sh);
+
+  // w = T (beta k 2^Gamma); u = T (beta v), or v for the linear write.
+  if (p.delta)
+    for (int n0 = 0; n0 < KP; n0 += 64)
+      lower_product_rows(&sh.u.v.tb[0][0], &sh.wsrc[0][0], KP + 8, n0, rec.w + n0, KP);
+  const int64_t ov = token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1];
+  for (int64_t v0 = 0; v0 < c.VP; v0 += 64) {
+    __syncthreads();
+    constexpr int kPer = kChunk * 64 / kThreads;
+    uint32_t raw[kPer];
+#pragma unroll
+    for (int x = 0; x < kPer; ++x) {
+      const int e = tid + x * kThreads, t = e / 64, col = e % 64;
+      raw[x] = t < ref.len && v0 + col < p.V
+                   ? load_raw(p.v.data, p.v.dtype, ov + t * p.v.stride[1] + (v0 + col) * p.v.stride[3])
+                   : 0u;
+    }
+#pragma unroll
+    for (int x = 0; x < kPer; ++x) {
+      const int e = tid + x * kThreads, t = e / 64, col = e % 64;
+      float val = raw_to_float(raw[x], p.v.dtype);
+      if (p.delta) val *= sh.beta[t];
+      sh.u.v.vb[t][col] = __float2bfloat16(val);
+      if (!p.delta) rec.u[t * c.VP + v0 + col] = __float2bfloat16(val);
+    }
+    __syncthreads();
+    if (p.delta) lower_product_rows(&sh.u.v.tb[0][0], &sh.u.v.vb[0][0], 64 + 8, 0, rec.u + v0, c.VP);
+  }
+}
+
+template <GateForm G, int KP>
+void launch_prepare(const ChunkParams& c, cudaStream_t stream) {
+  const auto kernel = chunk_prepare_kernel<G, KP>;
+  constexpr int smem = sizeof(PrepareShared<KP>);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  kernel<<<static_cast<unsigned>(c.max_chunks * c.p.HV), kThreads, smem, stream>>>(c);
+}
+
+template <GateForm G>
+void launch_prepare_for_k(const ChunkParams& c, cudaStream_t stream) {
+  if (c.KP == 64) return launch_prepare<G, 64>(c, stream);
+  if (c.KP == 128) return launch_prepare<G, 128>(c, stream);
+  return launch_prepare<G, 256>(c, stream);
+}
+
+}  // namespace
+
+void launch_chunk_prepare(const ChunkParams& c, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (c.p.gate) {
+    case GateForm::none: return launch_prepare_for_k<GateForm::none>(c, s);
+    case GateForm::scalar: return launch_prepare_for_k<GateForm::scalar>(c, s);
+    case GateForm::vector: return launch_prepare_for_k<GateForm::vector>(c, s);
+  }
+}
+
+}  // namespace flashdelta::detail::cuda

@@ -1,0 +1,22 @@
+// Host-side translation of validated problems (core/problem.h) into the CUDA kernels'
+// plain-data arguments (cuda/recurrent_params.h), shared by the CUDA schedules.
+#pragma once
+
+#include "core/problem.h"
+#include "cuda/recurrent_params.h"
+
+namespace flashdelta::detail {
+
+cuda::TokenTensor token_tensor(const TensorView& t);
+cuda::StateTensor state_tensor(const StateView& s);
+cuda::IndexTensor index_tensor(const TensorView& t);
+// Sizes, options, token inputs and cu_seqlens of a problem; outputs and states are set by
+// the caller.
+cuda::RecurrentParams problem_params(const Problem& p);
+// Throws Error(unsupported) naming the argument unless the state tensor is float32.
+void require_f32_state(const TensorView& s, const char* name);
+// Throws Error(unsupported) unless the current device is sm_80 or later (tensor cores with
+// bfloat16, cp.async); `what` names the schedule.
+void require_sm80(const char* what);
+
+}  // namespace flashdelta::detail

@@ -1,0 +1,38 @@
+// The fused input transforms on the device (DESIGN.md section 1), shared by the CUDA
+// schedules: L2 norm epsilon, beta sigmoid and the gate activation.
+#pragma once
+
+#include "cuda/recurrent_params.h"
+
+namespace flashdelta::detail::cuda {
+namespace {
+
+constexpr float kL2NormEps = 1e-6f;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float softplusf(float x) {
+  return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x)));
+}
+
+// Sum over the lanes whose index differs in the bits first..last (powers of two).
+template <int First, int Last>
+__device__ __forceinline__ float lane_sum(float x) {
+#pragma unroll
+  for (int off = First; off <= Last; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// The gate in log space from its raw pre-activation x (dt_bias already added); a is
+// exp(A_log[hv]), or 1 without A_log.
+__device__ __forceinline__ float activate_gate(const RecurrentParams& p, float x, float a) {
+  return p.has_lower_bound ? p.lower_bound * sigmoidf(a * x) : -a * softplusf(x);
+}
+
+// beta from its raw input (sigmoid when fused).
+__device__ __forceinline__ float activate_beta(const RecurrentParams& p, float b) {
+  return p.beta_sigmoid ? p.beta_factor * sigmoidf(b) : b;
+}
+
+}  // namespace
+}  // namespace flashdelta::detail::cuda

@@ -1,0 +1,58 @@
+// Forward checks shared by the CUDA schedule tests: run a case on the GPU and with the fp64
+// reference, and compare outputs and final states.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "cuda/device_mirror.h"
+#include "decode_case.h"
+#include "test_util.h"
+
+namespace flashdelta::testing {
+
+struct Outputs {
+  std::vector<double> o, state;
+};
+
+inline Outputs run_reference(const Case& c) {
+  HostTensor o = c.make_output(DType::f64), s = c.make_state();
+  forward(c.args(o, &s), c.options, Schedule::reference);
+  return {o.to_double(), s.to_double()};
+}
+
+// Outputs and states start poisoned, so anything left unwritten fails the comparison.
+inline Outputs run_cuda(const Case& c, DType o_dtype, Schedule schedule) {
+  HostTensor o = c.make_output(o_dtype), s = c.make_state();
+  o.fill(kPoison);
+  s.fill(kPoison);
+  forward_on_device(c.args(o, &s), c.options, schedule);
+  return {o.to_double(), s.to_double()};
+}
+
+// The recurrent kernel computes in float32 (float64 inputs are narrowed); the chunk kernels
+// multiply bfloat16 operands with float32 accumulation whatever the input dtype.
+inline double cuda_tolerance(DType dtype, Schedule schedule) {
+  if (schedule == Schedule::chunk) return 1e-2;
+  return tolerance(dtype == DType::f64 ? DType::f32 : dtype);
+}
+
+inline void expect_forward_matches_reference(const Case& c, const std::string& what,
+                                             Schedule schedule = Schedule::recurrent) {
+  const Outputs ref = run_reference(c);
+  const Outputs gpu = run_cuda(c, c.cfg.dtype == DType::f64 ? DType::f32 : c.cfg.dtype, schedule);
+  const double tol = cuda_tolerance(c.cfg.dtype, schedule);
+  EXPECT_LT(rel_error(gpu.o, ref.o), tol) << what << ": output relative error";
+  EXPECT_LT(rel_error(gpu.state, ref.state), tol) << what << ": final state relative error";
+}
+
+inline std::string describe(const CaseConfig& c) {
+  std::string s = std::string(mechanism_name(c.mechanism)) + "_T" + std::to_string(c.T) + "_K" +
+                  std::to_string(c.K) + "_V" + std::to_string(c.V) + "_H" + std::to_string(c.H) +
+                  "_HV" + std::to_string(c.HV) + "_" + dtype_name(c.dtype);
+  if (c.layout == StateLayout::v_first) s += "_vfirst";
+  if (!c.initial_state) s += "_zero_state";
+  return s;
+}
+
+}  // namespace flashdelta::testing
