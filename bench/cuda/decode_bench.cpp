@@ -14,18 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "flashdelta/flashdelta.h"
 
 namespace fd = flashdelta;
+using flashdelta::bench::check;
+using flashdelta::bench::median;
 
 namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 
 void* device_alloc(size_t bytes, float fill_scale) {
   void* p = nullptr;
@@ -33,11 +29,6 @@ void* device_alloc(size_t bytes, float fill_scale) {
   // Small non-zero values: bf16 0x3c00..., fp32 patterns alike are finite.
   check(cudaMemset(p, fill_scale > 0 ? 0x3c : 0, bytes), "memset");
   return p;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 struct Case {

@@ -220,7 +220,9 @@ def run_case(torch, timer, case, args, copy_bw, accuracy):
 
 
 def fmt(v, spec):
-    return format(v, spec) if isinstance(v, (int, float)) else "-"
+    if isinstance(v, (int, float)):
+        return format(v, spec)
+    return "-".rjust(int(spec.split(".")[0]))
 
 
 def table(rows, copy_bw, gpu):

@@ -34,6 +34,11 @@ constexpr int kSliceLd = kSlice + 8;
 constexpr int kChunkLd = kChunk + 8;
 static_assert(kThreads / 32 * kSubChunk == kChunk, "one warp per row block");
 
+// Rows of column factors per key slice: row block I factors columns 0 .. 16 (I + 1) - 1
+// around its own reference point, at rows kbar_base(I) .. of one shared table.
+__host__ __device__ constexpr int kbar_base(int I) { return kSubChunk * I * (I + 1) / 2; }
+constexpr int kKbarRows = kbar_base(4);
+
 template <int KP>
 struct PrepareShared {
   // Per key slice (steps 1-2).
@@ -41,25 +46,32 @@ struct PrepareShared {
     float q[kChunk][kSlice], k[kChunk][kSlice];  // transformed q, k (zero past len / K)
     float gamma[kChunk][kSlice];                 // vector gate: Gamma after each token
     bf16 xq[4][kSubChunk][kSliceLd], xk[4][kSubChunk][kSliceLd];  // row factors per warp
-    bf16 kbar[4][kChunk][kSliceLd];                                // column factors per warp
+    bf16 kbar[kKbarRows][kSliceLd];                                // column factors
   };
-  // After the slices (step 3 and the record).
+  // After the slices (step 3 and the record). T in bfloat16 (tb) takes the place of A_kk
+  // once the inverse is complete, and beta v (vb) the place of T in float32.
   struct Solve {
     float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
     float t[kChunk][kChunk + 1];  // T = (I + A_kk)^-1 (lower, unit diagonal)
     float x[3][kSubChunk][kSubChunk + 1];
-    bf16 tb[kChunk][kChunkLd];
-    bf16 vb[kChunk][64 + 8];  // beta v of one 64-column tile
   };
   union {
     Slice s;
     Solve v;
   } u;
   bf16 wsrc[kChunk][KP + 8];  // beta k 2^Gamma
-  float fix_qk[4][kSubChunk][kSubChunk + 1], fix_kk[4][kSubChunk][kSubChunk + 1];
+  float fix_qk[4][kSubChunk][kSubChunk], fix_kk[4][kSubChunk][kSubChunk];
   float beta[kChunk], gs[kChunk];  // beta; scalar gate: Gamma after each token
   float inv_q[kChunk], inv_k[kChunk];
+
+  __device__ bf16* tb() { return reinterpret_cast<bf16*>(&u.v.a[0][0]); }  // [C][kChunkLd]
+  __device__ bf16* vb() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }  // [C][64 + 8]
 };
+static_assert(sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * (kChunk + 1),
+              "T in bfloat16 fits in the place of A_kk");
+// Three blocks per SM for KDA / GLA at KP <= 128 (the kernel is latency-bound: more warps
+// hide more); the cap of 168 registers spills 88 bytes there, and more for the other gates.
+constexpr int kMinBlocks(GateForm G, int KP) { return G == GateForm::vector && KP <= 128 ? 3 : 2; }
 
 __device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
@@ -170,9 +182,20 @@ __device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
     s.gamma[t][ch] = gv;
   }
   __syncthreads();
-  if (G == GateForm::vector && tid < kSlice) {
+  if constexpr (G == GateForm::vector) {
+    // Cumulative sums down each channel: every thread scans one segment of tokens, then
+    // adds the totals of the segments before it.
+    constexpr int kSegments = kThreads / kSlice, kLen = kChunk / kSegments;
+    const int seg = tid / kSlice, t0 = seg * kLen;
     float run = 0.f;
-    for (int t = 0; t < kChunk; ++t) s.gamma[t][tid] = run += s.gamma[t][tid];
+#pragma unroll
+    for (int t = t0; t < t0 + kLen; ++t) s.gamma[t][ch] = run += s.gamma[t][ch];
+    __syncthreads();
+    float before = 0.f;
+    for (int x = 0; x < seg; ++x) before += s.gamma[x * kLen + kLen - 1][ch];
+    __syncthreads();
+#pragma unroll
+    for (int t = t0; t < t0 + kLen; ++t) s.gamma[t][ch] += before;
   }
   __syncthreads();
 }
@@ -200,45 +223,61 @@ __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>&
   }
 }
 
-// Warp I's share of A over one key slice: acc_q / acc_k for row block I, column tiles
+// The reference point of row block I for key channel c (see the file comment): the middle
+// of the block, or the start of the block where the channel decays too fast (inexact).
+template <GateForm G, int KP>
+__device__ __forceinline__ float reference_point(const PrepareShared<KP>& sh, int I, int c,
+                                                 bool& exact) {
+  exact = true;
+  if constexpr (G != GateForm::vector) return 0.f;
+  const auto& s = sh.u.s;
+  const int r0 = kSubChunk * I;
+  const float before = I == 0 ? 0.f : s.gamma[r0 - 1][c];
+  exact = before - s.gamma[r0 + kSubChunk - 1][c] <= 2.f * kMaxFactorLog2;
+  return exact ? s.gamma[r0 + kSubChunk / 2 - 1][c] : before;
+}
+
+// A over one key slice: the factors of every row block (column factors shared out evenly
+// over the warps), then warp I's products for row block I into acc_q / acc_k, column tiles
 // 0 .. 2I+1 (tile pairs np <= I); see the file comment for the factorisation.
 template <GateForm G, int KP>
 __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&acc_k)[8]) {
   auto& s = sh.u.s;
   const int I = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = kSubChunk * I;
-  const int rows = r0 + kSubChunk;
   const int c = lane;  // key channel of this lane
-  float r = 0.f;
   bool exact = true;
-  if constexpr (G == GateForm::vector) {
-    const float before = I == 0 ? 0.f : s.gamma[r0 - 1][c];
-    exact = before - s.gamma[r0 + kSubChunk - 1][c] <= 2.f * kMaxFactorLog2;
-    r = exact ? s.gamma[r0 + kSubChunk / 2 - 1][c] : before;
+  {
+    const float r = reference_point<G>(sh, I, c, exact);
+    for (int i = 0; i < kSubChunk; ++i) {
+      const float e = G == GateForm::vector ? exp2f(s.gamma[r0 + i][c] - r) : 1.f;
+      s.xq[I][i][c] = __float2bfloat16(s.q[r0 + i][c] * e);
+      s.xk[I][i][c] = __float2bfloat16(s.k[r0 + i][c] * e);
+    }
   }
-  bf16(*xq)[kSliceLd] = s.xq[I];
-  bf16(*xk)[kSliceLd] = s.xk[I];
-  bf16(*kbar)[kSliceLd] = s.kbar[I];
-  for (int i = 0; i < kSubChunk; ++i) {
-    const float e = G == GateForm::vector ? exp2f(s.gamma[r0 + i][c] - r) : 1.f;
-    xq[i][c] = __float2bfloat16(s.q[r0 + i][c] * e);
-    xk[i][c] = __float2bfloat16(s.k[r0 + i][c] * e);
-  }
-  for (int j = 0; j < rows; ++j) {
+  constexpr int kPerWarp = kKbarRows / (kThreads / 32);
+  for (int row = I * kPerWarp; row < (I + 1) * kPerWarp; ++row) {
+    const int J = row < kbar_base(1) ? 0 : row < kbar_base(2) ? 1 : row < kbar_base(3) ? 2 : 3;
+    const int j = row - kbar_base(J);  // column (token) j of row block J's factors
     float e = 1.f;
-    if constexpr (G == GateForm::vector) e = j >= r0 && !exact ? 0.f : exp2f(r - s.gamma[j][c]);
-    kbar[j][c] = __float2bfloat16(s.k[j][c] * e);
+    if constexpr (G == GateForm::vector) {
+      bool ex;
+      const float r = reference_point<G>(sh, J, c, ex);
+      e = j >= kSubChunk * J && !ex ? 0.f : exp2f(r - s.gamma[j][c]);
+    }
+    s.kbar[row][c] = __float2bfloat16(s.k[j][c] * e);
   }
-  __syncwarp();
+  __syncthreads();
+  const bf16* kbar = &s.kbar[kbar_base(I)][0];
 #pragma unroll
   for (int k0 = 0; k0 < kSlice; k0 += 16) {
     uint32_t aq[4], ak[4];
-    load_a(aq, &xq[0][0], kSliceLd, 0, k0);
-    load_a(ak, &xk[0][0], kSliceLd, 0, k0);
+    load_a(aq, &s.xq[I][0][0], kSliceLd, 0, k0);
+    load_a(ak, &s.xk[I][0][0], kSliceLd, 0, k0);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       if (np > I) break;
       uint32_t b[4];
-      load_b_pair_nk(b, &kbar[0][0], kSliceLd, 16 * np, k0);
+      load_b_pair_nk(b, kbar, kSliceLd, 16 * np, k0);
       mma_bf16(acc_q[2 * np], aq, b[0], b[1]);
       mma_bf16(acc_q[2 * np + 1], aq, b[2], b[3]);
       mma_bf16(acc_k[2 * np], ak, b[0], b[1]);
@@ -338,8 +377,9 @@ __device__ void solve(PrepareShared<KP>& sh) {
     }
     __syncthreads();
   }
+  bf16* tb = sh.tb();  // A_kk is dead: T in bfloat16 takes its place
   for (int e = tid; e < kChunk * kChunk; e += kThreads)
-    v.tb[e / kChunk][e % kChunk] = __float2bfloat16(v.t[e / kChunk][e % kChunk]);
+    tb[e / kChunk * kChunkLd + e % kChunk] = __float2bfloat16(v.t[e / kChunk][e % kChunk]);
   __syncthreads();
 }
 
@@ -368,7 +408,7 @@ __device__ void lower_product_rows(const bf16* tb, const bf16* src, int ld_src, 
 }
 
 template <GateForm G, int KP>
-__global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const ChunkParams c) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_kernel(const ChunkParams c) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<PrepareShared<KP>*>(smem);
   const RecurrentParams& p = c.p;
@@ -380,7 +420,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const ChunkPara
                            ? expf(load_float(p.A_log, p.A_log_dtype, hv * p.A_log_stride))
                            : 1.f;
   const int tid = threadIdx.x;
-  for (int e = tid; e < 4 * kSubChunk * (kSubChunk + 1); e += kThreads) {
+  for (int e = tid; e < 4 * kSubChunk * kSubChunk; e += kThreads) {
     (&sh.fix_qk[0][0][0])[e] = 0.f;
     (&sh.fix_kk[0][0][0])[e] = 0.f;
   }
@@ -399,7 +439,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const ChunkPara
   // w = T (beta k 2^Gamma); u = T (beta v), or v for the linear write.
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
-      lower_product_rows(&sh.u.v.tb[0][0], &sh.wsrc[0][0], KP + 8, n0, rec.w + n0, KP);
+      lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w + n0, KP);
   const int64_t ov = token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1];
   for (int64_t v0 = 0; v0 < c.VP; v0 += 64) {
     __syncthreads();
@@ -417,11 +457,11 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const ChunkPara
       const int e = tid + x * kThreads, t = e / 64, col = e % 64;
       float val = raw_to_float(raw[x], p.v.dtype);
       if (p.delta) val *= sh.beta[t];
-      sh.u.v.vb[t][col] = __float2bfloat16(val);
+      sh.vb()[t * (64 + 8) + col] = __float2bfloat16(val);
       if (!p.delta) rec.u[t * c.VP + v0 + col] = __float2bfloat16(val);
     }
     __syncthreads();
-    if (p.delta) lower_product_rows(&sh.u.v.tb[0][0], &sh.u.v.vb[0][0], 64 + 8, 0, rec.u + v0, c.VP);
+    if (p.delta) lower_product_rows(sh.tb(), sh.vb(), 64 + 8, 0, rec.u + v0, c.VP);
   }
 }
 

@@ -84,26 +84,11 @@ struct StateTile {
   }
   __device__ static int col(int nt, int e) { return 8 * nt + acc_col(e); }
 
-  __device__ void load(const RecurrentParams& p, int64_t n, int64_t hv, int64_t j0) {
-    const StateTensor& s = p.state_in;
-#pragma unroll
-    for (int mt = 0; mt < G::kKeyTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < G::kColTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t i = key(mt, e), j = j0 + col(nt, e);
-          acc[mt][nt].d[e] =
-              s.data && i < p.K && j < p.V
-                  ? static_cast<const float*>(s.data)[n * s.slot_stride + hv * s.head_stride +
-                                                      i * s.key_stride + j * s.value_stride]
-                  : 0.f;
-        }
-  }
-
-  __device__ void store(const RecurrentParams& p, int64_t n, int64_t hv, int64_t j0) const {
-    const StateTensor& s = p.state_out;
-    if (!s.data) return;
+  // Calls f(value, offset) for each of this thread's state values inside K x V, with its
+  // element offset in the state tensor s.
+  template <class F>
+  __device__ void for_each_value(const RecurrentParams& p, const StateTensor& s, int64_t n,
+                                 int64_t hv, int64_t j0, F&& f) {
 #pragma unroll
     for (int mt = 0; mt < G::kKeyTiles; ++mt)
 #pragma unroll
@@ -112,9 +97,22 @@ struct StateTile {
         for (int e = 0; e < 4; ++e) {
           const int64_t i = key(mt, e), j = j0 + col(nt, e);
           if (i < p.K && j < p.V)
-            static_cast<float*>(s.data)[n * s.slot_stride + hv * s.head_stride +
-                                        i * s.key_stride + j * s.value_stride] = acc[mt][nt].d[e];
+            f(acc[mt][nt].d[e], n * s.slot_stride + hv * s.head_stride + i * s.key_stride +
+                                    j * s.value_stride);
         }
+  }
+
+  // The initial state (zeros where absent and past K / V).
+  __device__ void load(const RecurrentParams& p, int64_t n, int64_t hv, int64_t j0) {
+    const auto* in = static_cast<const float*>(p.state_in.data);
+    for (auto& tile : acc)
+      for (Acc& a : tile) a = Acc{};
+    if (in) for_each_value(p, p.state_in, n, hv, j0, [&](float& x, int64_t off) { x = in[off]; });
+  }
+
+  __device__ void store(const RecurrentParams& p, int64_t n, int64_t hv, int64_t j0) {
+    auto* out = static_cast<float*>(p.state_out.data);
+    if (out) for_each_value(p, p.state_out, n, hv, j0, [&](float& x, int64_t off) { out[off] = x; });
   }
 
   // The bfloat16 operand copy of the tile.

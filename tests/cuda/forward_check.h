@@ -46,6 +46,20 @@ inline void expect_forward_matches_reference(const Case& c, const std::string& w
   EXPECT_LT(rel_error(gpu.state, ref.state), tol) << what << ": final state relative error";
 }
 
+// The gate activation's forms with the fused transforms, bf16 inputs. Form 0: softplus with
+// A_log and dt_bias; 1-3: lower bound -5, 2 without A_log, 3 without dt_bias and with
+// negative eigenvalues. Odd forms use V-first states.
+inline CaseConfig gate_form_case(Mechanism m, int form, int64_t T, uint64_t seed) {
+  CaseConfig c{.mechanism = m, .B = 2, .T = T, .H = 2, .HV = 4, .K = 128, .V = 128,
+               .dtype = DType::bf16,
+               .layout = form % 2 ? StateLayout::v_first : StateLayout::k_first,
+               .qk_l2norm = true, .beta_sigmoid = true, .allow_neg_eigval = form == 3,
+               .gate_in_kernel = true, .with_A_log = form != 2, .with_dt_bias = form != 3,
+               .seed = seed};
+  if (form >= 1) c.lower_bound = -5.0;
+  return c;
+}
+
 inline std::string describe(const CaseConfig& c) {
   std::string s = std::string(mechanism_name(c.mechanism)) + "_T" + std::to_string(c.T) + "_K" +
                   std::to_string(c.K) + "_V" + std::to_string(c.V) + "_H" + std::to_string(c.H) +

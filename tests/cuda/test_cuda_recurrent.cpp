@@ -69,19 +69,10 @@ TEST(CudaRecurrent, FusedTransformsAndGateForms) {
   FLASHDELTA_REQUIRE_GPU();
   uint64_t seed = 300;
   for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
-    for (int form = 0; form < 4; ++form) {
-      // Form 0: softplus with A_log and dt_bias; 1-3: lower bound, 2 without A_log, 3
-      // without dt_bias and with negative eigenvalues.
-      CaseConfig c{.mechanism = m, .B = 2, .T = 9, .H = 2, .HV = 4, .K = 128, .V = 128,
-                   .dtype = DType::bf16,
-                   .layout = form % 2 ? StateLayout::v_first : StateLayout::k_first,
-                   .qk_l2norm = true, .beta_sigmoid = true, .allow_neg_eigval = form == 3,
-                   .gate_in_kernel = true, .with_A_log = form != 2, .with_dt_bias = form != 3,
-                   .seed = seed++};
-      if (form >= 1) c.lower_bound = -5.0;
+    for (int form = 0; form < 4; ++form)
       expect_forward_matches_reference(
-          make_case(c), std::string(mechanism_name(m)) + " gate form " + std::to_string(form));
-    }
+          make_case(gate_form_case(m, form, 9, seed++)),
+          std::string(mechanism_name(m)) + " gate form " + std::to_string(form));
 }
 
 TEST(CudaRecurrent, StrongGatesAndBetaZeroOne) {
