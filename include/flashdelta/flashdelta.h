@@ -30,8 +30,8 @@
 // dtype only, and the kernels treat an out-of-range value as a padding row (or clamp an
 // offset) rather than access memory outside the tensors. The CUDA chunk schedule (sm_80 and
 // later) uses 64-token chunks whatever Options::chunk_size says, multiplies bfloat16
-// operands with float32 accumulation (float32 states) for every input dtype, and takes its
-// temporary memory from the stream-ordered allocator (cudaMallocAsync) of the stream.
+// operands with float32 accumulation (float32 states) for every input dtype, and needs
+// temporary memory (ForwardArgs::workspace).
 #pragma once
 
 #include "flashdelta/options.h"
@@ -51,7 +51,18 @@ struct ForwardArgs {
   TensorView final_state;    // optional output, same shape as the state; may alias
                              // initial_state exactly (in-place update)
   void* stream = nullptr;    // cudaStream_t for CUDA tensors (nullptr = default stream)
+  // Optional temporary device memory for the CUDA chunk schedule, on q's device, aligned to
+  // 256 bytes and at least forward_workspace_bytes(...) long; used in stream order on
+  // `stream`. Without it the schedule takes (and returns) its memory through the
+  // stream-ordered allocator (cudaMallocAsync) of `stream`.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
+
+// Bytes of workspace forward(args, options, schedule) uses: 0 for the CPU schedules and the
+// CUDA recurrent one. Validates args as forward does (throws Error), reads no tensor data.
+size_t forward_workspace_bytes(const ForwardArgs& args, const Options& options,
+                               Schedule schedule = Schedule::chunk);
 
 // Runs the recurrence with the chosen schedule. All schedules compute the same function;
 // Schedule::reference runs the fp64 scalar recurrence in place of any fast path.

@@ -47,7 +47,7 @@ void forward(const ForwardArgs& args, const Options& options, Schedule schedule)
     require_cuda_schedule(schedule);
 #ifdef FLASHDELTA_WITH_CUDA
     if (schedule == Schedule::chunk)
-      detail::cuda_chunk_forward(p, io, args.stream);
+      detail::cuda_chunk_forward(p, io, args.stream, args.workspace, args.workspace_bytes);
     else
       detail::cuda_recurrent_forward(p, io, args.stream);
 #endif
@@ -58,6 +58,17 @@ void forward(const ForwardArgs& args, const Options& options, Schedule schedule)
     case Schedule::recurrent: return detail::cpu_recurrent_forward(p, io);
     case Schedule::chunk: return detail::cpu_chunk_forward(p, io);
   }
+}
+
+size_t forward_workspace_bytes(const ForwardArgs& args, const Options& options,
+                               Schedule schedule) {
+  const detail::Problem p = detail::validate_forward(args, options);
+  if (args.q.device != Device::cuda) return 0;
+  require_cuda_schedule(schedule);
+#ifdef FLASHDELTA_WITH_CUDA
+  if (schedule == Schedule::chunk) return static_cast<size_t>(detail::cuda_chunk_workspace_bytes(p));
+#endif
+  return 0;
 }
 
 void decode(const DecodeArgs& args, const Options& options, Schedule schedule) {

@@ -1,6 +1,7 @@
 // Host side of the CUDA chunkwise forward: sizes the workspace of prepared chunk records
-// (cuda/chunk_params.h), takes it from the stream-ordered allocator (no synchronisation,
-// capturable in CUDA graphs), and launches the chunk table, prepare and state kernels.
+// (cuda/chunk_params.h), takes the caller's or one from the stream-ordered allocator (no
+// synchronisation, capturable in CUDA graphs), and launches the chunk table, prepare and
+// state kernels.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -67,12 +68,8 @@ struct StreamAllocation {
   }
 };
 
-}  // namespace
-
-void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream) {
-  require_f32_state(io.initial_state.t, "initial_state");
-  require_f32_state(io.final_state.t, "final_state");
-  require_sm80("the CUDA chunk schedule");
+// The kernels' arguments for a problem, without the workspace pointers.
+cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
   cuda::ChunkParams c;
   c.p = problem_params(p);
   c.p.o = token_tensor(io.o);
@@ -80,10 +77,45 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream) {
   c.p.state_out = state_tensor(io.final_state);
   c.KP = cuda::chunk_key_width(p.K);
   c.VP = cuda::chunk_value_width(p.V);
-  const bool varlen = p.cu_seqlens.present();
   c.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;
   // With cu_seqlens each sequence adds at most one partial chunk to T / C whole ones.
-  c.max_chunks = varlen ? c.chunks_per_row + p.N : p.B * c.chunks_per_row;
+  c.max_chunks = p.cu_seqlens.present() ? c.chunks_per_row + p.N : p.B * c.chunks_per_row;
+  return c;
+}
+
+// The caller's workspace, checked before anything runs (no GPU is needed to fail here).
+void check_workspace(void* workspace, size_t bytes, int64_t needed) {
+  if (bytes < static_cast<size_t>(needed))
+    throw Error(ErrorCode::invalid_argument,
+                "argument 'workspace_bytes': the CUDA chunk schedule needs " +
+                    std::to_string(needed) + " bytes for this call, got " + std::to_string(bytes));
+  if (needed > 0 && !workspace)
+    throw Error(ErrorCode::invalid_argument,
+                "argument 'workspace': null, with workspace_bytes " + std::to_string(bytes));
+  if (reinterpret_cast<uintptr_t>(workspace) % kAlign != 0)
+    throw Error(ErrorCode::invalid_argument,
+                "argument 'workspace': expected an address aligned to " + std::to_string(kAlign) +
+                    " bytes, got one " + std::to_string(reinterpret_cast<uintptr_t>(workspace) % kAlign) +
+                    " bytes past");
+}
+
+}  // namespace
+
+int64_t cuda_chunk_workspace_bytes(const Problem& p) {
+  return layout_of(chunk_params(p, ForwardIO{}), p.cu_seqlens.present()).total();
+}
+
+void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, void* workspace,
+                        size_t workspace_bytes) {
+  require_f32_state(io.initial_state.t, "initial_state");
+  require_f32_state(io.final_state.t, "final_state");
+  cuda::ChunkParams c = chunk_params(p, io);
+  const bool varlen = p.cu_seqlens.present();
+  const Layout layout = layout_of(c, varlen);
+  const int64_t bytes = layout.total();
+  const bool caller_memory = workspace != nullptr || workspace_bytes > 0;
+  if (caller_memory) check_workspace(workspace, workspace_bytes, bytes);
+  require_sm80("the CUDA chunk schedule");
   const int64_t columns = cuda::chunk_state_columns(c.KP);
   const int64_t state_blocks = p.N * p.HV * ((p.V + columns - 1) / columns);
   if (c.max_chunks * p.HV > INT_MAX || state_blocks > INT_MAX)
@@ -92,19 +124,19 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream) {
                     std::to_string(c.max_chunks * p.HV) + " chunk records and " +
                     std::to_string(state_blocks) + " state tiles");
 
-  const Layout layout = layout_of(c, varlen);
-  StreamAllocation ws;
-  ws.stream = static_cast<cudaStream_t>(stream);
-  const int64_t bytes = layout.total();
-  if (bytes > 0) {
-    const cudaError_t err = cudaMallocAsync(&ws.ptr, static_cast<size_t>(bytes), ws.stream);
+  StreamAllocation owned;
+  owned.stream = static_cast<cudaStream_t>(stream);
+  if (caller_memory) {
+    carve(c, layout, static_cast<char*>(workspace));
+  } else if (bytes > 0) {
+    const cudaError_t err = cudaMallocAsync(&owned.ptr, static_cast<size_t>(bytes), owned.stream);
     if (err != cudaSuccess) {
       cudaGetLastError();  // clear it: nothing was launched
       throw Error(ErrorCode::runtime, "CUDA chunk schedule: cannot allocate its workspace of " +
                                           std::to_string(bytes) + " bytes: " +
                                           cudaGetErrorString(err));
     }
-    carve(c, layout, static_cast<char*>(ws.ptr));
+    carve(c, layout, static_cast<char*>(owned.ptr));
   }
   if (varlen) {
     cuda::launch_chunk_table(c, stream);

@@ -3,6 +3,9 @@
 // stream and returns without synchronising.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "core/problem.h"
 #include "reference/reference.h"
 
@@ -10,7 +13,12 @@ namespace flashdelta::detail {
 
 void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream);
 void cuda_recurrent_decode(const DecodeProblem& d, const TensorView& o, void* stream);
-// The chunkwise forward (prefill); needs sm_80 or later.
-void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream);
+// The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
+// set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it
+// allocates in stream order.
+void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, void* workspace,
+                        size_t workspace_bytes);
+// Bytes of workspace the chunkwise forward of p needs (host arithmetic only).
+int64_t cuda_chunk_workspace_bytes(const Problem& p);
 
 }  // namespace flashdelta::detail

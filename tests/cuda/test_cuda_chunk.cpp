@@ -144,6 +144,80 @@ TEST(CudaChunk, DeterministicBitwise) {
   EXPECT_EQ(s1.bytes, s2.bytes);
 }
 
+// Views of host arguments labelled as cuda: the size query and the workspace checks are
+// host arithmetic and run before any device access, so this needs no GPU.
+ForwardArgs labelled_cuda(ForwardArgs a) {
+  for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.initial_state, &a.cu_seqlens,
+                        &a.A_log, &a.dt_bias, &a.o, &a.final_state})
+    if (t->present()) t->device = Device::cuda;
+  return a;
+}
+
+TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
+  const Case c = make_case({.B = 2, .T = 130, .K = 128, .V = 64});
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  o.fill(kPoison);
+  s.fill(kPoison);
+  const std::vector<unsigned char> o_before = o.bytes, s_before = s.bytes;
+  const ForwardArgs host = c.args(o, &s);
+  ForwardArgs a = labelled_cuda(host);
+
+  EXPECT_EQ(forward_workspace_bytes(host, c.options, kChunk), 0u) << "cpu tensors";
+  EXPECT_EQ(forward_workspace_bytes(a, c.options, Schedule::recurrent), 0u);
+  const size_t need = forward_workspace_bytes(a, c.options, kChunk);
+  // 2 rows x 3 chunks x 2 heads = 12 records of 64 rows: bf16 qg, kg, w (128 columns),
+  // u (64) and A_qk (64), and 128 fp32 decays per record.
+  EXPECT_EQ(need, 3u * 768 * 128 * 2 + 768 * 64 * 2 + 768 * 64 * 2 + 12 * 128 * 4);
+  // A larger T needs more: the size follows the problem, not a fixed cap.
+  const Case longer = make_case({.B = 2, .T = 1000, .K = 128, .V = 64});
+  HostTensor o2 = longer.make_output(DType::f32), s2 = longer.make_state();
+  EXPECT_GT(forward_workspace_bytes(labelled_cuda(longer.args(o2, &s2)), longer.options, kChunk),
+            need);
+
+  auto expect_error = [&](const ForwardArgs& args, const std::string& needle) {
+    try {
+      forward(args, c.options, kChunk);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  alignas(256) static unsigned char small[512];
+  a.workspace = small;
+  a.workspace_bytes = need - 1;
+  expect_error(a, "'workspace_bytes'");
+  a.workspace = nullptr;
+  a.workspace_bytes = need;
+  expect_error(a, "'workspace'");
+  a.workspace = small + 16;
+  expect_error(a, "aligned to 256");
+  EXPECT_EQ(o.bytes, o_before);
+  EXPECT_EQ(s.bytes, s_before);
+}
+
+TEST(CudaChunkWorkspace, CallerMemoryMatchesTheAllocatingPath) {
+  FLASHDELTA_REQUIRE_GPU();
+  const Case c = make_case({.B = 1, .T = 333, .HV = 4, .K = 128, .V = 96, .dtype = DType::bf16,
+                            .seqlens = {100, 0, 200, 33}});
+  HostTensor o1 = c.make_output(DType::f32), s1 = c.make_state();
+  forward_on_device(c.args(o1, &s1), c.options, kChunk);
+
+  HostTensor o2 = c.make_output(DType::f32), s2 = c.make_state();
+  const ForwardArgs host = c.args(o2, &s2);
+  cli::DeviceForward d(host);
+  const size_t bytes = forward_workspace_bytes(d.args, c.options, kChunk);
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(ws, 0xff, bytes), cudaSuccess);  // garbage: all of it is written first
+  d.args.workspace = ws;
+  d.args.workspace_bytes = bytes;
+  forward(d.args, c.options, kChunk);
+  d.download_outputs(host);
+  cudaFree(ws);
+  EXPECT_EQ(o1.bytes, o2.bytes);
+  EXPECT_EQ(s1.bytes, s2.bytes);
+}
+
 // Long sequences: the state is carried through many chunks in bfloat16 products.
 TEST(CudaChunk, LongSequenceAccuracy) {
   FLASHDELTA_REQUIRE_GPU();
