@@ -211,6 +211,18 @@ TEST(Chunk, ExtremeGatesStayFinite) {
     }
 }
 
+TEST(Chunk, OneSidedBlockDecayAndResetGates) {
+  for (Mechanism m : {Mechanism::kda, Mechanism::gla, Mechanism::gated_deltanet})
+    for (const bool one_sided : {true, false})
+      for (int chunk : {16, 64}) {
+        SCOPED_TRACE(one_sided ? "one-sided block decay" : "reset gates of -inf");
+        const Case c = stressed_gate_case(m, one_sided, 77);
+        RunConfig rc;
+        rc.chunk_size = chunk;
+        expect_matches_reference(c, rc);
+      }
+}
+
 TEST(Chunk, GateActivationInKernel) {
   struct Form {
     std::optional<double> lower_bound;

@@ -213,6 +213,37 @@ inline Case make_transform_case(DType dtype, int64_t K, std::optional<double> lo
 }
 
 // Relative Frobenius error ||a - b|| / max(||b||, tiny).
+// Gates that stress a chunkwise schedule's factorisation (precomputed gates, f32):
+// - one_sided: in every 16-token block, tokens 1..7 decay by 11.9 nats each (about 119 bits
+//   over the block, just inside a 120-bit exact bound) and the rest barely at all, with q
+//   scaled by 1000: a reference point in the middle token would make factors of 2^119.
+// - resets: a gate of -inf (a hard reset, exp(g) = 0) on every 23rd token.
+inline Case stressed_gate_case(Mechanism m, bool one_sided, uint64_t seed) {
+  CaseConfig cfg;
+  cfg.mechanism = m;
+  cfg.T = 150;
+  cfg.H = cfg.HV = 1;
+  cfg.K = 64;
+  cfg.V = 32;
+  cfg.seed = seed;
+  Case c = make_case(cfg);
+  const int64_t per_token = c.g.numel() / cfg.T;  // K for vector gates, 1 for scalar
+  std::vector<double> g = c.g.to_double();
+  for (int64_t t = 0; t < cfg.T; ++t)
+    for (int64_t i = 0; i < per_token; ++i) {
+      double& x = g[static_cast<size_t>(t * per_token + i)];
+      if (one_sided) x = t % 16 >= 1 && t % 16 <= 7 ? -11.9 : -0.01;
+      else if (t % 23 == 5) x = -INFINITY;
+    }
+  c.g.set(g);
+  if (one_sided) {
+    std::vector<double> q = c.q.to_double();
+    for (double& x : q) x *= 1000;
+    c.q.set(q);
+  }
+  return c;
+}
+
 inline double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) {

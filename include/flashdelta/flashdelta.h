@@ -17,7 +17,7 @@
 //   v, o     [B, T, HV, V]     HV a multiple of H (grouped value attention)
 //   g        [B, T, HV, K] (vector gate) or [B, T, HV] (scalar gate), log space
 //   beta     [B, T, HV]        delta mechanisms only
-//   state    [N, HV, K, V] (k_first) or [N, HV, V, K] (v_first), float32 (float64 accepted)
+//   state    [N, HV, K, V] (k_first) or [N, HV, V, K] (v_first), float32 (float64 on cpu)
 //   cu_seqlens int32 | int64 [N + 1], only with B = 1: sequences packed along T
 //              (N = B without it); a zero-length sequence passes its state through.
 //   A_log    [HV]; dt_bias [HV, K] or [HV * K] (vector gate), [HV] (scalar gate)

@@ -25,6 +25,10 @@ inline constexpr int64_t kStripCols = 32;
 // block stays above 2^-120, a normal float. Blocks whose gates decay more than about twice
 // this over kBlock tokens run the exact pairwise form instead.
 inline constexpr int kMaxFactorExponent = 60;
+// Floor of a per-step gate in log2: a decay of 2^-64 is 0 to float beside the rest of any
+// sum, and the floor keeps Gamma finite for gates of -inf (a hard reset), whose differences
+// would otherwise be inf - inf. NaN gates stay NaN.
+inline constexpr double kMinGateLog2 = -64;
 
 constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 

@@ -143,10 +143,13 @@ class ChunkPreparer {
     const int64_t Kp = dm_.Kp, C = dm_.C, rows = cd.rows, L = lanes();
     T* G = s_.gamma;
     const auto log2e = hn::Set(d_, static_cast<T>(kLog2e));
+    const auto floor = hn::Set(d_, static_cast<T>(kMinGateLog2));
     for (int64_t t = 0; t < rows; ++t)
       for (int64_t c = 0; c < Kp; c += L) {
         const auto prev = t ? hn::Load(d_, G + (t - 1) * Kp + c) : hn::Zero(d_);
-        hn::Store(hn::MulAdd(hn::Load(d_, in_.g + t * Kp + c), log2e, prev), d_, G + t * Kp + c);
+        const auto step = hn::Mul(hn::Load(d_, in_.g + t * Kp + c), log2e);
+        hn::Store(hn::Add(hn::IfThenElse(hn::Lt(step, floor), floor, step), prev), d_,
+                  G + t * Kp + c);
       }
     const T* g_end = G + (rows - 1) * Kp;
     const auto scale = hn::Set(d_, scale_);
@@ -249,8 +252,10 @@ class ChunkPreparer {
     constexpr bool kGated = M::gate == GateKind::scalar;
     T* G = s_.gamma;
     if constexpr (kGated) {
-      for (int64_t t = 0; t < rows; ++t)
-        G[t] = (t ? G[t - 1] : T(0)) + in_.g[t] * static_cast<T>(kLog2e);
+      for (int64_t t = 0; t < rows; ++t) {
+        const T step = in_.g[t] * static_cast<T>(kLog2e);
+        G[t] = (t ? G[t - 1] : T(0)) + (step < T(kMinGateLog2) ? T(kMinGateLog2) : step);
+      }
       const T g_end = G[rows - 1];
       const auto decay = hn::Set(d_, static_cast<T>(std::exp2(g_end)));
       for (int64_t c = 0; c < Kp; c += L) hn::Store(decay, d_, cd.decay + c);

@@ -116,6 +116,7 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
   const bool caller_memory = workspace != nullptr || workspace_bytes > 0;
   if (caller_memory) check_workspace(workspace, workspace_bytes, bytes);
   require_sm80("the CUDA chunk schedule");
+  cuda::require_chunk_state_shared_memory(c);
   const int64_t columns = cuda::chunk_state_columns(c.KP);
   const int64_t state_blocks = p.N * p.HV * ((p.V + columns - 1) / columns);
   if (c.max_chunks * p.HV > INT_MAX || state_blocks > INT_MAX)

@@ -47,5 +47,8 @@ struct ChunkParams {
 void launch_chunk_table(const ChunkParams& c, void* stream);
 void launch_chunk_prepare(const ChunkParams& c, void* stream);
 void launch_chunk_state(const ChunkParams& c, void* stream);
+// Throws Error(unsupported) when the current GPU lacks the state kernel's shared memory
+// (pre-Hopper GPUs for K <= 128); called before anything is launched.
+void require_chunk_state_shared_memory(const ChunkParams& c);
 
 }  // namespace flashdelta::detail::cuda

@@ -5,12 +5,15 @@
 //
 // A vector gate makes A[i, j] = sum_c x_ic y_jc 2^(Gamma_ic - Gamma_jc) a product only after
 // factorising each key channel c around a reference point r_c: x 2^(Gamma_i - r) and
-// y 2^(r - Gamma_j). Warp I builds row block I (16 rows, columns j < 16 (I + 1)) with
-// r = Gamma after the middle token of block I: left of the diagonal block every y factor has
-// an exponent <= 0, and inside it both factors stay within 2^kMaxFactorLog2 unless the
-// channel decays by more than 2 kMaxFactorLog2 over the block (about 5.2 nats per token,
-// beyond fla's lower bound of -5). Such a channel takes r = Gamma before the block (every
-// exponent <= 0) and its diagonal-block terms are summed pairwise and exactly instead.
+// y 2^(r - Gamma_j). Row block I (16 rows, columns j < 16 (I + 1)) uses r = the midpoint of
+// Gamma over the block (halfway between its values before and after the block): left of the
+// diagonal block every y factor has an exponent <= 0, and inside it both factors stay within
+// 2^kMaxFactorLog2 unless the channel decays by more than 2 kMaxFactorLog2 over the block
+// (about 5.2 nats per token, beyond fla's lower bound of -5). Such a channel takes r = Gamma
+// before the block (every exponent <= 0) and its diagonal-block terms are summed pairwise
+// and exactly instead. Per-step gates are floored at kMinGateLog2 (a decay of 2^-64 is 0
+// to float32 beside the rest of a sum; the floor keeps Gamma finite for gates of -inf and
+// its differences precise).
 // Scalar gates factor out of the key sum, and take 2^(Gamma_i - Gamma_j) per entry.
 //
 // Keys are processed in slices of kSlice channels so the block fits twice per SM.
@@ -30,6 +33,10 @@ namespace {
 constexpr int kThreads = 128;  // 4 warps: warp I owns row block I of the chunk
 constexpr int kSlice = 32;
 constexpr float kMaxFactorLog2 = 60.f;
+constexpr float kMinGateLog2 = -64.f;
+
+// A per-step log2 gate floored at kMinGateLog2 (NaN stays NaN: bad input is not hidden).
+__device__ __forceinline__ float floor_gate(float g) { return g < kMinGateLog2 ? kMinGateLog2 : g; }
 constexpr int kSliceLd = kSlice + 8;
 constexpr int kChunkLd = kChunk + 8;
 static_assert(kThreads / 32 * kSubChunk == kChunk, "one warp per row block");
@@ -97,7 +104,7 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
         if (p.dt_bias) gx += load_float(p.dt_bias, p.dt_bias_dtype, hv * p.dt_bias_head_stride);
         gx = activate_gate(p, gx, a_gate);
       }
-      gl = gx * kLog2e;
+      gl = floor_gate(gx * kLog2e);
     }
     sh.beta[t] = b;
     sh.gs[t] = gl;
@@ -175,7 +182,7 @@ __device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
     if (G == GateForm::vector && key_live && t < ref.len) {
       float gx = raw_to_float(rg[x], p.g.dtype);
       if (p.gate_in_kernel) gx = activate_gate(p, gx + bias, a_gate);
-      gv = gx * kLog2e;
+      gv = floor_gate(gx * kLog2e);
     }
     s.q[t][ch] = raw_to_float(rq[x], p.q.dtype) * sh.inv_q[t];
     s.k[t][ch] = raw_to_float(rk[x], p.k.dtype) * sh.inv_k[t];
@@ -233,8 +240,9 @@ __device__ __forceinline__ float reference_point(const PrepareShared<KP>& sh, in
   const auto& s = sh.u.s;
   const int r0 = kSubChunk * I;
   const float before = I == 0 ? 0.f : s.gamma[r0 - 1][c];
-  exact = before - s.gamma[r0 + kSubChunk - 1][c] <= 2.f * kMaxFactorLog2;
-  return exact ? s.gamma[r0 + kSubChunk / 2 - 1][c] : before;
+  const float end = s.gamma[r0 + kSubChunk - 1][c];
+  exact = before - end <= 2.f * kMaxFactorLog2;
+  return exact ? 0.5f * (before + end) : before;
 }
 
 // A over one key slice: the factors of every row block (column factors shared out evenly

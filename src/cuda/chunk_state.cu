@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "cuda/chunk_params.h"
 #include "cuda/chunk_records.cuh"
@@ -245,7 +246,28 @@ void launch_state(const ChunkParams& c, cudaStream_t stream) {
   if (blocks > 0) kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(c);
 }
 
+template <int KP>
+void require_shared_memory() {
+  constexpr int smem = sizeof(StateShared<KP>);
+  int device = 0, available = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess)
+    throw Error(ErrorCode::runtime, "the CUDA chunk schedule: no usable CUDA device");
+  if (available < smem)
+    throw Error(ErrorCode::unsupported,
+                "argument 'q': the CUDA chunk state kernel for K <= " + std::to_string(KP) +
+                    " needs " + std::to_string(smem) + " bytes of shared memory per block; this "
+                    "GPU offers " + std::to_string(available) + " (Hopper: 232448)");
+}
+
 }  // namespace
+
+void require_chunk_state_shared_memory(const ChunkParams& c) {
+  if (c.KP == 64) return require_shared_memory<64>();
+  if (c.KP == 128) return require_shared_memory<128>();
+  return require_shared_memory<256>();
+}
 
 void launch_chunk_state(const ChunkParams& c, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);

@@ -23,12 +23,15 @@ __global__ void __launch_bounds__(kThreads) chunk_table_kernel(const ChunkParams
     const int64_t chunks = n < c.p.N ? (sequence_of(c.p, n).len + kChunk - 1) / kChunk : 0;
     int64_t before = 0, total = 0;
     Scan(scratch).ExclusiveSum(chunks, before, total);
-    if (n < c.p.N) c.ws.chunk_start[n] = carried + before;
+    // Capped at the workspace's records: a malformed device table (offsets that decrease,
+    // sequences that overlap) may promise more chunks than T / C + N, but never reads or
+    // writes past the workspace; such sequences lose their last chunks.
+    if (n < c.p.N) c.ws.chunk_start[n] = min(carried + before, c.max_chunks);
     __syncthreads();
     if (threadIdx.x == 0) carried += total;
     __syncthreads();
   }
-  if (threadIdx.x == 0) c.ws.chunk_start[c.p.N] = carried;
+  if (threadIdx.x == 0) c.ws.chunk_start[c.p.N] = min(carried, c.max_chunks);
 }
 
 }  // namespace

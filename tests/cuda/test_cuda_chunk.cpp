@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -106,6 +107,33 @@ TEST(CudaChunk, LowerBoundGatesAtTheirLimit) {
   Case k = make_case(c);
   k.g.fill(30.0);  // sigmoid -> 1: g = -5 per step
   expect_forward_matches_reference(k, "lower bound -5 saturated", kChunk);
+}
+
+// Gates that stress the factorisation (test_util.h): decay concentrated in half of each
+// 16-token block with large queries, and hard resets (gates of -inf).
+TEST(CudaChunk, OneSidedBlockDecayAndResetGates) {
+  FLASHDELTA_REQUIRE_GPU();
+  for (const Mechanism m : {Mechanism::kda, Mechanism::gla, Mechanism::gated_deltanet})
+    for (const bool one_sided : {true, false})
+      expect_forward_matches_reference(
+          stressed_gate_case(m, one_sided, 78),
+          std::string(mechanism_name(m)) + (one_sided ? " one-sided block decay" : " resets"),
+          kChunk);
+}
+
+// A device-resident cu_seqlens the host cannot check: overlapping sequences promise more
+// chunks than the workspace holds. The call must stay inside its memory (run it under
+// compute-sanitizer) and finish; its results are unspecified.
+TEST(CudaChunk, MalformedDeviceOffsetsStayInBounds) {
+  FLASHDELTA_REQUIRE_GPU();
+  Case c = make_case({.T = 640, .H = 1, .HV = 2, .K = 64, .V = 64,
+                      .seqlens = {91, 91, 91, 91, 91, 91, 94}});
+  const int64_t overlapping[8] = {0, 640, 0, 640, 0, 640, 0, 640};
+  ASSERT_EQ(c.cu_seqlens.view.dtype, DType::i64);
+  std::memcpy(c.cu_seqlens.bytes.data(), overlapping, sizeof overlapping);
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  forward_on_device(c.args(o, &s), c.options, kChunk);  // synchronises: faults surface here
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 TEST(CudaChunk, InPlaceAndWithoutFinalState) {
