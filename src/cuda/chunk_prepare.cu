@@ -39,6 +39,8 @@ constexpr float kMinGateLog2 = -64.f;
 __device__ __forceinline__ float floor_gate(float g) { return g < kMinGateLog2 ? kMinGateLog2 : g; }
 constexpr int kSliceLd = kSlice + 8;
 constexpr int kChunkLd = kChunk + 8;
+constexpr int kValueTile = 64;  // value columns of u per pass
+constexpr int kValueLd = kValueTile + 8;
 static_assert(kThreads / 32 * kSubChunk == kChunk, "one warp per row block");
 
 // Rows of column factors per key slice: row block I factors columns 0 .. 16 (I + 1) - 1
@@ -72,10 +74,11 @@ struct PrepareShared {
   float inv_q[kChunk], inv_k[kChunk];
 
   __device__ bf16* tb() { return reinterpret_cast<bf16*>(&u.v.a[0][0]); }  // [C][kChunkLd]
-  __device__ bf16* vb() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }  // [C][64 + 8]
+  __device__ bf16* vb() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }  // [C][kValueLd]
 };
-static_assert(sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * (kChunk + 1),
-              "T in bfloat16 fits in the place of A_kk");
+static_assert(sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * (kChunk + 1) &&
+                  sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * (kChunk + 1),
+              "T and beta v in bfloat16 fit in the places of A_kk and T in float32");
 // Three blocks per SM for KDA / GLA at KP <= 128 (the kernel is latency-bound: more warps
 // hide more); the cap of 168 registers spills 88 bytes there, and more for the other gates.
 constexpr int kMinBlocks(GateForm G, int KP) { return G == GateForm::vector && KP <= 128 ? 3 : 2; }
@@ -214,7 +217,8 @@ __device__ __forceinline__ float gamma_at(const PrepareShared<KP>& sh, int t, in
   else return 0.f;
 }
 
-// The slice's columns of qg, kg and decay (to the record) and of beta k 2^Gamma (shared).
+// The slice's columns of qg, kg and decay (to the record) and, for the delta rule, of
+// beta k 2^Gamma (shared, the operand of w).
 template <GateForm G, int KP>
 __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>& sh,
                                     const Record& rec, const ChunkRef& ref, int c0) {
@@ -226,7 +230,7 @@ __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>&
     const float gam = gamma_at<G>(sh, t, ch), qv = s.q[t][ch], kv = s.k[t][ch];
     rec.qg[t * KP + key] = __float2bfloat16(p.scale * qv * exp2f(gam));
     rec.kg[t * KP + key] = __float2bfloat16(kv * exp2f(gend - gam));
-    sh.wsrc[t][key] = __float2bfloat16(sh.beta[t] * kv * exp2f(gam));
+    if (p.delta) sh.wsrc[t][key] = __float2bfloat16(sh.beta[t] * kv * exp2f(gam));
   }
 }
 
@@ -415,6 +419,38 @@ __device__ void lower_product_rows(const bf16* tb, const bf16* src, int ld_src, 
                  acc[nt].d[e + 1]);
 }
 
+// Value columns [v0, v0 + kValueTile) of the record's u: T (beta v) for the delta rule
+// (after solve), v itself for the linear write.
+template <int KP>
+__device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const Record& rec,
+                             const ChunkRef& ref, int64_t hv, int64_t v0) {
+  const RecurrentParams& p = c.p;
+  const int tid = threadIdx.x;
+  const int64_t ov = token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1];
+  constexpr int kPer = kChunk * kValueTile / kThreads;
+  uint32_t raw[kPer];  // every load issued before any is used
+#pragma unroll
+  for (int x = 0; x < kPer; ++x) {
+    const int e = tid + x * kThreads, t = e / kValueTile, col = e % kValueTile;
+    raw[x] = t < ref.len && v0 + col < p.V
+                 ? load_raw(p.v.data, p.v.dtype, ov + t * p.v.stride[1] + (v0 + col) * p.v.stride[3])
+                 : 0u;
+  }
+  __syncthreads();  // the previous tile's product has read vb
+#pragma unroll
+  for (int x = 0; x < kPer; ++x) {
+    const int e = tid + x * kThreads, t = e / kValueTile, col = e % kValueTile;
+    const float val = raw_to_float(raw[x], p.v.dtype);
+    if (p.delta)
+      sh.vb()[t * kValueLd + col] = __float2bfloat16(val * sh.beta[t]);
+    else
+      rec.u[t * c.VP + v0 + col] = __float2bfloat16(val);
+  }
+  if (!p.delta) return;
+  __syncthreads();
+  lower_product_rows(sh.tb(), sh.vb(), kValueLd, 0, rec.u + v0, c.VP);
+}
+
 template <GateForm G, int KP>
 __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_kernel(const ChunkParams c) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -448,29 +484,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
       lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w + n0, KP);
-  const int64_t ov = token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1];
-  for (int64_t v0 = 0; v0 < c.VP; v0 += 64) {
-    __syncthreads();
-    constexpr int kPer = kChunk * 64 / kThreads;
-    uint32_t raw[kPer];
-#pragma unroll
-    for (int x = 0; x < kPer; ++x) {
-      const int e = tid + x * kThreads, t = e / 64, col = e % 64;
-      raw[x] = t < ref.len && v0 + col < p.V
-                   ? load_raw(p.v.data, p.v.dtype, ov + t * p.v.stride[1] + (v0 + col) * p.v.stride[3])
-                   : 0u;
-    }
-#pragma unroll
-    for (int x = 0; x < kPer; ++x) {
-      const int e = tid + x * kThreads, t = e / 64, col = e % 64;
-      float val = raw_to_float(raw[x], p.v.dtype);
-      if (p.delta) val *= sh.beta[t];
-      sh.vb()[t * (64 + 8) + col] = __float2bfloat16(val);
-      if (!p.delta) rec.u[t * c.VP + v0 + col] = __float2bfloat16(val);
-    }
-    __syncthreads();
-    if (p.delta) lower_product_rows(sh.tb(), sh.vb(), 64 + 8, 0, rec.u + v0, c.VP);
-  }
+  for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile) write_values(c, sh, rec, ref, hv, v0);
 }
 
 template <GateForm G, int KP>
