@@ -37,7 +37,14 @@ constexpr float kMinGateLog2 = -64.f;
 
 // A per-step log2 gate floored at kMinGateLog2 (NaN stays NaN: bad input is not hidden).
 __device__ __forceinline__ float floor_gate(float g) { return g < kMinGateLog2 ? kMinGateLog2 : g; }
+// Elements of a run of 8 that lie before the end (`left` = end - run start).
+__device__ __forceinline__ int clamp_run(int64_t left) {
+  return left <= 0 ? 0 : left >= 8 ? 8 : static_cast<int>(left);
+}
 constexpr int kSliceLd = kSlice + 8;
+// Token-major passes over a slice: kGroups threads per token, 8 channels each.
+constexpr int kGroups = kSlice / 8, kTokensPerPass = kThreads / kGroups, kPasses = kChunk / kTokensPerPass;
+static_assert(kThreads / kSlice == 4, "one thread per (row block, channel) of a slice");
 constexpr int kChunkLd = kChunk + 8;
 constexpr int kValueTile = 64;  // value columns of u per pass
 constexpr int kValueLd = kValueTile + 8;
@@ -56,6 +63,8 @@ struct PrepareShared {
     float gamma[kChunk][kSlice];                 // vector gate: Gamma after each token
     bf16 xq[4][kSubChunk][kSliceLd], xk[4][kSubChunk][kSliceLd];  // row factors per warp
     bf16 kbar[kKbarRows][kSliceLd];                                // column factors
+    float ref[4][kSlice];  // vector gate: reference point of each row block and channel
+    bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
   // After the slices (step 3 and the record). T in bfloat16 (tb) takes the place of A_kk
   // once the inverse is complete, and beta v (vb) the place of T in float32.
@@ -91,7 +100,7 @@ __device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {
 template <GateForm G, int KP>
 __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& sh,
                                    const ChunkRef& ref, int64_t hv, float a_gate) {
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x;
   const int64_t h = hv / p.group;
   if (tid < kChunk) {
     const int t = tid;
@@ -112,37 +121,36 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
     sh.beta[t] = b;
     sh.gs[t] = gl;
   }
-  // Rows 0..63 are q, 64..127 are k; each warp loads kRows rows at once so their loads are
-  // all in flight together (a load waited on one at a time costs a DRAM latency each).
-  constexpr int kPer = KP / 32, kRows = 8;
-  static_assert(kChunk % kRows == 0, "a group of rows is all q or all k");
-  if (p.qk_l2norm)
-    for (int r0 = warp * kRows; r0 < 2 * kChunk; r0 += kThreads / 32 * kRows) {
-      const TokenTensor& x = r0 < kChunk ? p.q : p.k;
-      const int64_t base = token_offset(x, ref.seq, h) + ref.t * x.stride[1];
-      uint32_t raw[kRows][kPer];
+  // Rows 0..63 are q, 64..127 are k, kLanes threads per row with 8 channels each; every
+  // thread has kBatch loads in flight at once (a load waited on alone costs a DRAM latency).
+  constexpr int kLanes = KP / 8, kRowsPerLoad = kThreads / kLanes, kBatch = 4;
+  static_assert(kChunk % (kRowsPerLoad * kBatch) == 0, "a batch of rows is all q or all k");
+  if (p.qk_l2norm) {
+    const int c = 8 * (tid % kLanes), valid_k = clamp_run(p.K - c);
+    const int64_t base_q = token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1] + c * p.q.stride[3];
+    const int64_t base_k = token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1] + c * p.k.stride[3];
+    for (int r0 = 0; r0 < 2 * kChunk; r0 += kRowsPerLoad * kBatch) {
+      const bool is_q = r0 < kChunk;
+      const TokenTensor& x = is_q ? p.q : p.k;
+      Run8 raw[kBatch];
 #pragma unroll
-      for (int rr = 0; rr < kRows; ++rr)
+      for (int b = 0; b < kBatch; ++b) {
+        const int t = (r0 + b * kRowsPerLoad + tid / kLanes) % kChunk;
+        raw[b] = load_run8(x, (is_q ? base_q : base_k) + t * x.stride[1], t < ref.len ? valid_k : 0);
+      }
 #pragma unroll
-        for (int e = 0; e < kPer; ++e) {
-          const int t = (r0 + rr) % kChunk, c = lane + 32 * e;
-          raw[rr][e] = t < ref.len && c < p.K
-                           ? load_raw(x.data, x.dtype, base + t * x.stride[1] + c * x.stride[3])
-                           : 0u;
-        }
-#pragma unroll
-      for (int rr = 0; rr < kRows; ++rr) {
+      for (int b = 0; b < kBatch; ++b) {
+        float v[8];
+        run8_to_float(raw[b], x.dtype, v);
         float sum = 0.f;
 #pragma unroll
-        for (int e = 0; e < kPer; ++e) {
-          const float v = raw_to_float(raw[rr][e], x.dtype);
-          sum += v * v;
-        }
-        const int t = (r0 + rr) % kChunk;
-        const float inv = t < ref.len ? rsqrtf(lane_sum<1, 16>(sum) + kL2NormEps) : 0.f;
-        if (lane == 0) (r0 < kChunk ? sh.inv_q : sh.inv_k)[t] = inv;
+        for (int e = 0; e < 8; ++e) sum += v[e] * v[e];
+        sum = lane_sum<1, kLanes / 2>(sum);
+        const int t = (r0 + b * kRowsPerLoad + tid / kLanes) % kChunk;
+        if (tid % kLanes == 0) (is_q ? sh.inv_q : sh.inv_k)[t] = t < ref.len ? rsqrtf(sum + kL2NormEps) : 0.f;
       }
     }
+  }
   else if (tid < kChunk)
     sh.inv_q[tid] = sh.inv_k[tid] = tid < ref.len ? 1.f : 0.f;
   __syncthreads();
@@ -152,51 +160,65 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
   }
 }
 
-// Loads key channels [c0, c0 + kSlice) of q, k (transformed) and the vector gate's Gamma.
+// Loads key channels [c0, c0 + kSlice) of q, k (transformed) and the vector gate's Gamma
+// (kGroups threads per token, 8 channels each), and each row block's reference points.
 template <GateForm G, int KP>
 __device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, const ChunkRef& ref,
                            int64_t hv, float a_gate, int c0) {
   auto& s = sh.u.s;
-  const int tid = threadIdx.x, ch = tid % kSlice;
-  const int64_t key = c0 + ch, h = hv / p.group;
+  const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
+  const int64_t key = c0 + c8, h = hv / p.group;
+  const int valid_k = clamp_run(p.K - key);
   const int64_t oq = token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1] + key * p.q.stride[3];
   const int64_t ok = token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1] + key * p.k.stride[3];
   const int64_t og = token_offset(p.g, ref.seq, hv) + ref.t * p.g.stride[1] + key * p.g.stride[3];
-  float bias = 0.f;
-  if (G == GateForm::vector && p.gate_in_kernel && p.dt_bias && key < p.K)
-    bias = load_float(p.dt_bias, p.dt_bias_dtype,
-                      hv * p.dt_bias_head_stride + key * p.dt_bias_key_stride);
   // Every load of the slice is issued before any is used.
-  constexpr int kTokens = kChunk / (kThreads / kSlice);
-  uint32_t rq[kTokens], rk[kTokens], rg[kTokens];
-  const bool key_live = key < p.K;
+  Run8 rq[kPasses], rk[kPasses], rg[kPasses];
 #pragma unroll
-  for (int x = 0; x < kTokens; ++x) {
-    const int t = tid / kSlice + x * (kThreads / kSlice);
-    const bool live = key_live && t < ref.len;
-    rq[x] = live ? load_raw(p.q.data, p.q.dtype, oq + t * p.q.stride[1]) : 0u;
-    rk[x] = live ? load_raw(p.k.data, p.k.dtype, ok + t * p.k.stride[1]) : 0u;
-    rg[x] = live && G == GateForm::vector ? load_raw(p.g.data, p.g.dtype, og + t * p.g.stride[1]) : 0u;
+  for (int x = 0; x < kPasses; ++x) {
+    const int t = tid / kGroups + x * kTokensPerPass;
+    const int valid = t < ref.len ? valid_k : 0;
+    rq[x] = load_run8(p.q, oq + t * p.q.stride[1], valid);
+    rk[x] = load_run8(p.k, ok + t * p.k.stride[1], valid);
+    if (G == GateForm::vector) rg[x] = load_run8(p.g, og + t * p.g.stride[1], valid);
   }
+  float bias[8] = {};
+  if (G == GateForm::vector && p.gate_in_kernel && p.dt_bias)
 #pragma unroll
-  for (int x = 0; x < kTokens; ++x) {
-    const int t = tid / kSlice + x * (kThreads / kSlice);
-    float gv = 0.f;
-    if (G == GateForm::vector && key_live && t < ref.len) {
-      float gx = raw_to_float(rg[x], p.g.dtype);
-      if (p.gate_in_kernel) gx = activate_gate(p, gx + bias, a_gate);
-      gv = floor_gate(gx * kLog2e);
+    for (int e = 0; e < 8; ++e)
+      if (e < valid_k)
+        bias[e] = load_float(p.dt_bias, p.dt_bias_dtype,
+                             hv * p.dt_bias_head_stride + (key + e) * p.dt_bias_key_stride);
+#pragma unroll
+  for (int x = 0; x < kPasses; ++x) {
+    const int t = tid / kGroups + x * kTokensPerPass;
+    float q[8], k[8], g[8] = {};
+    run8_to_float(rq[x], p.q.dtype, q);
+    run8_to_float(rk[x], p.k.dtype, k);
+    if constexpr (G == GateForm::vector) {
+      run8_to_float(rg[x], p.g.dtype, g);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float gx = g[e];
+        if (p.gate_in_kernel) gx = activate_gate(p, gx + bias[e], a_gate);
+        g[e] = e < valid_k && t < ref.len ? floor_gate(gx * kLog2e) : 0.f;
+      }
     }
-    s.q[t][ch] = raw_to_float(rq[x], p.q.dtype) * sh.inv_q[t];
-    s.k[t][ch] = raw_to_float(rk[x], p.k.dtype) * sh.inv_k[t];
-    s.gamma[t][ch] = gv;
+#pragma unroll
+    for (int e = 0; e < 8; e += 4) {
+      *reinterpret_cast<float4*>(&s.q[t][c8 + e]) =
+          make_float4(q[e] * sh.inv_q[t], q[e + 1] * sh.inv_q[t], q[e + 2] * sh.inv_q[t], q[e + 3] * sh.inv_q[t]);
+      *reinterpret_cast<float4*>(&s.k[t][c8 + e]) =
+          make_float4(k[e] * sh.inv_k[t], k[e + 1] * sh.inv_k[t], k[e + 2] * sh.inv_k[t], k[e + 3] * sh.inv_k[t]);
+      *reinterpret_cast<float4*>(&s.gamma[t][c8 + e]) = make_float4(g[e], g[e + 1], g[e + 2], g[e + 3]);
+    }
   }
   __syncthreads();
   if constexpr (G == GateForm::vector) {
     // Cumulative sums down each channel: every thread scans one segment of tokens, then
     // adds the totals of the segments before it.
     constexpr int kSegments = kThreads / kSlice, kLen = kChunk / kSegments;
-    const int seg = tid / kSlice, t0 = seg * kLen;
+    const int ch = tid % kSlice, seg = tid / kSlice, t0 = seg * kLen;
     float run = 0.f;
 #pragma unroll
     for (int t = t0; t < t0 + kLen; ++t) s.gamma[t][ch] = run += s.gamma[t][ch];
@@ -206,6 +228,14 @@ __device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
     __syncthreads();
 #pragma unroll
     for (int t = t0; t < t0 + kLen; ++t) s.gamma[t][ch] += before;
+    __syncthreads();
+    // The reference point of row block I = seg for channel ch (see the file comment): the
+    // middle of the block, or the start of the block where the channel decays too fast.
+    const float start = seg == 0 ? 0.f : s.gamma[kSubChunk * seg - 1][ch];
+    const float end = s.gamma[kSubChunk * seg + kSubChunk - 1][ch];
+    const bool exact = start - end <= 2.f * kMaxFactorLog2;
+    s.ref[seg][ch] = exact ? 0.5f * (start + end) : start;
+    s.exact[seg][ch] = exact;
   }
   __syncthreads();
 }
@@ -217,36 +247,44 @@ __device__ __forceinline__ float gamma_at(const PrepareShared<KP>& sh, int t, in
   else return 0.f;
 }
 
+// Packs eight floats into bfloat16 and stores them with one 16-byte store.
+__device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+    w[e] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // The slice's columns of qg, kg and decay (to the record) and, for the delta rule, of
-// beta k 2^Gamma (shared, the operand of w).
+// beta k 2^Gamma (shared, the operand of w); 8 channels of one token per thread and pass.
 template <GateForm G, int KP>
 __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>& sh,
                                     const Record& rec, const ChunkRef& ref, int c0) {
   const auto& s = sh.u.s;
-  const int tid = threadIdx.x, ch = tid % kSlice, key = c0 + ch;
-  const float gend = gamma_at<G>(sh, ref.len - 1, ch);
-  if (tid < kSlice) rec.decay[key] = exp2f(gend);
-  for (int t = tid / kSlice; t < kChunk; t += kThreads / kSlice) {
-    const float gam = gamma_at<G>(sh, t, ch), qv = s.q[t][ch], kv = s.k[t][ch];
-    rec.qg[t * KP + key] = __float2bfloat16(p.scale * qv * exp2f(gam));
-    rec.kg[t * KP + key] = __float2bfloat16(kv * exp2f(gend - gam));
-    if (p.delta) sh.wsrc[t][key] = __float2bfloat16(sh.beta[t] * kv * exp2f(gam));
+  const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
+  if (tid < kSlice) rec.decay[c0 + tid] = exp2f(gamma_at<G>(sh, ref.len - 1, tid));
+  float gend[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) gend[e] = gamma_at<G>(sh, ref.len - 1, c8 + e);
+#pragma unroll
+  for (int x = 0; x < kPasses; ++x) {
+    const int t = tid / kGroups + x * kTokensPerPass;
+    float qg[8], kg[8], wk[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float gam = gamma_at<G>(sh, t, c8 + e), kv = s.k[t][c8 + e];
+      const float up = exp2f(gam);
+      qg[e] = p.scale * s.q[t][c8 + e] * up;
+      kg[e] = kv * exp2f(gend[e] - gam);
+      wk[e] = sh.beta[t] * kv * up;
+    }
+    store_bf16x8(rec.qg + t * KP + c0 + c8, qg);
+    store_bf16x8(rec.kg + t * KP + c0 + c8, kg);
+    if (p.delta) store_bf16x8(&sh.wsrc[t][c0 + c8], wk);
   }
-}
-
-// The reference point of row block I for key channel c (see the file comment): the middle
-// of the block, or the start of the block where the channel decays too fast (inexact).
-template <GateForm G, int KP>
-__device__ __forceinline__ float reference_point(const PrepareShared<KP>& sh, int I, int c,
-                                                 bool& exact) {
-  exact = true;
-  if constexpr (G != GateForm::vector) return 0.f;
-  const auto& s = sh.u.s;
-  const int r0 = kSubChunk * I;
-  const float before = I == 0 ? 0.f : s.gamma[r0 - 1][c];
-  const float end = s.gamma[r0 + kSubChunk - 1][c];
-  exact = before - end <= 2.f * kMaxFactorLog2;
-  return exact ? 0.5f * (before + end) : before;
 }
 
 // A over one key slice: the factors of every row block (column factors shared out evenly
@@ -257,9 +295,9 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
   auto& s = sh.u.s;
   const int I = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = kSubChunk * I;
   const int c = lane;  // key channel of this lane
-  bool exact = true;
+  const bool exact = G != GateForm::vector || s.exact[I][c];
   {
-    const float r = reference_point<G>(sh, I, c, exact);
+    const float r = G == GateForm::vector ? s.ref[I][c] : 0.f;
     for (int i = 0; i < kSubChunk; ++i) {
       const float e = G == GateForm::vector ? exp2f(s.gamma[r0 + i][c] - r) : 1.f;
       s.xq[I][i][c] = __float2bfloat16(s.q[r0 + i][c] * e);
@@ -271,11 +309,8 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
     const int J = row < kbar_base(1) ? 0 : row < kbar_base(2) ? 1 : row < kbar_base(3) ? 2 : 3;
     const int j = row - kbar_base(J);  // column (token) j of row block J's factors
     float e = 1.f;
-    if constexpr (G == GateForm::vector) {
-      bool ex;
-      const float r = reference_point<G>(sh, J, c, ex);
-      e = j >= kSubChunk * J && !ex ? 0.f : exp2f(r - s.gamma[j][c]);
-    }
+    if constexpr (G == GateForm::vector)
+      e = j >= kSubChunk * J && !s.exact[J][c] ? 0.f : exp2f(s.ref[J][c] - s.gamma[j][c]);
     s.kbar[row][c] = __float2bfloat16(s.k[j][c] * e);
   }
   __syncthreads();
@@ -420,31 +455,34 @@ __device__ void lower_product_rows(const bf16* tb, const bf16* src, int ld_src, 
 }
 
 // Value columns [v0, v0 + kValueTile) of the record's u: T (beta v) for the delta rule
-// (after solve), v itself for the linear write.
+// (after solve), v itself for the linear write; 8 columns of one token per thread and load.
 template <int KP>
 __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const Record& rec,
                              const ChunkRef& ref, int64_t hv, int64_t v0) {
   const RecurrentParams& p = c.p;
   const int tid = threadIdx.x;
-  const int64_t ov = token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1];
-  constexpr int kPer = kChunk * kValueTile / kThreads;
-  uint32_t raw[kPer];  // every load issued before any is used
+  constexpr int kLanes = kValueTile / 8, kLoads = kChunk * kLanes / kThreads;
+  const int col = 8 * (tid % kLanes), valid_v = clamp_run(p.V - v0 - col);
+  const int64_t ov = token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1] + (v0 + col) * p.v.stride[3];
+  Run8 raw[kLoads];  // every load issued before any is used
 #pragma unroll
-  for (int x = 0; x < kPer; ++x) {
-    const int e = tid + x * kThreads, t = e / kValueTile, col = e % kValueTile;
-    raw[x] = t < ref.len && v0 + col < p.V
-                 ? load_raw(p.v.data, p.v.dtype, ov + t * p.v.stride[1] + (v0 + col) * p.v.stride[3])
-                 : 0u;
+  for (int x = 0; x < kLoads; ++x) {
+    const int t = tid / kLanes + x * (kThreads / kLanes);
+    raw[x] = load_run8(p.v, ov + t * p.v.stride[1], t < ref.len ? valid_v : 0);
   }
   __syncthreads();  // the previous tile's product has read vb
 #pragma unroll
-  for (int x = 0; x < kPer; ++x) {
-    const int e = tid + x * kThreads, t = e / kValueTile, col = e % kValueTile;
-    const float val = raw_to_float(raw[x], p.v.dtype);
-    if (p.delta)
-      sh.vb()[t * kValueLd + col] = __float2bfloat16(val * sh.beta[t]);
-    else
-      rec.u[t * c.VP + v0 + col] = __float2bfloat16(val);
+  for (int x = 0; x < kLoads; ++x) {
+    const int t = tid / kLanes + x * (kThreads / kLanes);
+    float val[8];
+    run8_to_float(raw[x], p.v.dtype, val);
+    if (p.delta) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) val[e] *= sh.beta[t];
+      store_bf16x8(sh.vb() + t * kValueLd + col, val);
+    } else {
+      store_bf16x8(rec.u + t * c.VP + v0 + col, val);
+    }
   }
   if (!p.delta) return;
   __syncthreads();

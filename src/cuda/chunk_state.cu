@@ -48,6 +48,7 @@ struct StateShared {
   Stage<KP> stage[G::kStages];
   bf16 s[KP][G::LV];       // the state tile as a bfloat16 operand
   bf16 vn[kChunk][G::LV];  // v_new
+  float o[kChunk][G::BV + 4];  // the chunk's output rows, staged for vector stores
 };
 
 // Copies one record's rows (this block's columns of u) into a stage.
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) chunk_state_kernel(const ChunkParams
   const int64_t tiles = (p.V + G::BV - 1) / G::BV;
   const int64_t blk = blockIdx.x, n = blk / (tiles * p.HV), hv = blk / tiles % p.HV;
   const int64_t j0 = blk % tiles * G::BV;
-  const int warp = threadIdx.x / 32, r0 = 16 * warp;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = 16 * warp;
   const Sequence seq = sequence_of(p, n);
   const ChunkRange chunks = chunk_range(c, n);
   const int64_t o_base = token_offset(p.o, seq, hv);
@@ -199,16 +200,25 @@ __global__ void __launch_bounds__(kThreads) chunk_state_kernel(const ChunkParams
     Acc o[G::kColTiles];
     rows_times<KP>(o, &st.qg[0][0], G::LK, &sh.s[0][0], KP);
     rows_times<KP>(o, &st.a[0][0], G::LC, &sh.vn[0][0], r0 + 16);
-    const int64_t t_chunk = i * kChunk;
+    // Each warp stores its own 16 rows in runs of 8 columns (one vector store each for
+    // contiguous 16-bit outputs).
 #pragma unroll
     for (int nt = 0; nt < G::kColTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t t = t_chunk + r0 + acc_row(e), j = j0 + 8 * nt + acc_col(e);
-        if (t < seq.len && j < p.V)
-          store_float(const_cast<void*>(p.o.data), p.o.dtype,
-                      o_base + t * p.o.stride[1] + j * p.o.stride[3], o[nt].d[e]);
-      }
+      for (int e = 0; e < 4; ++e) sh.o[r0 + acc_row(e)][8 * nt + acc_col(e)] = o[nt].d[e];
+    __syncwarp();
+    constexpr int kRuns = kSubChunk * G::BV / 8;
+#pragma unroll
+    for (int x = lane; x < kRuns; x += 32) {
+      const int row = r0 + x / (G::BV / 8), col = 8 * (x % (G::BV / 8));
+      const int64_t t = i * kChunk + row, j = j0 + col;
+      if (t >= seq.len) continue;
+      float run[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) run[e] = sh.o[row][col + e];
+      store_run8(p.o, o_base + t * p.o.stride[1] + j * p.o.stride[3],
+                 static_cast<int>(p.V - j < 8 ? p.V - j : 8), run);
+    }
 
     // S = diag(decay) S + kg^T v_new for this warp's keys.
 #pragma unroll

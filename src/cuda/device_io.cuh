@@ -53,6 +53,79 @@ __device__ __forceinline__ void store_float(void* base, DType t, int64_t off, fl
   }
 }
 
+// Eight consecutive channels of a token tensor, as raw bits, for kernels that move whole
+// tiles: a 16-bit tensor with unit channel stride whose run is complete and 16-byte aligned
+// (the common case: contiguous bf16) takes one vector load and stays packed (w[0..3]);
+// anything else takes one load per element (w[e]). Split from the conversion like load_raw.
+struct Run8 {
+  uint32_t w[8];
+  bool packed;
+};
+
+__device__ __forceinline__ bool is_16bit(DType t) { return t == DType::bf16 || t == DType::f16; }
+
+// Channels [0, valid) of the run at element offset `off`; the rest read as 0 and are not
+// touched (valid <= 0 reads nothing).
+__device__ __forceinline__ Run8 load_run8(const TokenTensor& x, int64_t off, int valid) {
+  Run8 r;
+  if (is_16bit(x.dtype) && x.stride[3] == 1 && valid >= 8) {
+    const auto* ptr = static_cast<const unsigned short*>(x.data) + off;
+    if ((reinterpret_cast<uintptr_t>(ptr) & 15) == 0) {
+      const uint4 v = *reinterpret_cast<const uint4*>(ptr);
+      r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
+      r.w[4] = r.w[5] = r.w[6] = r.w[7] = 0u;
+      r.packed = true;
+      return r;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) r.w[e] = e < valid ? load_raw(x.data, x.dtype, off + e * x.stride[3]) : 0u;
+  r.packed = false;
+  return r;
+}
+
+__device__ __forceinline__ void run8_to_float(const Run8& r, DType t, float (&out)[8]) {
+  if (r.packed) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t half = e % 2 ? r.w[e / 2] >> 16 : r.w[e / 2] & 0xffffu;
+      out[e] = t == DType::bf16 ? __uint_as_float(half << 16)
+                                : __half2float(__ushort_as_half(static_cast<unsigned short>(half)));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = raw_to_float(r.w[e], t);
+  }
+}
+
+// Stores channels [0, valid) of eight at element offset `off` (one vector store for a
+// complete, aligned run of a 16-bit tensor with unit channel stride).
+__device__ __forceinline__ void store_run8(const TokenTensor& x, int64_t off, int valid,
+                                           const float (&in)[8]) {
+  void* base = const_cast<void*>(x.data);
+  if (is_16bit(x.dtype) && x.stride[3] == 1 && valid >= 8) {
+    auto* ptr = static_cast<unsigned short*>(base) + off;
+    if ((reinterpret_cast<uintptr_t>(ptr) & 15) == 0) {
+      uint32_t w[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (x.dtype == DType::bf16) {
+          const __nv_bfloat162 h = __floats2bfloat162_rn(in[2 * e], in[2 * e + 1]);
+          w[e] = *reinterpret_cast<const uint32_t*>(&h);
+        } else {
+          const __half2 h = __floats2half2_rn(in[2 * e], in[2 * e + 1]);
+          w[e] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+      }
+      *reinterpret_cast<uint4*>(ptr) = make_uint4(w[0], w[1], w[2], w[3]);
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    if (e < valid) store_float(base, x.dtype, off + e * x.stride[3], in[e]);
+}
+
 __device__ __forceinline__ int64_t load_index(const IndexTensor& t, int64_t row, int64_t col) {
   const int64_t off = row * t.stride[0] + col * t.stride[1];
   return t.is_i64 ? static_cast<const int64_t*>(t.data)[off]

@@ -10,7 +10,9 @@ namespace {
 constexpr float kL2NormEps = 1e-6f;
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+// The fast exponential and division (a few ulp; the inputs are bf16-level data): the gate's
+// sigmoid runs once per key channel and token.
+__device__ __forceinline__ float sigmoidf(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 __device__ __forceinline__ float softplusf(float x) {
   return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x)));
 }
