@@ -4,6 +4,10 @@
 // A_log, dt_bias and lower bound -5, q/k L2 norm and beta sigmoid in the kernel, V-first fp32
 // states in and out), the training shape with a precomputed gate, and Gated DeltaNet.
 // Inputs are random (uniform); two input sets are rotated; CUDA events around each call; medians.
+// Each case is timed twice: with a workspace the caller allocated once (ForwardArgs::workspace,
+// what an engine does) and without one, when every call takes its workspace from the
+// stream-ordered allocator (whose default pool may return the memory to the driver at
+// every synchronisation, and then maps it again on the next call).
 // The side-by-side ratios against fla come from bench/device/bench_chunk.py.
 //
 //   flashdelta_cuda_chunk_bench [--only SUBSTRING] [--reps N]
@@ -141,7 +145,7 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, 0), "device");
   std::printf("# CUDA chunkwise forward alone, %s; K = V = 128, bf16 inputs; median of %d\n",
               prop.name, reps);
-  std::printf("%-26s %10s\n", "case", "ms");
+  std::printf("%-26s %12s %12s\n", "case", "ms", "ms (alloc)");
   uint64_t rng = 0x9e3779b97f4a7c15ull;
   cudaEvent_t start, stop;
   check(cudaEventCreate(&start), "event");
@@ -150,18 +154,30 @@ int main(int argc, char** argv) {
     if (!only.empty() && c.name.find(only) == std::string::npos) continue;
     Inputs sets[2] = {make_inputs(c, 128, 128, rng), make_inputs(c, 128, 128, rng)};
     const fd::Options opt = options_of(c);
-    for (int i = 0; i < 3; ++i) fd::forward(sets[i % 2].args, opt, fd::Schedule::chunk);
-    std::vector<double> ms;
-    for (int i = 0; i < reps; ++i) {
-      check(cudaEventRecord(start), "record");
-      fd::forward(sets[i % 2].args, opt, fd::Schedule::chunk);
-      check(cudaEventRecord(stop), "record");
-      check(cudaEventSynchronize(stop), "sync");
-      float t = 0;
-      check(cudaEventElapsedTime(&t, start, stop), "elapsed");
-      ms.push_back(t);
-    }
-    std::printf("%-26s %10.3f\n", c.name.c_str(), median(ms));
+    const size_t bytes = fd::forward_workspace_bytes(sets[0].args, opt, fd::Schedule::chunk);
+    void* workspace = nullptr;
+    check(cudaMalloc(&workspace, bytes), "cudaMalloc workspace");
+    auto time = [&](bool caller_workspace) {
+      for (Inputs& s : sets) {
+        s.args.workspace = caller_workspace ? workspace : nullptr;
+        s.args.workspace_bytes = caller_workspace ? bytes : 0;
+      }
+      for (int i = 0; i < 3; ++i) fd::forward(sets[i % 2].args, opt, fd::Schedule::chunk);
+      std::vector<double> ms;
+      for (int i = 0; i < reps; ++i) {
+        check(cudaEventRecord(start), "record");
+        fd::forward(sets[i % 2].args, opt, fd::Schedule::chunk);
+        check(cudaEventRecord(stop), "record");
+        check(cudaEventSynchronize(stop), "sync");
+        float t = 0;
+        check(cudaEventElapsedTime(&t, start, stop), "elapsed");
+        ms.push_back(t);
+      }
+      return median(ms);
+    };
+    const double with_workspace = time(true), allocating = time(false);
+    std::printf("%-26s %12.3f %12.3f\n", c.name.c_str(), with_workspace, allocating);
+    cudaFree(workspace);
     for (Inputs& s : sets)
       for (void* p : s.owned) cudaFree(p);
   }

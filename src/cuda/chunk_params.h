@@ -18,8 +18,9 @@ inline constexpr int kSubChunk = 16;
 constexpr int chunk_key_width(int64_t K) { return K <= 64 ? 64 : K <= 128 ? 128 : 256; }
 // Value columns of u per chunk record: V padded with zeros to a multiple of 64.
 constexpr int64_t chunk_value_width(int64_t V) { return (V + 63) / 64 * 64; }
-// Value columns one state-kernel block owns (its K x columns state tile stays in registers).
-constexpr int chunk_state_columns(int KP) { return KP <= 128 ? 64 : 32; }
+// Value columns one state-kernel block owns: 16 per warp, whose K x 16 state tile stays in
+// registers.
+constexpr int chunk_state_columns(int) { return 64; }
 
 // One record per (chunk, value head), index chunk * HV + hv, all zero past the chunk's last
 // token and past K / V, with Gamma the cumulative log2 decay from the chunk start:
@@ -48,7 +49,7 @@ void launch_chunk_table(const ChunkParams& c, void* stream);
 void launch_chunk_prepare(const ChunkParams& c, void* stream);
 void launch_chunk_state(const ChunkParams& c, void* stream);
 // Throws Error(unsupported) when the current GPU lacks the state kernel's shared memory
-// (pre-Hopper GPUs for K <= 128); called before anything is launched.
+// (it needs 159 KB at K <= 128, 138 KB at K <= 256); called before anything is launched.
 void require_chunk_state_shared_memory(const ChunkParams& c);
 
 }  // namespace flashdelta::detail::cuda

@@ -70,8 +70,8 @@ struct PrepareShared {
   // once the inverse is complete, and beta v (vb) the place of T in float32.
   struct Solve {
     float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
-    float t[kChunk][kChunk + 1];  // T = (I + A_kk)^-1 (lower, unit diagonal)
-    float x[3][kSubChunk][kSubChunk + 1];
+    float t[kChunk][kChunk + 4];  // T = (I + A_kk)^-1 (lower, unit diagonal); float4 rows
+    float x[3][kSubChunk][kSubChunk + 4];
   };
   union {
     Slice s;
@@ -129,6 +129,7 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
     const int c = 8 * (tid % kLanes), valid_k = clamp_run(p.K - c);
     const int64_t base_q = token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1] + c * p.q.stride[3];
     const int64_t base_k = token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1] + c * p.k.stride[3];
+#pragma unroll 1
     for (int r0 = 0; r0 < 2 * kChunk; r0 += kRowsPerLoad * kBatch) {
       const bool is_q = r0 < kChunk;
       const TokenTensor& x = is_q ? p.q : p.k;
@@ -304,14 +305,36 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
       s.xk[I][i][c] = __float2bfloat16(s.k[r0 + i][c] * e);
     }
   }
-  constexpr int kPerWarp = kKbarRows / (kThreads / 32);
-  for (int row = I * kPerWarp; row < (I + 1) * kPerWarp; ++row) {
-    const int J = row < kbar_base(1) ? 0 : row < kbar_base(2) ? 1 : row < kbar_base(3) ? 2 : 3;
-    const int j = row - kbar_base(J);  // column (token) j of row block J's factors
-    float e = 1.f;
-    if constexpr (G == GateForm::vector)
-      e = j >= kSubChunk * J && !s.exact[J][c] ? 0.f : exp2f(s.ref[J][c] - s.gamma[j][c]);
-    s.kbar[row][c] = __float2bfloat16(s.k[j][c] * e);
+  // Column factors k_j 2^(r_J - Gamma_j) of tokens j = I + 4 m (every warp takes 4 tokens of
+  // each block: 40 rows each) for the row blocks J from j's own block B on: the diagonal
+  // block's and block B + 1's by one exp2 each, each later one from the one before by the
+  // channel's step 2^(r_J - r_(J-1)) <= 1 (the exponents only fall, so an underflow to 0
+  // is the right limit).
+  float step[4] = {1.f, 1.f, 1.f, 1.f};
+  if constexpr (G == GateForm::vector)
+#pragma unroll
+    for (int J = 1; J < 4; ++J) step[J] = exp2f(s.ref[J][c] - s.ref[J - 1][c]);
+#pragma unroll
+  for (int m = 0; m < kChunk / 4; ++m) {
+    constexpr int kBlocks = kChunk / kSubChunk;
+    const int B = m / (kSubChunk / 4), j = I + 4 * m;
+    const float kj = s.k[j][c];
+    if constexpr (G == GateForm::vector) {
+      const float gj = s.gamma[j][c];
+      s.kbar[kbar_base(B) + j][c] = __float2bfloat16(s.exact[B][c] ? kj * exp2f(s.ref[B][c] - gj) : 0.f);
+      if (B + 1 < kBlocks) {
+        float x = kj * exp2f(s.ref[B + 1][c] - gj);
+        s.kbar[kbar_base(B + 1) + j][c] = __float2bfloat16(x);
+#pragma unroll
+        for (int J = B + 2; J < kBlocks; ++J) {
+          x *= step[J];
+          s.kbar[kbar_base(J) + j][c] = __float2bfloat16(x);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int J = B; J < kBlocks; ++J) s.kbar[kbar_base(J) + j][c] = __float2bfloat16(kj);
+    }
   }
   __syncthreads();
   const bf16* kbar = &s.kbar[kbar_base(I)][0];
@@ -405,22 +428,32 @@ __device__ void solve(PrepareShared<KP>& sh) {
     }
   }
   __syncthreads();
-  constexpr int kBlocks = kChunk / kSubChunk, kCells = kSubChunk * kSubChunk;
+  // Off the diagonal, by distance d = I - J; a thread computes 4 adjacent columns of a row.
+  constexpr int kBlocks = kChunk / kSubChunk, kQuads = kSubChunk * kSubChunk / 4;
   for (int d = 1; d < kBlocks; ++d) {
-    const int pairs = kBlocks - d;
-    for (int e = tid; e < pairs * kCells; e += kThreads) {
-      const int I = d + e / kCells, J = I - d, i = e % kCells / kSubChunk, j = e % kSubChunk;
-      float acc = 0.f;
-      for (int m = kSubChunk * J; m < kSubChunk * I; ++m)
-        acc += v.a[kSubChunk * I + i][m] * v.t[m][kSubChunk * J + j];
-      v.x[e / kCells][i][j] = acc;
+    const int units = (kBlocks - d) * kQuads;
+    for (int e = tid; e < units; e += kThreads) {
+      const int I = d + e / kQuads, J = I - d, i = e % kQuads / 4, j = 4 * (e % 4);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+      for (int m = kSubChunk * J; m < kSubChunk * I; ++m) {
+        const float a = v.a[kSubChunk * I + i][m];
+        const float4 t = *reinterpret_cast<const float4*>(&v.t[m][kSubChunk * J + j]);
+        acc.x += a * t.x, acc.y += a * t.y, acc.z += a * t.z, acc.w += a * t.w;
+      }
+      *reinterpret_cast<float4*>(&v.x[e / kQuads][i][j]) = acc;
     }
     __syncthreads();
-    for (int e = tid; e < pairs * kCells; e += kThreads) {
-      const int I = d + e / kCells, J = I - d, i = e % kCells / kSubChunk, j = e % kSubChunk;
-      float acc = 0.f;
-      for (int m = 0; m <= i; ++m) acc -= v.t[kSubChunk * I + i][kSubChunk * I + m] * v.x[e / kCells][m][j];
-      v.t[kSubChunk * I + i][kSubChunk * J + j] = acc;
+    for (int e = tid; e < units; e += kThreads) {
+      const int I = d + e / kQuads, J = I - d, i = e % kQuads / 4, j = 4 * (e % 4);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+      for (int m = 0; m <= i; ++m) {
+        const float t = v.t[kSubChunk * I + i][kSubChunk * I + m];
+        const float4 x = *reinterpret_cast<const float4*>(&v.x[e / kQuads][m][j]);
+        acc.x -= t * x.x, acc.y -= t * x.y, acc.z -= t * x.z, acc.w -= t * x.w;
+      }
+      *reinterpret_cast<float4*>(&v.t[kSubChunk * I + i][kSubChunk * J + j]) = acc;
     }
     __syncthreads();
   }

@@ -1,14 +1,19 @@
 // Steps 4-5 of the chunkwise forward (DESIGN.md section 3): one block per (sequence, value
-// head, tile of BV value columns) walks its chunks in order with the K x BV state tile in
-// float32 registers (as tensor-core accumulators), and per chunk
+// head, tile of BV value columns) walks its chunks in order and per chunk computes
 //     v_new = u - w S                       (delta rule; linear: v_new = u = v)
 //     o     = qg S + A_qk v_new
 //     S     = diag(decay) S + kg^T v_new
 // from the chunk's prepared record (cuda/chunk_params.h), which is copied into shared memory
-// asynchronously one chunk ahead while the current chunk computes (KP <= 128). Warp w owns
-// the state rows (keys) [w KP/4, (w + 1) KP/4) and the chunk rows (tokens) [16 w, 16 w + 16).
-// The products read S as bfloat16, the precision of every tensor-core operand here; the state
-// itself accumulates in float32.
+// asynchronously one chunk ahead while the current chunk computes (KP <= 128).
+//
+// Each warp owns 16 value columns of the state for every key, and every product above reads
+// only the warp's own columns of S and v_new: the warps never wait for each other within a
+// chunk. The warp keeps its state transposed, S^T (16 columns x KP keys), in float32
+// tensor-core accumulators, because an accumulator tile is also the register layout of a
+// left operand: S^T and v_new^T feed the next products straight from registers as bfloat16
+//     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T,   S^T = S^T diag(decay) + v_new^T kg
+// with the record's matrices as right operands from shared memory. The state itself
+// accumulates in float32; every tensor-core operand is bfloat16.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -22,15 +27,16 @@
 namespace flashdelta::detail::cuda {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
+constexpr int kWarpColumns = 16;  // value columns per warp (the m of its products)
 
 template <int KP>
 struct StateGeometry {
   static constexpr int BV = chunk_state_columns(KP);
+  static constexpr int kWarps = BV / kWarpColumns;
+  static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = KP <= 128 ? 2 : 1;
-  static constexpr int kKeyTiles = KP / kWarps / 16;  // m16 tiles of keys per warp
-  static constexpr int kColTiles = BV / 8;             // n8 tiles of columns
+  static constexpr int kKeyTiles = KP / 8;       // n8 tiles of S^T
+  static constexpr int kTokenTiles = kChunk / 8;  // n8 tiles of v_new^T and o^T
   static constexpr int LK = KP + 8, LV = BV + 8, LC = kChunk + 8;
 };
 
@@ -46,9 +52,7 @@ template <int KP>
 struct StateShared {
   using G = StateGeometry<KP>;
   Stage<KP> stage[G::kStages];
-  bf16 s[KP][G::LV];       // the state tile as a bfloat16 operand
-  bf16 vn[kChunk][G::LV];  // v_new
-  float o[kChunk][G::BV + 4];  // the chunk's output rows, staged for vector stores
+  float o[G::kWarps][kChunk][kWarpColumns + 4];  // each warp's output, staged for vector stores
 };
 
 // Copies one record's rows (this block's columns of u) into a stage.
@@ -58,33 +62,63 @@ __device__ void fetch_record(const ChunkParams& c, const Record& r, int64_t j0, 
   using G = StateGeometry<KP>;
   const int tid = threadIdx.x;
   constexpr int kRow = KP / 8;  // 16-byte pieces per row
-  for (int e = tid; e < kChunk * kRow; e += kThreads) {
+  for (int e = tid; e < kChunk * kRow; e += G::kThreads) {
     const int t = e / kRow, x = 8 * (e % kRow);
     copy_async<16>(&st.qg[t][x], r.qg + t * KP + x, 16);
     copy_async<16>(&st.kg[t][x], r.kg + t * KP + x, 16);
     if (delta) copy_async<16>(&st.w[t][x], r.w + t * KP + x, 16);
   }
-  for (int e = tid; e < kChunk * (G::BV / 8); e += kThreads) {
+  for (int e = tid; e < kChunk * (G::BV / 8); e += G::kThreads) {
     const int t = e / (G::BV / 8), x = 8 * (e % (G::BV / 8));
     copy_async<16>(&st.u[t][x], r.u + t * c.VP + j0 + x, 16);
   }
-  for (int e = tid; e < kChunk * (kChunk / 8); e += kThreads) {
+  for (int e = tid; e < kChunk * (kChunk / 8); e += G::kThreads) {
     const int t = e / (kChunk / 8), x = 8 * (e % (kChunk / 8));
     copy_async<16>(&st.a[t][x], r.aqk + t * kChunk + x, 16);
   }
-  for (int e = tid; e < KP / 4; e += kThreads) copy_async<16>(&st.decay[4 * e], r.decay + 4 * e, 16);
+  for (int e = tid; e < KP / 4; e += G::kThreads) copy_async<16>(&st.decay[4 * e], r.decay + 4 * e, 16);
   commit_async();
 }
 
-template <int KP>
-struct StateTile {
-  using G = StateGeometry<KP>;
-  Acc acc[G::kKeyTiles][G::kColTiles];
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
 
-  __device__ static int key(int mt, int e) {
-    return (threadIdx.x / 32) * (KP / kWarps) + 16 * mt + acc_row(e);
+// The left-operand fragment of k-step kk (columns 16 kk .. 16 kk + 15 of a 16-row product
+// held as n8 accumulator tiles): tiles 2 kk and 2 kk + 1, in bfloat16.
+template <int N>
+__device__ __forceinline__ void a_from_acc(uint32_t (&a)[4], const Acc (&acc)[N], int kk) {
+  a[0] = pack_bf16(acc[2 * kk].d[0], acc[2 * kk].d[1]);
+  a[1] = pack_bf16(acc[2 * kk].d[2], acc[2 * kk].d[3]);
+  a[2] = pack_bf16(acc[2 * kk + 1].d[0], acc[2 * kk + 1].d[1]);
+  a[3] = pack_bf16(acc[2 * kk + 1].d[2], acc[2 * kk + 1].d[3]);
+}
+
+// acc[16 x 64 tokens] += left[16 x KP] . x^T for a row-major [token][key] matrix x.
+template <int KP>
+__device__ __forceinline__ void times_token_rows(Acc (&acc)[kChunk / 8],
+                                                 const Acc (&left)[KP / 8], const bf16* x) {
+  using G = StateGeometry<KP>;
+#pragma unroll
+  for (int kk = 0; kk < KP / 16; ++kk) {
+    uint32_t a[4];
+    a_from_acc(a, left, kk);
+#pragma unroll
+    for (int np = 0; np < kChunk / 16; ++np) {
+      uint32_t b[4];
+      load_b_pair_nk(b, x, G::LK, 16 * np, 16 * kk);
+      mma_bf16(acc[2 * np], a, b[0], b[1]);
+      mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+    }
   }
-  __device__ static int col(int nt, int e) { return 8 * nt + acc_col(e); }
+}
+
+// This warp's 16 columns of the state, transposed: element (column j0 + col, key) of
+// S^T is acc[key / 8].d[e] with col = acc_row(e) and key % 8 = acc_col(e).
+template <int KP>
+struct StateColumns {
+  Acc acc[KP / 8];
 
   // Calls f(value, offset) for each of this thread's state values inside K x V, with its
   // element offset in the state tensor s.
@@ -92,23 +126,20 @@ struct StateTile {
   __device__ void for_each_value(const RecurrentParams& p, const StateTensor& s, int64_t n,
                                  int64_t hv, int64_t j0, F&& f) {
 #pragma unroll
-    for (int mt = 0; mt < G::kKeyTiles; ++mt)
+    for (int nt = 0; nt < KP / 8; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < G::kColTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t i = key(mt, e), j = j0 + col(nt, e);
-          if (i < p.K && j < p.V)
-            f(acc[mt][nt].d[e], n * s.slot_stride + hv * s.head_stride + i * s.key_stride +
-                                    j * s.value_stride);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = 8 * nt + acc_col(e), j = j0 + acc_row(e);
+        if (i < p.K && j < p.V)
+          f(acc[nt].d[e], n * s.slot_stride + hv * s.head_stride + i * s.key_stride +
+                              j * s.value_stride);
+      }
   }
 
   // The initial state (zeros where absent and past K / V).
   __device__ void load(const RecurrentParams& p, int64_t n, int64_t hv, int64_t j0) {
     const auto* in = static_cast<const float*>(p.state_in.data);
-    for (auto& tile : acc)
-      for (Acc& a : tile) a = Acc{};
+    for (Acc& a : acc) a = Acc{};
     if (in) for_each_value(p, p.state_in, n, hv, j0, [&](float& x, int64_t off) { x = in[off]; });
   }
 
@@ -116,134 +147,109 @@ struct StateTile {
     auto* out = static_cast<float*>(p.state_out.data);
     if (out) for_each_value(p, p.state_out, n, hv, j0, [&](float& x, int64_t off) { out[off] = x; });
   }
-
-  // The bfloat16 operand copy of the tile.
-  __device__ void stage(bf16 (*s)[G::LV]) const {
-#pragma unroll
-    for (int mt = 0; mt < G::kKeyTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < G::kColTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2)
-          *reinterpret_cast<__nv_bfloat162*>(&s[key(mt, e)][col(nt, e)]) =
-              __floats2bfloat162_rn(acc[mt][nt].d[e], acc[mt][nt].d[e + 1]);
-  }
 };
 
-// acc[16 rows of this warp][BV] += x[rows][0 .. depth) . y[0 .. depth)[BV] (y row-major).
 template <int KP>
-__device__ __forceinline__ void rows_times(Acc (&acc)[StateGeometry<KP>::kColTiles], const bf16* x,
-                                           int ldx, const bf16* y, int depth) {
-  using G = StateGeometry<KP>;
-  const int r0 = 16 * (threadIdx.x / 32);
-  for (int k0 = 0; k0 < depth; k0 += 16) {
-    uint32_t a[4];
-    load_a(a, x, ldx, r0, k0);
-#pragma unroll
-    for (int np = 0; np < G::kColTiles / 2; ++np) {
-      uint32_t b[4];
-      load_b_pair_kn(b, y, G::LV, 16 * np, k0);
-      mma_bf16(acc[2 * np], a, b[0], b[1]);
-      mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-template <int KP>
-__global__ void __launch_bounds__(kThreads) chunk_state_kernel(const ChunkParams c) {
+__global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kernel(const ChunkParams c) {
   using G = StateGeometry<KP>;
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<StateShared<KP>*>(smem);
   const RecurrentParams& p = c.p;
   const int64_t tiles = (p.V + G::BV - 1) / G::BV;
   const int64_t blk = blockIdx.x, n = blk / (tiles * p.HV), hv = blk / tiles % p.HV;
-  const int64_t j0 = blk % tiles * G::BV;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = 16 * warp;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t j0 = blk % tiles * G::BV, jw = j0 + kWarpColumns * warp;  // block's, warp's columns
   const Sequence seq = sequence_of(p, n);
   const ChunkRange chunks = chunk_range(c, n);
   const int64_t o_base = token_offset(p.o, seq, hv);
 
-  StateTile<KP> S;
-  S.load(p, n, hv, j0);
+  StateColumns<KP> S;
+  S.load(p, n, hv, jw);
   auto record = [&](int64_t i) { return record_of(c, (chunks.first + i) * p.HV + hv); };
   if (G::kStages == 2 && chunks.count > 0) fetch_record(c, record(0), j0, p.delta, sh.stage[0]);
 
   for (int64_t i = 0; i < chunks.count; ++i) {
     Stage<KP>& st = sh.stage[G::kStages == 2 ? i % 2 : 0];
-    S.stage(sh.s);
-    if (G::kStages == 1) {
-      fetch_record(c, record(i), j0, p.delta, st);
-      wait_async<0>();
-    } else if (i + 1 < chunks.count) {
+    if (G::kStages == 1) fetch_record(c, record(i), j0, p.delta, st);
+    wait_async<0>();
+    // Chunk i's stage has landed for every thread, and every warp is done with chunk i - 1,
+    // whose stage the prefetch of chunk i + 1 then overwrites while chunk i computes.
+    __syncthreads();
+    if (G::kStages == 2 && i + 1 < chunks.count)
       fetch_record(c, record(i + 1), j0, p.delta, sh.stage[(i + 1) % 2]);
-      wait_async<1>();
-    } else {
-      wait_async<0>();
-    }
-    __syncthreads();
 
-    // v_new for this warp's 16 tokens.
-    Acc vn[G::kColTiles];
-    if (p.delta) rows_times<KP>(vn, &st.w[0][0], G::LK, &sh.s[0][0], KP);
+    // v_new^T = u^T - S^T w^T (this warp's columns, all 64 tokens).
+    Acc vn[G::kTokenTiles];
+    if (p.delta) times_token_rows<KP>(vn, S.acc, &st.w[0][0]);
+    const int wc = kWarpColumns * warp;  // the warp's first column in the stage's u
 #pragma unroll
-    for (int nt = 0; nt < G::kColTiles; ++nt)
+    for (int nt = 0; nt < G::kTokenTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int t = r0 + acc_row(e), j = 8 * nt + acc_col(e);
-        const float u0 = __bfloat162float(st.u[t][j]), u1 = __bfloat162float(st.u[t][j + 1]);
-        *reinterpret_cast<__nv_bfloat162*>(&sh.vn[t][j]) =
-            __floats2bfloat162_rn(u0 - vn[nt].d[e], u1 - vn[nt].d[e + 1]);
+      for (int e = 0; e < 4; ++e) {
+        const int t = 8 * nt + acc_col(e), col = wc + acc_row(e);
+        vn[nt].d[e] = __bfloat162float(st.u[t][col]) - vn[nt].d[e];
       }
-    __syncthreads();
 
-    // o = qg S + A_qk v_new for this warp's tokens (A_qk is zero right of the diagonal).
-    Acc o[G::kColTiles];
-    rows_times<KP>(o, &st.qg[0][0], G::LK, &sh.s[0][0], KP);
-    rows_times<KP>(o, &st.a[0][0], G::LC, &sh.vn[0][0], r0 + 16);
-    // Each warp stores its own 16 rows in runs of 8 columns (one vector store each for
-    // contiguous 16-bit outputs).
+    // o^T = S^T qg^T + v_new^T A_qk^T; A_qk is zero right of the diagonal, so token block
+    // kk of v_new only reaches output tokens from 16 kk on.
+    Acc o[G::kTokenTiles];
+    times_token_rows<KP>(o, S.acc, &st.qg[0][0]);
 #pragma unroll
-    for (int nt = 0; nt < G::kColTiles; ++nt)
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      uint32_t a[4];
+      a_from_acc(a, vn, kk);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sh.o[r0 + acc_row(e)][8 * nt + acc_col(e)] = o[nt].d[e];
+      for (int np = kk; np < kChunk / 16; ++np) {
+        uint32_t b[4];
+        load_b_pair_nk(b, &st.a[0][0], G::LC, 16 * np, 16 * kk);
+        mma_bf16(o[2 * np], a, b[0], b[1]);
+        mma_bf16(o[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+
+    // S^T = S^T diag(decay) + v_new^T kg.
+#pragma unroll
+    for (int nt = 0; nt < G::kKeyTiles; ++nt) {
+      const float2 d = *reinterpret_cast<const float2*>(&st.decay[8 * nt + acc_col(0)]);
+      S.acc[nt].d[0] *= d.x, S.acc[nt].d[1] *= d.y, S.acc[nt].d[2] *= d.x, S.acc[nt].d[3] *= d.y;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      uint32_t a[4];
+      a_from_acc(a, vn, kk);
+#pragma unroll
+      for (int np = 0; np < KP / 16; ++np) {
+        uint32_t b[4];
+        load_b_pair_kn(b, &st.kg[0][0], G::LK, 16 * np, 16 * kk);
+        mma_bf16(S.acc[2 * np], a, b[0], b[1]);
+        mma_bf16(S.acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+
+    // The output, through this warp's staging rows, in runs of 8 columns (one vector store
+    // each for contiguous 16-bit outputs).
+    auto& ob = sh.o[warp];
+#pragma unroll
+    for (int nt = 0; nt < G::kTokenTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ob[8 * nt + acc_col(e)][acc_row(e)] = o[nt].d[e];
     __syncwarp();
-    constexpr int kRuns = kSubChunk * G::BV / 8;
+    constexpr int kRuns = kChunk * kWarpColumns / 8;
 #pragma unroll
     for (int x = lane; x < kRuns; x += 32) {
-      const int row = r0 + x / (G::BV / 8), col = 8 * (x % (G::BV / 8));
-      const int64_t t = i * kChunk + row, j = j0 + col;
+      const int row = x / (kWarpColumns / 8), col = 8 * (x % (kWarpColumns / 8));
+      const int64_t t = i * kChunk + row, j = jw + col;
       if (t >= seq.len) continue;
       float run[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) run[e] = sh.o[row][col + e];
+      for (int e = 0; e < 8; ++e) run[e] = ob[row][col + e];
       store_run8(p.o, o_base + t * p.o.stride[1] + j * p.o.stride[3],
                  static_cast<int>(p.V - j < 8 ? p.V - j : 8), run);
     }
-
-    // S = diag(decay) S + kg^T v_new for this warp's keys.
-#pragma unroll
-    for (int mt = 0; mt < G::kKeyTiles; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < G::kColTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) S.acc[mt][nt].d[e] *= st.decay[StateTile<KP>::key(mt, e)];
-      const int m0 = warp * (KP / kWarps) + 16 * mt;
-#pragma unroll
-      for (int k0 = 0; k0 < kChunk; k0 += 16) {
-        uint32_t a[4];
-        load_a_transposed(a, &st.kg[0][0], G::LK, m0, k0);
-#pragma unroll
-        for (int np = 0; np < G::kColTiles / 2; ++np) {
-          uint32_t b[4];
-          load_b_pair_kn(b, &sh.vn[0][0], G::LV, 16 * np, k0);
-          mma_bf16(S.acc[mt][2 * np], a, b[0], b[1]);
-          mma_bf16(S.acc[mt][2 * np + 1], a, b[2], b[3]);
-        }
-      }
-    }
-    __syncthreads();  // the next chunk rewrites s, vn and this stage
+    __syncwarp();  // the next chunk rewrites the staging rows
+    if (G::kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
   }
-  S.store(p, n, hv, j0);
+  S.store(p, n, hv, jw);
 }
 
 template <int KP>
@@ -253,7 +259,7 @@ void launch_state(const ChunkParams& c, cudaStream_t stream) {
   constexpr int smem = sizeof(StateShared<KP>);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int64_t blocks = c.p.N * c.p.HV * ((c.p.V + G::BV - 1) / G::BV);
-  if (blocks > 0) kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(c);
+  if (blocks > 0) kernel<<<static_cast<unsigned>(blocks), G::kThreads, smem, stream>>>(c);
 }
 
 template <int KP>

@@ -64,13 +64,25 @@ struct Run8 {
 
 __device__ __forceinline__ bool is_16bit(DType t) { return t == DType::bf16 || t == DType::f16; }
 
+// The general case of load_run8: one load per element. Not inlined: it is the rare path,
+// and inlined at every call site it would multiply the kernels' code (instruction-cache
+// misses).
+inline __device__ __noinline__ Run8 load_run8_elementwise(const void* data, DType dtype, int64_t off,
+                                                   int64_t step, int valid) {
+  Run8 r;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) r.w[e] = e < valid ? load_raw(data, dtype, off + e * step) : 0u;
+  r.packed = false;
+  return r;
+}
+
 // Channels [0, valid) of the run at element offset `off`; the rest read as 0 and are not
 // touched (valid <= 0 reads nothing).
 __device__ __forceinline__ Run8 load_run8(const TokenTensor& x, int64_t off, int valid) {
-  Run8 r;
   if (is_16bit(x.dtype) && x.stride[3] == 1 && valid >= 8) {
     const auto* ptr = static_cast<const unsigned short*>(x.data) + off;
     if ((reinterpret_cast<uintptr_t>(ptr) & 15) == 0) {
+      Run8 r;
       const uint4 v = *reinterpret_cast<const uint4*>(ptr);
       r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
       r.w[4] = r.w[5] = r.w[6] = r.w[7] = 0u;
@@ -78,10 +90,7 @@ __device__ __forceinline__ Run8 load_run8(const TokenTensor& x, int64_t off, int
       return r;
     }
   }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) r.w[e] = e < valid ? load_raw(x.data, x.dtype, off + e * x.stride[3]) : 0u;
-  r.packed = false;
-  return r;
+  return load_run8_elementwise(x.data, x.dtype, off, x.stride[3], valid);
 }
 
 __device__ __forceinline__ void run8_to_float(const Run8& r, DType t, float (&out)[8]) {
@@ -96,6 +105,11 @@ __device__ __forceinline__ void run8_to_float(const Run8& r, DType t, float (&ou
 #pragma unroll
     for (int e = 0; e < 8; ++e) out[e] = raw_to_float(r.w[e], t);
   }
+}
+
+inline __device__ __noinline__ void store_run8_elementwise(void* data, DType dtype, int64_t off,
+                                                    int64_t step, int valid, const float* in) {
+  for (int e = 0; e < valid && e < 8; ++e) store_float(data, dtype, off + e * step, in[e]);
 }
 
 // Stores channels [0, valid) of eight at element offset `off` (one vector store for a
@@ -121,9 +135,7 @@ __device__ __forceinline__ void store_run8(const TokenTensor& x, int64_t off, in
       return;
     }
   }
-#pragma unroll
-  for (int e = 0; e < 8; ++e)
-    if (e < valid) store_float(base, x.dtype, off + e * x.stride[3], in[e]);
+  store_run8_elementwise(base, x.dtype, off, x.stride[3], valid, in);
 }
 
 __device__ __forceinline__ int64_t load_index(const IndexTensor& t, int64_t row, int64_t col) {
