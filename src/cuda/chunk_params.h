@@ -23,7 +23,8 @@ constexpr int64_t chunk_value_width(int64_t V) { return (V + 63) / 64 * 64; }
 constexpr int chunk_state_columns(int) { return 64; }
 
 // One record per (chunk, value head), index chunk * HV + hv, all zero past the chunk's last
-// token and past K / V, with Gamma the cumulative log2 decay from the chunk start:
+// token and past K / V (decay is 1 past K), with Gamma the cumulative log2 decay from the
+// chunk start:
 struct ChunkWorkspace {
   uint16_t* qg = nullptr;   // [C, KP] bf16: scale q 2^Gamma (reads the chunk-start state)
   uint16_t* kg = nullptr;   // [C, KP] bf16: k 2^(Gamma_end - Gamma) (writes the end state)
@@ -49,7 +50,8 @@ void launch_chunk_table(const ChunkParams& c, void* stream);
 void launch_chunk_prepare(const ChunkParams& c, void* stream);
 void launch_chunk_state(const ChunkParams& c, void* stream);
 // Throws Error(unsupported) when the current GPU lacks the state kernel's shared memory
-// (it needs 159 KB at K <= 128, 138 KB at K <= 256); called before anything is launched.
+// (110.5 KB at K <= 64, 159 KB at K <= 128, 138 KB at K <= 256: A100s have it, GPUs with
+// 99 KB per block do not); called before anything is launched.
 void require_chunk_state_shared_memory(const ChunkParams& c);
 
 }  // namespace flashdelta::detail::cuda

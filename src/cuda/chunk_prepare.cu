@@ -16,7 +16,9 @@
 // its differences precise).
 // Scalar gates factor out of the key sum, and take 2^(Gamma_i - Gamma_j) per entry.
 //
-// Keys are processed in slices of kSlice channels so the block fits twice per SM.
+// Keys are processed in slices of kSlice channels so the block fits three times per SM.
+// Shared arrays read or written 16 bytes at a time are declared alignas(16), so that a new
+// member or padding cannot misalign them silently.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -59,25 +61,27 @@ template <int KP>
 struct PrepareShared {
   // Per key slice (steps 1-2).
   struct Slice {
-    float q[kChunk][kSlice], k[kChunk][kSlice];  // transformed q, k (zero past len / K)
-    float gamma[kChunk][kSlice];                 // vector gate: Gamma after each token
-    bf16 xq[4][kSubChunk][kSliceLd], xk[4][kSubChunk][kSliceLd];  // row factors per warp
-    bf16 kbar[kKbarRows][kSliceLd];                                // column factors
+    alignas(16) float q[kChunk][kSlice];  // transformed q, k (zero past len / K)
+    alignas(16) float k[kChunk][kSlice];
+    alignas(16) float gamma[kChunk][kSlice];  // vector gate: Gamma after each token
+    alignas(16) bf16 xq[4][kSubChunk][kSliceLd];  // row factors per warp
+    alignas(16) bf16 xk[4][kSubChunk][kSliceLd];
+    alignas(16) bf16 kbar[kKbarRows][kSliceLd];  // column factors
     float ref[4][kSlice];  // vector gate: reference point of each row block and channel
     bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
   // After the slices (step 3 and the record). T in bfloat16 (tb) takes the place of A_kk
   // once the inverse is complete, and beta v (vb) the place of T in float32.
   struct Solve {
-    float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
-    float t[kChunk][kChunk + 4];  // T = (I + A_kk)^-1 (lower, unit diagonal); float4 rows
-    float x[3][kSubChunk][kSubChunk + 4];
+    alignas(16) float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
+    alignas(16) float t[kChunk][kChunk + 4];  // T = (I + A_kk)^-1 (lower, unit diagonal)
+    alignas(16) float x[3][kSubChunk][kSubChunk + 4];
   };
   union {
     Slice s;
     Solve v;
   } u;
-  bf16 wsrc[kChunk][KP + 8];  // beta k 2^Gamma
+  alignas(16) bf16 wsrc[kChunk][KP + 8];  // beta k 2^Gamma
   float fix_qk[4][kSubChunk][kSubChunk], fix_kk[4][kSubChunk][kSubChunk];
   float beta[kChunk], gs[kChunk];  // beta; scalar gate: Gamma after each token
   float inv_q[kChunk], inv_k[kChunk];
@@ -89,7 +93,7 @@ static_assert(sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * (kChu
                   sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * (kChunk + 1),
               "T and beta v in bfloat16 fit in the places of A_kk and T in float32");
 // Three blocks per SM for KDA / GLA at KP <= 128 (the kernel is latency-bound: more warps
-// hide more); the cap of 168 registers spills 88 bytes there, and more for the other gates.
+// hide more); the cap of 168 registers spills a few bytes there (8 at KP = 128).
 constexpr int kMinBlocks(GateForm G, int KP) { return G == GateForm::vector && KP <= 128 ? 3 : 2; }
 
 __device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {

@@ -43,16 +43,20 @@ struct StateGeometry {
 template <int KP>
 struct Stage {
   using G = StateGeometry<KP>;
-  bf16 qg[kChunk][G::LK], kg[kChunk][G::LK], w[kChunk][G::LK];
-  bf16 u[kChunk][G::LV], a[kChunk][G::LC];
-  float decay[KP];
+  // Every member is a cp.async destination (16-byte pieces).
+  alignas(16) bf16 qg[kChunk][G::LK];
+  alignas(16) bf16 kg[kChunk][G::LK];
+  alignas(16) bf16 w[kChunk][G::LK];
+  alignas(16) bf16 u[kChunk][G::LV];
+  alignas(16) bf16 a[kChunk][G::LC];
+  alignas(16) float decay[KP];
 };
 
 template <int KP>
 struct StateShared {
   using G = StateGeometry<KP>;
   Stage<KP> stage[G::kStages];
-  float o[G::kWarps][kChunk][kWarpColumns + 4];  // each warp's output, staged for vector stores
+  alignas(16) float o[G::kWarps][kChunk][kWarpColumns + 4];  // each warp's output, staged
 };
 
 // Copies one record's rows (this block's columns of u) into a stage.
