@@ -254,13 +254,8 @@ __device__ __forceinline__ float gamma_at(const PrepareShared<KP>& sh, int t, in
 
 // Packs eight floats into bfloat16 and stores them with one 16-byte store.
 __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
-    w[e] = *reinterpret_cast<const uint32_t*>(&h);
-  }
-  *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]),
+                                              pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
 }
 
 // The slice's columns of qg, kg and decay (to the record) and, for the delta rule, of

@@ -84,11 +84,6 @@ __device__ void fetch_record(const ChunkParams& c, const Record& r, int64_t j0, 
   commit_async();
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
 // The left-operand fragment of k-step kk (columns 16 kk .. 16 kk + 15 of a 16-row product
 // held as n8 accumulator tiles): tiles 2 kk and 2 kk + 1, in bfloat16.
 template <int N>
