@@ -39,10 +39,6 @@ constexpr float kMinGateLog2 = -64.f;
 
 // A per-step log2 gate floored at kMinGateLog2 (NaN stays NaN: bad input is not hidden).
 __device__ __forceinline__ float floor_gate(float g) { return g < kMinGateLog2 ? kMinGateLog2 : g; }
-// Elements of a run of 8 that lie before the end (`left` = end - run start).
-__device__ __forceinline__ int clamp_run(int64_t left) {
-  return left <= 0 ? 0 : left >= 8 ? 8 : static_cast<int>(left);
-}
 constexpr int kSliceLd = kSlice + 8;
 // Token-major passes over a slice: kGroups threads per token, 8 channels each.
 constexpr int kGroups = kSlice / 8, kTokensPerPass = kThreads / kGroups, kPasses = kChunk / kTokensPerPass;

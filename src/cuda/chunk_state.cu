@@ -242,8 +242,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
       float run[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) run[e] = ob[row][col + e];
-      store_run8(p.o, o_base + t * p.o.stride[1] + j * p.o.stride[3],
-                 static_cast<int>(p.V - j < 8 ? p.V - j : 8), run);
+      store_run8(p.o, o_base + t * p.o.stride[1] + j * p.o.stride[3], clamp_run(p.V - j), run);
     }
     __syncwarp();  // the next chunk rewrites the staging rows
     if (G::kStages == 1) __syncthreads();  // the next chunk rewrites the only stage

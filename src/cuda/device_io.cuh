@@ -62,6 +62,11 @@ struct Run8 {
   bool packed;
 };
 
+// Elements of a run of 8 that lie before the end (`left` = end - run start).
+__device__ __forceinline__ int clamp_run(int64_t left) {
+  return left <= 0 ? 0 : left >= 8 ? 8 : static_cast<int>(left);
+}
+
 __device__ __forceinline__ bool is_16bit(DType t) { return t == DType::bf16 || t == DType::f16; }
 
 // The general case of load_run8: one load per element. Not inlined: it is the rare path,
