@@ -374,14 +374,15 @@ NB_MODULE(_C, m) {
       "forward",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle g, nb::handle beta,
          nb::handle initial_state, nb::handle cu_seqlens, nb::handle A_log, nb::handle dt_bias,
-         nb::handle o, nb::handle final_state, const fd::Options& options,
-         const std::string& schedule, uintptr_t stream) {
+         nb::handle o, nb::handle final_state, nb::handle chunk_states,
+         const fd::Options& options, const std::string& schedule, uintptr_t stream) {
         CallViews views;
         fd::ForwardArgs a;
         set_token_inputs(views, a, q, k, v, g, beta, cu_seqlens, A_log, dt_bias);
         a.initial_state = views.input(initial_state, "initial_state");
         a.o = views.output(o, "o");
         a.final_state = views.output(final_state, "final_state");
+        a.chunk_states = views.output(chunk_states, "chunk_states");
         a.stream = reinterpret_cast<void*>(stream);
         const fd::Schedule s = fd::parse_schedule(schedule);
         nb::gil_scoped_release release;
@@ -389,10 +390,12 @@ NB_MODULE(_C, m) {
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g").none(), nb::arg("beta").none(),
       nb::arg("initial_state").none(), nb::arg("cu_seqlens").none(), nb::arg("A_log").none(),
-      nb::arg("dt_bias").none(), nb::arg("o"), nb::arg("final_state").none(), nb::arg("options"),
-      nb::arg("schedule"), nb::arg("stream") = 0,
-      "flashdelta::forward: writes o (and final_state when given) in place; CUDA work is queued "
-      "on `stream` (an integer cudaStream_t, 0 = the default stream).");
+      nb::arg("dt_bias").none(), nb::arg("o"), nb::arg("final_state").none(),
+      nb::arg("chunk_states").none(), nb::arg("options"), nb::arg("schedule"),
+      nb::arg("stream") = 0,
+      "flashdelta::forward: writes o (and final_state, chunk_states [C, HV, K, V] when given) in "
+      "place; CUDA work is queued on `stream` (an integer cudaStream_t, 0 = the default "
+      "stream).");
 
   m.def(
       "decode",

@@ -109,6 +109,20 @@ struct Case {
   HostTensor make_output(DType dtype) const { return HostTensor(dtype, {cfg.B, cfg.T, cfg.HV, cfg.V}); }
   HostTensor make_state() const { return HostTensor(DType::f32, state_shape()); }
 
+  // ForwardArgs::chunk_states: ceil(L / 64) entries per sequence of L tokens, in order.
+  int64_t chunk_count() const {
+    auto count = [](int64_t len) { return (len + kChunkStateTokens - 1) / kChunkStateTokens; };
+    if (cfg.seqlens.empty()) return cfg.B * count(cfg.T);
+    int64_t total = 0;
+    for (int64_t len : cfg.seqlens) total += count(len);
+    return total;
+  }
+  HostTensor make_chunk_states(DType dtype) const {
+    std::vector<int64_t> shape = state_shape();
+    shape[0] = chunk_count();
+    return HostTensor(dtype, shape);
+  }
+
   // Forward arguments writing into o (and final_state when given).
   ForwardArgs args(HostTensor& o, HostTensor* final_state) const {
     ForwardArgs a;

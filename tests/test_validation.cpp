@@ -208,6 +208,78 @@ TEST(Validation, UnknownNames) {
   }
 }
 
+// ForwardArgs::chunk_states: one state per 64-token chunk of every sequence, any float
+// dtype, memory of its own; a refused call leaves it untouched too.
+TEST(Validation, ChunkStates) {
+  CaseConfig cfg = kda();
+  cfg.T = 130;  // 3 chunks
+  HostTensor h;
+  using Mutation = std::function<void(Case&, ForwardArgs&, Options&)>;
+  auto with = [&h](std::vector<int64_t> shape, const Mutation& also = {}) -> Mutation {
+    return [&h, shape, also](Case& c, ForwardArgs& a, Options& o) {
+      h = HostTensor(DType::f32, shape);
+      h.fill(kPoison);
+      a.chunk_states = h.view;
+      if (also) also(c, a, o);
+    };
+  };
+  auto expect = [&](const CaseConfig& config, const Mutation& mutate,
+                    std::vector<std::string> needles) {
+    expect_forward_error(config, mutate, needles);
+    if (h.view.dtype != DType::f32) return;
+    for (double x : h.to_double()) ASSERT_EQ(x, kPoison) << "chunk_states written on error";
+  };
+  const std::string per_chunk = "C = the 64-token chunks of all sequences, ";
+  expect(cfg, with({2, 4, 8, 6}),
+         {"'chunk_states'", per_chunk + "3", "[3, 4, 8, 6]", "got [2, 4, 8, 6]"});
+  expect(cfg, with({3, 4, 8, 6}, [](Case&, ForwardArgs& a, Options&) { a.chunk_states.rank = 3; }),
+         {"'chunk_states'", "rank 4", "rank 3"});
+  expect(cfg, with({3, 4, 8, 6}, [](Case& c, ForwardArgs& a, Options& o) {
+           o.state_layout = StateLayout::v_first;
+           c.initial_state = HostTensor(DType::f32, {1, 4, 6, 8});
+           a.initial_state = c.initial_state.view;
+           a.final_state = TensorView{};
+         }),
+         {"'chunk_states'", "V-first", "[3, 4, 6, 8]", "got [3, 4, 8, 6]"});
+  expect(cfg, with({3, 4, 8, 6}, [&h](Case&, ForwardArgs& a, Options&) {
+           h = HostTensor(DType::i32, {3, 4, 8, 6});
+           a.chunk_states = h.view;
+         }),
+         {"'chunk_states'", "float", "int32"});
+  expect(cfg, with({3, 4, 8, 6}, [](Case&, ForwardArgs& a, Options&) {
+           a.chunk_states.stride[0] = 0;
+         }),
+         {"'chunk_states'", "stride 0"});
+  expect(cfg, with({3, 4, 8, 6}, [](Case&, ForwardArgs& a, Options&) {
+           a.chunk_states.device = Device::cuda;
+         }),
+         {"'chunk_states'", "expected device cpu", "got cuda"});
+  CaseConfig three_rows = kda();  // 3 states and 3 chunk states of the same size
+  three_rows.B = 3;
+  three_rows.T = 64;
+  const char* others[] = {"q", "o", "initial_state", "final_state"};
+  for (const char* other : others)
+    expect(three_rows, with({3, 4, 8, 6}, [other](Case&, ForwardArgs& a, Options&) {
+             const std::string name = other;
+             const TensorView& t = name == "q" ? a.q : name == "o" ? a.o
+                                 : name == "initial_state" ? a.initial_state : a.final_state;
+             a.chunk_states.data = t.data;
+           }),
+           {"'chunk_states'", "overlaps", std::string("'") + other + "'"});
+
+  // Varlen: empty sequences have no entry, each other one ceil(L / 64).
+  CaseConfig varlen = cfg;
+  varlen.seqlens = {0, 1, 64, 65};  // 0 + 1 + 1 + 2 entries
+  expect(varlen, with({3, 4, 8, 6}), {"'chunk_states'", per_chunk + "4", "got [3, 4, 8, 6]"});
+  // Device-resident offsets are not read: C must lie in ceil(T / 64) .. T / 64 + N.
+  expect(varlen, with({7, 4, 8, 6}, [](Case&, ForwardArgs& a, Options&) {
+           for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.initial_state, &a.cu_seqlens,
+                                 &a.o, &a.final_state, &a.chunk_states})
+             t->device = Device::cuda;
+         }),
+         {"'chunk_states'", "3 to 6 for device-resident cu_seqlens", "got [7, 4, 8, 6]"});
+}
+
 // --- decode ---
 
 struct DecodeCase {

@@ -21,6 +21,9 @@
 //   cu_seqlens int32 | int64 [N + 1], only with B = 1: sequences packed along T
 //              (N = B without it); a zero-length sequence passes its state through.
 //   A_log    [HV]; dt_bias [HV, K] or [HV * K] (vector gate), [HV] (scalar gate)
+//   chunk_states [C, HV, K, V] (k_first) or [C, HV, V, K] (v_first), any float dtype:
+//              optional output, the state before tokens 0, 64, 128, ... of every
+//              sequence (see ForwardArgs::chunk_states)
 // K and V are 1..256. Nothing is written unless every argument is valid; errors are
 // thrown as flashdelta::Error with a message naming the argument.
 //
@@ -39,6 +42,10 @@
 
 namespace flashdelta {
 
+// Tokens between consecutive entries of ForwardArgs::chunk_states: fla's chunk size, fixed
+// whatever schedule or Options::chunk_size runs the forward.
+inline constexpr int64_t kChunkStateTokens = 64;
+
 struct ForwardArgs {
   TensorView q, k, v;
   TensorView g;              // required for gated mechanisms, absent otherwise
@@ -50,6 +57,17 @@ struct ForwardArgs {
   TensorView o;              // output [B, T, HV, V], any float dtype
   TensorView final_state;    // optional output, same shape as the state; may alias
                              // initial_state exactly (in-place update)
+  // Optional output: the state entering every 64-token chunk (kChunkStateTokens), i.e.
+  // before tokens 0, 64, 128, ... of each sequence, so sequence n of length L_n has
+  // ceil(L_n / 64) entries (none when empty), concatenated over the sequences in order:
+  // [C, HV, K, V] (k_first) or [C, HV, V, K] (v_first) with C = sum_n ceil(L_n / 64).
+  // Entry 0 of a sequence is its initial state. Any float dtype (fla returns bfloat16 for
+  // bfloat16 inputs); it overlaps no other tensor. fla's `h` of return_intermediate_states
+  // ([B, NT, HV, K, V], NT = ceil(T / 64), or [1, C, ...] with cu_seqlens) is this tensor
+  // viewed as [B * NT, HV, K, V]. With device-resident cu_seqlens the host cannot count
+  // the chunks: C is then only checked against its range, and entries past C are not
+  // written. Not recorded by the CUDA recurrent schedule (an error).
+  TensorView chunk_states;
   void* stream = nullptr;    // cudaStream_t for CUDA tensors (nullptr = default stream)
   // Optional temporary device memory for the CUDA chunk schedule, on q's device, aligned to
   // 256 bytes and at least forward_workspace_bytes(...) long; used in stream order on

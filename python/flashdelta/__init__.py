@@ -11,7 +11,8 @@ replacements for flash-linear-attention's `fla.ops`: same names, parameters, def
 return values. `forward`, `decode` and `backward` are the generic entry points;
 `flashdelta.reference` is the fp64 reference. torch is optional: NumPy arrays work for
 forward calls on the CPU; torch tensors get autograd and torch.compile support through
-torch.library custom ops (flashdelta::forward, flashdelta::backward, flashdelta::decode).
+torch.library custom ops (flashdelta::forward, flashdelta::backward, flashdelta::decode, and
+the inference-only flashdelta::forward_chunk_states behind return_intermediate_states).
 """
 
 try:

@@ -91,11 +91,23 @@ def pick_schedule(schedule, default, q):
     return "reference" if wide else default
 
 
+def host_offsets(cu_seqlens, cu_seqlens_cpu=None):
+    """cu_seqlens as host ints (None without it), to size the per-chunk states:
+    cu_seqlens_cpu when given, else cu_seqlens itself, which for a CUDA tensor is a
+    device-to-host copy that synchronises (as fla's chunk indices are)."""
+    if cu_seqlens is None:
+        return None
+    offsets = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
+    return [int(x) for x in (offsets.tolist() if hasattr(offsets, "tolist") else offsets)]
+
+
 def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=None,
             output_final_state=False, cu_seqlens=None, qk_l2norm=False, beta_sigmoid=False,
             allow_neg_eigval=False, gate_in_kernel=False, A_log=None, dt_bias=None,
-            lower_bound=None, state_v_first=False, chunk_size=16, schedule=None):
-    """Runs the recurrence (see the package docstring) and returns (o, final_state or None).
+            lower_bound=None, state_v_first=False, chunk_size=16, schedule=None,
+            output_chunk_states=False, cu_seqlens_cpu=None):
+    """Runs the recurrence (see the package docstring) and returns (o, final_state or None),
+    or with output_chunk_states (o, final_state or None, chunk_states).
 
     Shapes (fla layout): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (vector gate) or
     [B, T, HV] (scalar gate); beta [B, T, HV]; state [N, HV, K, V] ([N, HV, V, K] with
@@ -104,6 +116,13 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
     reference; float64 inputs run the reference unless a schedule is given. o has q's dtype
     (float64 for the reference), the final state float32 (float64 for the reference or
     float64 inputs).
+
+    output_chunk_states: also return the state entering every 64-token chunk, i.e. before
+    tokens 0, 64, 128, ... of each sequence: [B, NT, HV, K, V] ([B, NT, HV, V, K] with
+    state_v_first) in o's dtype, NT = ceil(T / 64); with cu_seqlens B = 1 and NT the chunks
+    of all sequences, in order (fla's h of return_intermediate_states). Inference only: no
+    input may require grad. With cu_seqlens the chunks are counted on the host, from
+    cu_seqlens_cpu when given, else from cu_seqlens (a synchronising copy for CUDA tensors).
     """
     if _torch_ops is not None and q.__class__ in _torch_ops._PLAIN:
         # The common eager torch call: the few checks that outputs need, then the op's body
@@ -111,7 +130,8 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
         # or calls the custom op (torch.compile, autograd, tensor subclasses, modes).
         if schedule is None:
             schedule = "reference" if q.dtype == torch.float64 else "chunk"
-        if (q.ndim == 4 and k is not None and v.__class__ in _torch_ops._PLAIN and v.ndim == 4
+        if (not output_chunk_states and q.ndim == 4 and k is not None
+                and v.__class__ in _torch_ops._PLAIN and v.ndim == 4
                 and q.dtype in _torch_ops.FLOAT_DTYPES and mechanism in _MECHANISMS
                 and schedule in _SCHEDULES and (cu_seqlens is None or cu_seqlens.ndim == 1)
                 and _torch_ops.direct((q, k, v, g, beta, initial_state, cu_seqlens, A_log,
@@ -140,8 +160,17 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
               bool(allow_neg_eigval), bool(gate_in_kernel),
               None if lower_bound is None else float(lower_bound), bool(state_v_first),
               int(chunk_size))
+    if output_chunk_states:
+        if use_torch:
+            _torch_ops.check_no_grad(arrays.items(), "output_chunk_states")
+        num_chunks = _core.chunks_per_row(q.shape[1], host_offsets(cu_seqlens, cu_seqlens_cpu))
     if use_torch:
         _torch_ops.check_cuda_grad(arrays.items())
+        if output_chunk_states:
+            o, final, h = _torch_ops.forward_chunk_states(
+                q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *config,
+                bool(output_final_state), schedule, num_chunks)
+            return o, (final if output_final_state else None), h
         o, final = _torch_ops.forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
                                       dt_bias, *config, bool(output_final_state), schedule)
         return o, (final if output_final_state else None)
@@ -153,8 +182,14 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
         schedule)
     o = _numpy_empty(o_shape, o_dtype)
     final = _numpy_empty(state_shape, state_dtype) if output_final_state else None
-    _core.run_forward(arrays, o, final, _core.make_options(*config), schedule)
-    return o, final
+    if not output_chunk_states:
+        _core.run_forward(arrays, o, final, _core.make_options(*config), schedule)
+        return o, final
+    h = _numpy_empty(_core.chunk_states_shape(q.shape, v.shape, num_chunks, state_v_first),
+                     o_dtype)
+    _core.run_forward(arrays, o, final, _core.make_options(*config), schedule,
+                      h.reshape((h.shape[0] * h.shape[1],) + h.shape[2:]))
+    return o, final, h
 
 
 def decode(q, k, v, g=None, beta=None, *, mechanism, state_pool, state_indices,

@@ -21,6 +21,8 @@ HAS_DELTA = {"linear": False, "simple_gla": False, "gla": False,
 FORWARD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "A_log", "dt_bias")
 # Gradients the backward can produce, named after their input.
 GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+# Tokens between consecutive per-chunk states (fla's chunk size; kChunkStateTokens in C++).
+CHUNK_STATE_TOKENS = 64
 
 
 def make_options(mechanism, scale=None, qk_l2norm=False, beta_sigmoid=False,
@@ -68,9 +70,26 @@ def forward_shapes(q_shape, v_shape, cu_seqlens_shape, state_v_first):
     return (B, T, HV, V), state
 
 
-def run_forward(inputs, o, final_state, options, schedule):
-    """Runs flashdelta::forward. inputs: dict name -> array or None (FORWARD_INPUTS)."""
-    _C.forward(*(inputs[n] for n in FORWARD_INPUTS), o, final_state, options, schedule)
+def chunks_per_row(T, offsets):
+    """NT of the per-chunk states [B, NT, HV, K, V]: ceil(T / 64) for batch rows of T tokens,
+    or with offsets (cu_seqlens as host ints) the 64-token chunks of all sequences."""
+    if offsets is None:
+        return -(-T // CHUNK_STATE_TOKENS)
+    return sum(max(0, -(-(end - start) // CHUNK_STATE_TOKENS))
+               for start, end in zip(offsets, offsets[1:]))
+
+
+def chunk_states_shape(q_shape, v_shape, num_chunks, state_v_first):
+    """fla's h: [B, NT, HV, K, V] ([B, NT, HV, V, K] V-first), B = 1 with cu_seqlens."""
+    B, K, HV, V = q_shape[0], q_shape[3], v_shape[2], v_shape[3]
+    return (B, num_chunks, HV, V, K) if state_v_first else (B, num_chunks, HV, K, V)
+
+
+def run_forward(inputs, o, final_state, options, schedule, chunk_states=None):
+    """Runs flashdelta::forward. inputs: dict name -> array or None (FORWARD_INPUTS);
+    chunk_states: the library's [B * NT, HV, K, V] view of fla's h, or None."""
+    _C.forward(*(inputs[n] for n in FORWARD_INPUTS), o, final_state, chunk_states, options,
+               schedule)
 
 
 def run_backward(inputs, d_o, d_final_state, grads, options, schedule):

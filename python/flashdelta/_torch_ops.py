@@ -1,4 +1,5 @@
-"""torch.library custom ops: flashdelta::forward, flashdelta::backward, flashdelta::decode.
+"""torch.library custom ops: flashdelta::forward, flashdelta::backward, flashdelta::decode,
+and flashdelta::forward_chunk_states (the forward with its per-chunk states, inference only).
 
 The only torch code of the package. Each op has a fake (meta) implementation, so
 torch.compile(fullgraph=True) traces through without graph breaks, and forward has an
@@ -85,6 +86,19 @@ def check_cuda_grad(named_tensors):
                 f"torch.inference_mode(), or pass detached tensors")
 
 
+def check_no_grad(named_tensors, argument):
+    """NotImplementedError naming `argument` when an input requires grad (grad mode on): the
+    per-chunk states are inference-only, as in fla, and have no autograd formula."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in named_tensors:
+        if getattr(t, "requires_grad", False):
+            raise NotImplementedError(
+                f"argument '{argument}': the per-chunk states are inference-only (as in fla) "
+                f"and carry no gradient, but input '{name}' requires grad; call under "
+                f"torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+
+
 _OPTIONS = {}
 # Dropped before the extension's teardown, which reports live instances as leaks.
 atexit.register(_OPTIONS.clear)
@@ -156,7 +170,7 @@ def forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, me
     options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
                        gate_in_kernel, lower_bound, state_v_first, chunk_size)
     _run(_C.forward, q, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o,
-                         final if output_final_state else None, options, schedule))
+                         final if output_final_state else None, None, options, schedule))
     return o, final
 
 
@@ -212,6 +226,45 @@ def _backward_fake(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                    d_final_state, mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
                    gate_in_kernel, lower_bound, state_v_first, chunk_size, wanted):
     return _backward_outputs((q, k, v, g, beta, initial_state, A_log, dt_bias), wanted)
+
+
+def _chunk_states_output(q, v, dtype, state_v_first, num_chunks):
+    """fla's h [B, NT, HV, K, V] (or V-first) in o's dtype; NT = num_chunks."""
+    shape = _core.chunk_states_shape(q.shape, v.shape, num_chunks, state_v_first)
+    return q.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("flashdelta::forward_chunk_states", mutates_args=())
+def forward_chunk_states(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
+                         beta: Optional[Tensor], initial_state: Optional[Tensor],
+                         cu_seqlens: Optional[Tensor], A_log: Optional[Tensor],
+                         dt_bias: Optional[Tensor], mechanism: str, scale: float,
+                         qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool,
+                         gate_in_kernel: bool, lower_bound: Optional[float],
+                         state_v_first: bool, chunk_size: int, output_final_state: bool,
+                         schedule: str, num_chunks: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """flashdelta::forward plus the state entering every 64-token chunk (fla's h of
+    return_intermediate_states), NT = num_chunks per batch row (counted on the host by the
+    caller, so the shapes never depend on tensor data). No autograd formula: inference only."""
+    o, final = _op_forward_outputs(q, v, initial_state, cu_seqlens, state_v_first,
+                                   output_final_state, schedule)
+    h = _chunk_states_output(q, v, o.dtype, state_v_first, num_chunks)
+    options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
+                       gate_in_kernel, lower_bound, state_v_first, chunk_size)
+    _run(_C.forward, q, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o,
+                         final if output_final_state else None, h.flatten(0, 1), options,
+                         schedule))
+    return o, final, h
+
+
+@forward_chunk_states.register_fake
+def _forward_chunk_states_fake(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+                               mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
+                               gate_in_kernel, lower_bound, state_v_first, chunk_size,
+                               output_final_state, schedule, num_chunks):
+    o, final = _op_forward_outputs(q, v, initial_state, cu_seqlens, state_v_first,
+                                   output_final_state, schedule)
+    return o, final, _chunk_states_output(q, v, o.dtype, state_v_first, num_chunks)
 
 
 # Positions of the forward op's arguments: 9 tensors, then the configuration.

@@ -37,14 +37,25 @@ void require_cuda_schedule(Schedule schedule) {
                 "use recurrent or chunk");
 }
 
+// The CUDA recurrent kernel keeps its state in registers token by token and has no store
+// at chunk starts: per-chunk states come from the chunk schedule.
+void require_cuda_outputs(const ForwardArgs& args, Schedule schedule) {
+  if (args.chunk_states.present() && schedule == Schedule::recurrent)
+    throw Error(ErrorCode::unsupported,
+                "argument 'chunk_states': the CUDA recurrent schedule does not record per-chunk "
+                "states; use the chunk schedule (or cpu tensors)");
+}
+
 }  // namespace
 
 void forward(const ForwardArgs& args, const Options& options, Schedule schedule) {
   const detail::Problem p = detail::validate_forward(args, options);
   const ForwardIO io{StateView{args.initial_state, options.state_layout},
-                     StateView{args.final_state, options.state_layout}, args.o};
+                     StateView{args.final_state, options.state_layout}, args.o,
+                     StateView{args.chunk_states, options.state_layout}};
   if (args.q.device == Device::cuda) {
     require_cuda_schedule(schedule);
+    require_cuda_outputs(args, schedule);
 #ifdef FLASHDELTA_WITH_CUDA
     if (schedule == Schedule::chunk)
       detail::cuda_chunk_forward(p, io, args.stream, args.workspace, args.workspace_bytes);
@@ -65,6 +76,7 @@ size_t forward_workspace_bytes(const ForwardArgs& args, const Options& options,
   const detail::Problem p = detail::validate_forward(args, options);
   if (args.q.device != Device::cuda) return 0;
   require_cuda_schedule(schedule);
+  require_cuda_outputs(args, schedule);
 #ifdef FLASHDELTA_WITH_CUDA
   if (schedule == Schedule::chunk) return static_cast<size_t>(detail::cuda_chunk_workspace_bytes(p));
 #endif

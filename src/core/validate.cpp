@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/chunk_states.h"
 #include "core/problem.h"
 #include "core/tensor_io.h"
 
@@ -330,6 +331,42 @@ void check_output_like(const TensorView& t, const char* name, const char* dims,
   check_device(t, name, dev);
 }
 
+// ForwardArgs::chunk_states: a state per 64-token chunk of every sequence, in order.
+void check_chunk_states(const Problem& p, const ForwardArgs& a) {
+  const TensorView& s = a.chunk_states;
+  if (!s.present()) return;
+  const char* name = "chunk_states";
+  const StateLayout layout = p.options.state_layout;
+  const bool k_first = layout == StateLayout::k_first;
+  check_rank(s, name, k_first ? "[C, HV, K, V] (K-first)" : "[C, HV, V, K] (V-first)", 4);
+  const std::string per_chunk = "; C = the 64-token chunks of all sequences, ";
+  if (p.indices_on_host) {
+    const int64_t C = ChunkStateEntries(p).total();
+    const std::string dims = (k_first ? "[C, HV, K, V] (K-first" : "[C, HV, V, K] (V-first") +
+                             per_chunk + std::to_string(C) + ")";
+    check_shape(s, name, dims.c_str(), state_shape(p, C, layout));
+  } else {
+    // Device-resident cu_seqlens are not read: C is only known to lie between the chunks
+    // of T tokens in one sequence and one more partial chunk per non-empty sequence.
+    const int64_t lo = (p.T + kChunkStateTokens - 1) / kChunkStateTokens;
+    const int64_t hi = p.T / kChunkStateTokens + std::min(p.N, p.T);
+    const std::string dims = (k_first ? "[C, HV, K, V] (K-first" : "[C, HV, V, K] (V-first") +
+                             per_chunk + std::to_string(lo) + " to " + std::to_string(hi) +
+                             " for device-resident cu_seqlens)";
+    check_shape(s, name, dims.c_str(), state_shape(p, -1, layout));
+    if (s.shape[0] < lo || s.shape[0] > hi)
+      fail(arg(name) + "expected shape " + dims + ", got " + shape_str(s));
+  }
+  check_float(s, name);
+  check_pointer(s, name);
+  check_device(s, name, p.in.q.device);
+  check_writable(s, name);
+  check_inputs_untouched(s, name, p, TensorView{});
+  check_no_overlap(s, name, a.initial_state, "initial_state");
+  check_no_overlap(s, name, a.o, "o");
+  check_no_overlap(s, name, a.final_state, "final_state");
+}
+
 }  // namespace
 
 Problem validate_forward(const ForwardArgs& a, const Options& o) {
@@ -345,6 +382,7 @@ Problem validate_forward(const ForwardArgs& a, const Options& o) {
     check_inputs_untouched(a.final_state, "final_state", p, a.initial_state);
     if (overlaps(a.final_state, a.o)) fail(arg("final_state") + "output memory overlaps 'o'");
   }
+  check_chunk_states(p, a);
   return p;
 }
 

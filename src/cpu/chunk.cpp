@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "core/chunk_states.h"
 #include "core/parallel.h"
 #include "core/problem.h"
 #include "core/tensor_io.h"
@@ -223,8 +224,8 @@ struct FusedSplit {
 // One item start to end: per round, read the rows of all its heads, then per head steps 1-5
 // chunk by chunk, then write the outputs of all its heads.
 template <class T, class M>
-void RunGroup(const Problem& p, const ForwardIO& io, int64_t n, int64_t hv0, int64_t heads,
-              const FusedSplit& split, const Dims& dm) {
+void RunGroup(const Problem& p, const ForwardIO& io, const ChunkStateEntries& entries, int64_t n,
+              int64_t hv0, int64_t heads, const FusedSplit& split, const Dims& dm) {
   const Sequence& seq = p.seqs[n];
   const int64_t state = dm.state_size(), cvp = dm.C * dm.Vp, out_step = split.tokens * dm.Vp;
   const int64_t staging_size = RowStaging<T>::size(dm, heads, split.tokens);
@@ -248,6 +249,8 @@ void RunGroup(const Problem& p, const ForwardIO& io, int64_t n, int64_t hv0, int
     rows.template load<Transforms>(p, gp, seq, hv0, s0, len, round_up(len, kBlock));
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t t0 = 0; t0 < len; t0 += dm.C) {
+        if (const int64_t entry = entries.before(n, s0 + t0); entry >= 0)
+          StoreState(p, io.chunk_states, entry, hv0 + h, dm, states + h * state);
         prepare.run(rows.rows(h, t0), std::min(dm.C, len - t0), cd);
         AdvanceState<T, M, true>(dm, cd, states + h * state, y, v_new,
                                  out + h * out_step + t0 * dm.Vp, nullptr);
@@ -261,8 +264,8 @@ void RunGroup(const Problem& p, const ForwardIO& io, int64_t n, int64_t hv0, int
 
 // Few items: windows of chunks, steps 1-3 and 5 parallel over chunks, 4 over items.
 template <class T, class M>
-void RunPhased(const Problem& p, const ForwardIO& io, const std::vector<int64_t>& items,
-               int threads, const Dims& dm) {
+void RunPhased(const Problem& p, const ForwardIO& io, const ChunkStateEntries& entries,
+               const std::vector<int64_t>& items, int threads, const Dims& dm) {
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t state = dm.state_size(), cvp = dm.C * dm.Vp;
   // A slot holds one chunk between the phases: its ChunkData, v_new, start state, output.
@@ -332,10 +335,12 @@ void RunPhased(const Problem& p, const ForwardIO& io, const std::vector<int64_t>
                                   sl.start);
       }
     });
-    // Step 5.
+    // Step 5, and the chunk-start states that are recorded.
     parallel_for(n_tasks, threads, [&](int64_t k) {
       const int64_t s = tasks[static_cast<size_t>(k)], i = s / window, chunk = w0 + s % window;
       Slot& sl = slot_of[static_cast<size_t>(s)];
+      if (const int64_t entry = entries.before(items[i] / p.HV, chunk * dm.C); entry >= 0)
+        StoreState(p, io.chunk_states, entry, hv_of(i), dm, sl.start);
       ChunkOutput(dm, sl.cd, sl.start, M::delta ? sl.v_new : sl.cd.u, sl.out, 0, dm.Vp);
       StoreOutputs(p, io.o, seq_of(i), hv_of(i), 1, chunk * dm.C, len_of(i, chunk), dm, sl.out, 0);
     });
@@ -348,10 +353,11 @@ template <class T, class M>
 void Run(const Problem& p, const ForwardIO& io) {
   const Dims dm(p);
   const int threads = resolve_threads(p.options.num_threads);
+  const ChunkStateEntries entries(p);
   if (threads > 1 && p.N * p.HV < threads) {
     std::vector<int64_t> items(static_cast<size_t>(p.N * p.HV));
     for (int64_t i = 0; i < p.N * p.HV; ++i) items[static_cast<size_t>(i)] = i;
-    return RunPhased<T, M>(p, io, items, threads, dm);
+    return RunPhased<T, M>(p, io, entries, items, threads, dm);
   }
   const FusedSplit split(p, dm, threads, sizeof(T));
   // Items (sequence, head group), longest sequences first so the dynamic schedule
@@ -365,7 +371,7 @@ void Run(const Problem& p, const ForwardIO& io) {
   parallel_for(p.N * per_seq, threads, [&](int64_t i) {
     const int64_t item = items[static_cast<size_t>(i)], n = item / per_seq;
     const int64_t hv0 = item % per_seq * split.heads;
-    RunGroup<T, M>(p, io, n, hv0, std::min(split.heads, p.HV - hv0), split, dm);
+    RunGroup<T, M>(p, io, entries, n, hv0, std::min(split.heads, p.HV - hv0), split, dm);
   });
 }
 
@@ -387,6 +393,13 @@ void RunMechanism(const Problem& p, const ForwardIO& io) {
 
 // float64 inputs compute in double; every other dtype in float.
 void ChunkForward(const Problem& p, const ForwardIO& io) {
+  // Chunk states are recorded at chunk starts, which 128-token chunks have only at every
+  // other 64-token boundary: such a call runs 64-token chunks (the same function).
+  if (io.chunk_states.t.present() && p.options.chunk_size > kChunkStateTokens) {
+    Problem at64 = p;
+    at64.options.chunk_size = kChunkStateTokens;
+    return ChunkForward(at64, io);
+  }
   const TensorView* inputs[] = {&p.in.q, &p.in.k, &p.in.v, &p.in.g, &p.in.beta};
   bool f64 = false;
   for (const TensorView* t : inputs) f64 = f64 || (t->present() && t->dtype == DType::f64);

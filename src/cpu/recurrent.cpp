@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/chunk_states.h"
 #include "core/parallel.h"
 #include "core/tensor_io.h"
 #include "cpu/cpu.h"
@@ -183,6 +184,8 @@ void RecurrentForward(const Problem& p, const ForwardIO& io) {
   const int64_t K = p.K;
   const int64_t W = static_cast<int64_t>(plan.width);
   const bool keep_final = io.final_state.t.present();
+  const bool keep_chunks = io.chunk_states.t.present();
+  const ChunkStateEntries entries(p);
   WithTileKernel(plan.nv, p.delta, [&]<size_t NV, bool kDelta>() {
     parallel_for(static_cast<int64_t>(items.size()), p.options.num_threads, [&](int64_t i) {
       const WorkItem& item = items[static_cast<size_t>(i)];
@@ -192,10 +195,24 @@ void RecurrentForward(const Problem& p, const ForwardIO& io) {
           load_state_tile(io.initial_state, n, hv, K, col0, cols, W, tile);
         else
           std::fill(tile, tile + K * W, 0.0f);
+        // The initial state is the one entering the first chunk.
+        if (keep_chunks && len > 0)
+          store_state_tile(io.chunk_states, entries.before(n, 0), hv, K, col0, cols, W, tile);
       };
-      auto materialize = [&](int64_t t) { return keep_final && t + 1 == len; };
-      auto store = [&](int64_t, const float* tile, int64_t col0, int64_t cols) {
-        store_state_tile(io.final_state, n, hv, K, col0, cols, W, tile);
+      // The chunk-state entry the state after token t goes to (the one entering the chunk
+      // that starts at t + 1), or -1.
+      auto chunk_after = [&](int64_t t) {
+        return keep_chunks && t + 1 < len ? entries.before(n, t + 1) : int64_t{-1};
+      };
+      auto materialize = [&](int64_t t) {
+        return (keep_final && t + 1 == len) || chunk_after(t) >= 0;
+      };
+      auto store = [&](int64_t t, const float* tile, int64_t col0, int64_t cols) {
+        const int64_t entry = chunk_after(t);
+        if (entry >= 0)
+          store_state_tile(io.chunk_states, entry, hv, K, col0, cols, W, tile);
+        else
+          store_state_tile(io.final_state, n, hv, K, col0, cols, W, tile);
       };
       if (len == 0) {  // an empty sequence passes its state through
         if (!keep_final) return;
@@ -203,7 +220,7 @@ void RecurrentForward(const Problem& p, const ForwardIO& io) {
         for (size_t j = item.tile_begin; j < item.tile_end; ++j) {
           const int64_t col0 = static_cast<int64_t>(j) * W;
           load(tile, col0, std::min(W, p.V - col0));
-          store(0, tile, col0, std::min(W, p.V - col0));
+          store_state_tile(io.final_state, n, hv, K, col0, std::min(W, p.V - col0), W, tile);
         }
         return;
       }

@@ -15,6 +15,9 @@
 namespace flashdelta::detail {
 namespace {
 
+// The chunk table numbers the chunk states too (ForwardArgs::chunk_states).
+static_assert(cuda::kChunk == kChunkStateTokens);
+
 constexpr int64_t kAlign = 256;
 
 int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
@@ -75,6 +78,9 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
   c.p.o = token_tensor(io.o);
   c.p.state_in = state_tensor(io.initial_state);
   c.p.state_out = state_tensor(io.final_state);
+  c.chunk_states = state_tensor(io.chunk_states);
+  c.chunk_states_dtype = io.chunk_states.t.dtype;
+  c.chunk_states_count = io.chunk_states.t.present() ? io.chunk_states.t.shape[0] : 0;
   c.KP = cuda::chunk_key_width(p.K);
   c.VP = cuda::chunk_value_width(p.V);
   c.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;

@@ -42,6 +42,12 @@ struct ChunkParams {
   int64_t chunks_per_row = 0;  // ceil(T / C), batch rows without cu_seqlens
   int64_t max_chunks = 0;      // chunks of all sequences, or an upper bound with cu_seqlens
   ChunkWorkspace ws;
+  // ForwardArgs::chunk_states (data == nullptr: not wanted): entry first + i of a sequence
+  // whose chunks are [first, first + count) holds the state entering its chunk i. Entries
+  // at or past chunk_states_count (a malformed device table's) are not written.
+  StateTensor chunk_states;
+  DType chunk_states_dtype = DType::f32;
+  int64_t chunk_states_count = 0;
 };
 
 // The three launches of a forward, in order on `stream` (a cudaStream_t); each returns

@@ -13,7 +13,9 @@
 // left operand: S^T and v_new^T feed the next products straight from registers as bfloat16
 //     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T,   S^T = S^T diag(decay) + v_new^T kg
 // with the record's matrices as right operands from shared memory. The state itself
-// accumulates in float32; every tensor-core operand is bfloat16.
+// accumulates in float32; every tensor-core operand is bfloat16. When the per-chunk states
+// are wanted (ForwardArgs::chunk_states), each warp writes its columns of the state entering
+// every chunk straight from the accumulators.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -113,6 +115,16 @@ __device__ __forceinline__ void times_token_rows(Acc (&acc)[kChunk / 8],
   }
 }
 
+// A float as an element of the chunk states (ForwardArgs::chunk_states), and two of them at
+// adjacent addresses as one vector store.
+template <class Out> __device__ __forceinline__ Out narrow(float x) { return static_cast<Out>(x); }
+template <> __device__ __forceinline__ bf16 narrow<bf16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ __half narrow<__half>(float x) { return __float2half(x); }
+template <class Out>
+struct alignas(2 * sizeof(Out)) OutPair {
+  Out lo, hi;
+};
+
 // This warp's 16 columns of the state, transposed: element (column j0 + col, key) of
 // S^T is acc[key / 8].d[e] with col = acc_row(e) and key % 8 = acc_col(e).
 template <int KP>
@@ -146,9 +158,61 @@ struct StateColumns {
     auto* out = static_cast<float*>(p.state_out.data);
     if (out) for_each_value(p, p.state_out, n, hv, j0, [&](float& x, int64_t off) { out[off] = x; });
   }
+
+  // Entry `entry` of the chunk states. It runs once per chunk, inside the sequential loop:
+  // the dtype is resolved once, and a slice inside K x V (K = KP) stores at fixed offsets
+  // from one address, key pairs as one vector store where keys are dense (V-first).
+  __device__ void store_entry(const ChunkParams& c, int64_t entry, int64_t hv, int64_t j0) {
+    switch (c.chunk_states_dtype) {
+      case DType::bf16: return store_entry_as<bf16>(c, entry, hv, j0);
+      case DType::f16: return store_entry_as<__half>(c, entry, hv, j0);
+      case DType::f64: return store_entry_as<double>(c, entry, hv, j0);
+      default: return store_entry_as<float>(c, entry, hv, j0);
+    }
+  }
+
+  template <class Out>
+  __device__ void store_entry_as(const ChunkParams& c, int64_t entry, int64_t hv, int64_t j0) {
+    const StateTensor& s = c.chunk_states;
+    Out* out = static_cast<Out*>(s.data);
+    if (KP != c.p.K || j0 + kWarpColumns > c.p.V) {  // a partial slice: every store checked
+      for_each_value(c.p, s, entry, hv, j0,
+                     [&](float& x, int64_t off) { out[off] = narrow<Out>(x); });
+      return;
+    }
+    // Element e of tile nt lies at base + nt * keys8 (+ key_stride for odd e, + cols8 for e >= 2).
+    Out* base = out + entry * s.slot_stride + hv * s.head_stride +
+                (j0 + acc_row(0)) * s.value_stride + acc_col(0) * s.key_stride;
+    const int64_t keys8 = 8 * s.key_stride, cols8 = 8 * s.value_stride;
+    const bool pairs = s.key_stride == 1 && s.slot_stride % 2 == 0 && s.head_stride % 2 == 0 &&
+                       s.value_stride % 2 == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % sizeof(OutPair<Out>) == 0;
+    if (pairs) {
+#pragma unroll
+      for (int nt = 0; nt < KP / 8; ++nt) {
+        Out* at = base + nt * keys8;
+        *reinterpret_cast<OutPair<Out>*>(at) = {narrow<Out>(acc[nt].d[0]),
+                                                narrow<Out>(acc[nt].d[1])};
+        *reinterpret_cast<OutPair<Out>*>(at + cols8) = {narrow<Out>(acc[nt].d[2]),
+                                                        narrow<Out>(acc[nt].d[3])};
+      }
+      return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < KP / 8; ++nt) {
+      Out* at = base + nt * keys8;
+      at[0] = narrow<Out>(acc[nt].d[0]);
+      at[s.key_stride] = narrow<Out>(acc[nt].d[1]);
+      at[cols8] = narrow<Out>(acc[nt].d[2]);
+      at[cols8 + s.key_stride] = narrow<Out>(acc[nt].d[3]);
+    }
+  }
 };
 
-template <int KP>
+// kRecord: write the chunk states. A template flag rather than a run-time test, so the
+// common path compiles to the same code as without the feature (ptxas allocates the loop's
+// registers differently once it holds the stores).
+template <int KP, bool kRecord>
 __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kernel(const ChunkParams c) {
   using G = StateGeometry<KP>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -168,6 +232,9 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
   if (G::kStages == 2 && chunks.count > 0) fetch_record(c, record(0), j0, p.delta, sh.stage[0]);
 
   for (int64_t i = 0; i < chunks.count; ++i) {
+    // The registers hold the state entering chunk i: recorded straight from them.
+    if (kRecord && chunks.first + i < c.chunk_states_count)
+      S.store_entry(c, chunks.first + i, hv, jw);
     Stage<KP>& st = sh.stage[G::kStages == 2 ? i % 2 : 0];
     if (G::kStages == 1) fetch_record(c, record(i), j0, p.delta, st);
     wait_async<0>();
@@ -253,7 +320,8 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
 template <int KP>
 void launch_state(const ChunkParams& c, cudaStream_t stream) {
   using G = StateGeometry<KP>;
-  const auto kernel = chunk_state_kernel<KP>;
+  const auto kernel =
+      c.chunk_states.data ? chunk_state_kernel<KP, true> : chunk_state_kernel<KP, false>;
   constexpr int smem = sizeof(StateShared<KP>);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int64_t blocks = c.p.N * c.p.HV * ((c.p.V + G::BV - 1) / G::BV);

@@ -164,6 +164,13 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16(x);
 }
 
+// Two floats as a bfloat16 pair in one register (lo in the low half): an mma operand word,
+// half of a 16-byte store, a bfloat16 state run.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // W state elements starting at p, `step` elements apart. With `vec` (step == 1 and p aligned
 // to the word) a full run is loaded with streaming vector loads; elements at or past `valid`
 // read as 0 and are never touched.

@@ -87,12 +87,6 @@ __device__ __forceinline__ void load_b_pair_kn(uint32_t (&b)[4], const bf16* s, 
   ldmatrix_x4<true>(b, s + (k0 + l % 8 + 8 * (mat % 2)) * ld + n0 + 8 * (mat / 2));
 }
 
-// Two floats as a bfloat16 pair in one register (lo in the low half): an operand word.
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
 // Row (0..15) and column (0..7) of accumulator element e (0..3) of this lane.
 __device__ __forceinline__ int acc_row(int e) { return (threadIdx.x % 32) / 4 + 8 * (e / 2); }
 __device__ __forceinline__ int acc_col(int e) { return 2 * (threadIdx.x % 4) + e % 2; }

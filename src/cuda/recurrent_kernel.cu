@@ -1,22 +1,21 @@
 // The CUDA recurrent schedule. The work is split into tasks, one per (sequence, value head,
-// tile of VT value columns), walked by persistent blocks (as many as fit on the GPU). A
-// task's K x VT state tile lives in registers while its tokens run, read once and written
-// once with streaming accesses; while a block computes one task, the next task's state is
-// copied into shared memory asynchronously, so the state loads stay in flight and decode
-// runs near the memory bandwidth of the state.
+// tile of VT value columns), one thread block each. A task's K x VT state tile is copied
+// into shared memory asynchronously while the first token's inputs load, updated there for
+// every token, and written once per written slot with streaming stores. Decode is bound by
+// the bytes of state in flight per SM: with the tile in shared memory instead of registers
+// six blocks share an SM, and the hardware starts a new block as soon as one ends.
 //
 // Per token the block stages q, k, the decays exp(g) and beta in shared memory (fusing the
 // L2 norms, sigmoid and gate activation: one key channel per thread, so once per block),
 // then every thread decays its values and forms its partial sums of k^T S and q^T S per
 // column. With S' = Diag(exp g) S and r = beta (v - S'^T k):
 //     S'' = S' + k r^T,    o = S''^T q = S'^T q + (q . k) r,
-// so one reduction pass over S' yields both the prediction and the output.
+// so one reduction pass over S' yields both the prediction and the output, and a second
+// pass writes S''.
 //
-// Thread mapping (cuda/recurrent_tile.cuh): a thread holds RK keys x 4 adjacent columns and
+// Thread mapping (cuda/recurrent_tile.cuh): a thread owns RK keys x 4 adjacent columns and
 // a warp all the keys of its columns, so a column sum is an in-thread sum and a few
-// shuffles, with no shared memory and no barrier. Per-thread work is large (up to 64
-// values) so that the per-token fixed costs (staging, addressing) are spread thin.
-#include <atomic>
+// shuffles, with no shared-memory reduction and no barrier.
 #include <climits>
 #include <string>
 
@@ -50,7 +49,6 @@ __device__ int64_t slot_after(const RecurrentParams& p, int64_t n, int64_t t, in
 }
 
 // One unit of work: the value-column tile j0 of head hv of sequence n = blk / (tiles HV).
-// Kept small (three are live at once); the sequence is looked up when the task runs.
 struct Task {
   int64_t blk = -1, n = 0, start = -1;  // start: slot read first (-1 = padding row or none)
   int hv = 0, j0 = 0;
@@ -77,10 +75,31 @@ __device__ Task task_of(const RecurrentParams& p, int64_t blk, int64_t blocks) {
   return w;
 }
 
-// Processes one task; its initial state is in `buffer` when prefetched, else loaded here.
+// Walks the thread's state chunks in shared memory: per run of 4 keys, its staged q, k and
+// decays, then for each of the run's chunks `value(keys, x, u, e, m)` on every element m
+// of the chunk (key u of the run, column e) and `done(c, x)` once chunk c is through.
+template <int KB, bool KeyContig, class S, class ValueFn, class DoneFn>
+__device__ __forceinline__ void for_each_chunk(const RecurrentParams& p, const Shared& sh,
+                                               const Tile<KB, KeyContig>& tile, const S* state,
+                                               ValueFn&& value, DoneFn&& done) {
+#pragma unroll
+  for (int g = 0; g < Tile<KB, KeyContig>::RK / 4; ++g) {
+    const KeyRun4 kr = key_run(p, sh, tile.key(4 * g));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float x[4];
+      read_chunk(state, 4 * g + i, x);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) value(kr, x, KeyContig ? m : i, KeyContig ? i : m, m);
+      done(4 * g + i, x);
+    }
+  }
+}
+
+// Processes one task with its state tile in `state` (this block's shared memory).
 template <int KB, bool KeyContig, class S>
 __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, KeyContig>& tile,
-                         const Task& w, bool prefetched, const S* buffer) {
+                         const Task& w, S* state) {
   using T = Tile<KB, KeyContig>;
   const int64_t n = w.n, hv = w.hv, h = hv / p.group;
   const int j0 = w.j0;
@@ -99,29 +118,19 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, Ke
     }
     return;
   }
-  if (p.serving && !p.per_token_slots && seq.len == 0) {  // nothing to update
-    if (prefetched) wait_async<1>();
-    return;
-  }
+  if (p.serving && !p.per_token_slots && seq.len == 0) return;  // nothing to update
 
-  // Token 0's loads go out before the state is read: the latencies overlap.
+  // The state copy and token 0's loads go out together: their latencies overlap.
+  if (p.state_in.data)
+    stage_state<KB, KeyContig, S>(p, p.state_in, tile_base<const S>(p.state_in, w.start, hv),
+                                  tile, j0, state);
+  else
+    zero_state<KB, KeyContig, S>(state);
   TokenRaw<KB> raw;
   if (seq.len > 0) fetch_token<KB>(p, row, 0, hv, col, raw);
   const uint32_t a_raw = p.A_log ? load_raw(p.A_log, p.A_log_dtype, hv * p.A_log_stride) : 0u;
-  float x[T::RK][4];
-  if (prefetched) {
-    wait_async<1>();  // all but the newest group (the next task's) have landed
-    read_prefetched<KB, KeyContig, S>(buffer, x);
-  } else if (p.state_in.data) {
-    load_tile<KB, KeyContig, S>(p, p.state_in, tile_base<const S>(p.state_in, w.start, hv),
-                                tile, j0, x);
-  } else {
-#pragma unroll
-    for (int r = 0; r < T::RK; ++r)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[r][e] = 0.f;
-  }
   const float a = p.A_log ? expf(raw_to_float(a_raw, p.A_log_dtype)) : 1.f;
+  wait_async<0>();  // each thread reads only the slots it copied: no barrier needed
 
   for (int64_t t = 0; t < seq.len; ++t) {
     if (t > 0) fetch_token<KB>(p, row, t, hv, col, raw);
@@ -140,54 +149,25 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, Ke
     const float q_mul = p.scale * (p.qk_l2norm ? rsqrtf(sq + kL2NormEps) : 1.f);
     const float k_mul = p.qk_l2norm ? rsqrtf(sk + kL2NormEps) : 1.f;
     const float qk = sqk * q_mul * k_mul;
-    const bool vector_gate = p.gate == GateForm::vector;
 
-    // Decay, then the partial column sums k^T S' and q^T S' over this thread's keys.
+    // Pass 1: decay, then the partial column sums k^T S' and q^T S' over this thread's keys.
     float pred[4] = {0.f, 0.f, 0.f, 0.f}, out[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int g = 0; g < T::RK / 4; ++g) {
-      const int i = tile.key(4 * g);
-      const float4 d4 = vector_gate ? *reinterpret_cast<const float4*>(&sh.decay[i])
-                                    : make_float4(sh.scalar_decay, sh.scalar_decay,
-                                                  sh.scalar_decay, sh.scalar_decay);
-      const float4 k4 = *reinterpret_cast<const float4*>(&sh.k[i]);
-      const float4 q4 = *reinterpret_cast<const float4*>(&sh.q[i]);
-      const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kr[4] = {k4.x, k4.y, k4.z, k4.w};
-      const float qr[4] = {q4.x, q4.y, q4.z, q4.w};
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float& xv = x[4 * g + u][e];
-          xv *= d[u];
-          pred[e] = fmaf(kr[u], xv, pred[e]);
-          out[e] = fmaf(qr[u], xv, out[e]);
-        }
-    }
+    for_each_chunk<KB, KeyContig>(
+        p, sh, tile, state, [&](const KeyRun4& kr, const float (&x)[4], int u, int e, int m) {
+      const float xd = x[m] * kr.d[u];
+      pred[e] = fmaf(kr.k[u], xd, pred[e]);
+      out[e] = fmaf(kr.q[u], xd, out[e]);
+    }, [](int, float (&)[4]) {});
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      pred[e] = lane_sum<T::kKeyLaneFirst, T::kKeyLaneLast>(pred[e]);
-      out[e] = lane_sum<T::kKeyLaneFirst, T::kKeyLaneLast>(out[e]);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      pred[e] *= k_mul;
-      out[e] *= q_mul;
+      pred[e] = lane_sum<T::kKeyLaneFirst, T::kKeyLaneLast>(pred[e]) * k_mul;
+      out[e] = lane_sum<T::kKeyLaneFirst, T::kKeyLaneLast>(out[e]) * q_mul;
     }
 
-    // The delta-rule write and the output o = q^T S' + (q . k) r.
+    // The delta-rule write r and the output o = q^T S' + (q . k) r.
     float r_col[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) r_col[e] = p.delta ? sh.beta * (v[e] - pred[e]) : v[e];
-#pragma unroll
-    for (int g = 0; g < T::RK / 4; ++g) {
-      const float4 k4 = *reinterpret_cast<const float4*>(&sh.k[tile.key(4 * g)]);
-      const float kr[4] = {k4.x * k_mul, k4.y * k_mul, k4.z * k_mul, k4.w * k_mul};
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[4 * g + u][e] = fmaf(kr[u], r_col[e], x[4 * g + u][e]);
-    }
     if (tile.writes_o) {
       const int64_t oo = row.o + t * p.o.stride[1];
 #pragma unroll
@@ -197,100 +177,52 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, Ke
                       fmaf(qk, r_col[e], out[e]));
     }
 
+    // Pass 2: S'' = S' + k r^T, kept for the next token and written to its slot, if any.
     const int64_t slot = slot_after(p, n, t, seq.len, w.start);
-    if (slot >= 0)
-      store_tile<KB, KeyContig, S>(p, p.state_out, tile_base<S>(p.state_out, slot, hv),
-                                   tile, j0, x);
-    if (t + 1 < seq.len) __syncthreads();  // shared staging is rewritten next token
+    S* const dst = slot >= 0 ? tile_base<S>(p.state_out, slot, hv) : nullptr;
+    const bool more = t + 1 < seq.len;
+    for_each_chunk<KB, KeyContig>(
+        p, sh, tile, state, [&](const KeyRun4& kr, float (&x)[4], int u, int e, int m) {
+      x[m] = fmaf(kr.k[u] * k_mul, r_col[e], x[m] * kr.d[u]);
+    }, [&](int c, float (&x)[4]) {
+      if (more) write_chunk(state, c, x);
+      if (dst) store_chunk<KB, KeyContig, S>(p, p.state_out, dst, tile, j0, c, x);
+    });
+    if (more) __syncthreads();  // shared staging is rewritten next token
   }
-  if (!p.serving && seq.len == 0 && p.state_out.data)  // empty sequence: state passes through
-    store_tile<KB, KeyContig, S>(p, p.state_out, tile_base<S>(p.state_out, n, hv),
-                                 tile, j0, x);
+  if (!p.serving && seq.len == 0 && p.state_out.data) {  // empty sequence: state passes through
+    S* const dst = tile_base<S>(p.state_out, n, hv);
+#pragma unroll
+    for (int c = 0; c < T::RK; ++c) {
+      float x[4];
+      read_chunk(state, c, x);
+      store_chunk<KB, KeyContig, S>(p, p.state_out, dst, tile, j0, c, x);
+    }
+  }
 }
 
-// Bytes of the two prefetch buffers one block uses.
-template <int KB, bool KeyContig, class S>
-constexpr int prefetch_bytes() {
-  return 2 * Tile<KB, KeyContig>::RK * kThreads * 4 * static_cast<int>(sizeof(S));
-}
-
-// Persistent blocks: each walks tasks blockIdx.x, + gridDim.x, ... and, when the state
-// allows aligned chunks, copies the next task's state into shared memory while it computes
-// the current one, so the state loads stay in flight through the whole computation.
+// One block per task (a grid-stride loop only past 2^31 - 1 tasks). Blocks are short and
+// many, so the hardware balances them over the SMs and the tail is one block long.
 template <int KB, bool KeyContig, class S>
 __global__ void __launch_bounds__(kThreads, Tile<KB, KeyContig>::kMinBlocks)
     recurrent_kernel(const __grid_constant__ RecurrentParams p) {
   using T = Tile<KB, KeyContig>;
   __shared__ Shared sh;
-  extern __shared__ __align__(16) unsigned char prefetch_smem[];
-  S* buffers[2] = {reinterpret_cast<S*>(prefetch_smem),
-                   reinterpret_cast<S*>(prefetch_smem) + T::RK * kThreads * 4};
+  __shared__ __align__(16) S state[T::kTileElements];
   const Tile<KB, KeyContig> tile;
   const int64_t blocks = p.N * p.HV * p.value_tiles;
-  const bool pipelined = p.vector_ok && p.state_in.data != nullptr;
-
-  auto prefetch = [&](const Task& w, int b) {
-    if (pipelined && w.start >= 0)
-      prefetch_tile<KB, KeyContig, S>(p, p.state_in,
-                                      tile_base<const S>(p.state_in, w.start, w.hv),
-                                      tile, w.j0, buffers[b]);
-    commit_async();
-  };
-
-  int64_t blk = blockIdx.x;
-  Task cur = task_of<T::VT>(p, blk, blocks);
-  Task next = task_of<T::VT>(p, blk + gridDim.x, blocks);
-  int b = 0;
-  prefetch(cur, b);
-  while (blk < blocks) {
-    prefetch(next, b ^ 1);
-    const Task after = task_of<T::VT>(p, blk + 2 * static_cast<int64_t>(gridDim.x), blocks);
-    run_task<KB, KeyContig, S>(p, sh, tile, cur, pipelined && cur.start >= 0, buffers[b]);
-    __syncthreads();  // the next task's staging reuses shared memory
-    cur = next;
-    next = after;
-    blk += gridDim.x;
-    b ^= 1;
+  for (int64_t blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+    run_task<KB, KeyContig, S>(p, sh, tile, task_of<T::VT>(p, blk, blocks), state);
+    if (blk + gridDim.x < blocks) __syncthreads();  // the next task reuses the staging
   }
-  wait_async<0>();
-}
-
-// Resident blocks per SM x SMs of the current device, computed once per kernel and device.
-template <int KB, bool KeyContig, class S>
-int64_t resident_blocks() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices] = {};  // 0 = not yet known
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
-  if (cached[device].load(std::memory_order_relaxed) == 0) {
-    const auto kernel = recurrent_kernel<KB, KeyContig, S>;
-    constexpr int smem = prefetch_bytes<KB, KeyContig, S>();
-    int sms = 0, per_sm = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-            cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) !=
-            cudaSuccess)
-      return 0;
-    cached[device].store(sms * (per_sm > 0 ? per_sm : 1), std::memory_order_relaxed);
-  }
-  return cached[device].load(std::memory_order_relaxed);
 }
 
 template <int KB, bool KeyContig, class S>
 void launch(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t blocks = p.N * p.HV * p.value_tiles;
   if (blocks == 0) return;
-  const int64_t resident = resident_blocks<KB, KeyContig, S>();
-  if (resident == 0) {
-    const cudaError_t err = cudaGetLastError();
-    throw Error(ErrorCode::runtime,
-                std::string("CUDA recurrent kernel setup failed on the current device: ") +
-                    cudaGetErrorString(err));
-  }
-  const int64_t grid = blocks < resident ? blocks : resident;
-  recurrent_kernel<KB, KeyContig, S>
-      <<<static_cast<unsigned>(grid), kThreads, prefetch_bytes<KB, KeyContig, S>(), stream>>>(p);
+  const int64_t grid = blocks < INT_MAX ? blocks : INT_MAX;
+  recurrent_kernel<KB, KeyContig, S><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
 }
 
 template <bool KeyContig, class S>

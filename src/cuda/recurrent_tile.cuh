@@ -1,6 +1,6 @@
 // The CUDA recurrent kernel's thread geometry and its access to the state: which keys and
-// columns of a state tile each thread holds, and the loads, stores and asynchronous
-// prefetches of those values (cuda/recurrent_kernel.cu). Internal to that file.
+// columns of a state tile each thread owns, the tile's shared-memory slots, and the copies
+// between those slots and the state tensors (cuda/recurrent_kernel.cu). Internal to that file.
 #pragma once
 
 #include "cuda/device_io.cuh"
@@ -9,11 +9,14 @@
 namespace flashdelta::detail::cuda {
 namespace {
 
+// Blocks of 4 warps with 16 keys x 4 columns per thread (a 32 KB fp32 tile at K = 128):
+// measured against 1, 2 and 8 warps and 8 or 32 keys per thread (bench/NOTES.md), this size
+// amortises the per-block staging while 6 blocks still share an SM.
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 
-// Geometry for key bucket KB (K <= KB): a thread holds RK keys x 4 columns, KL key lanes x
-// CL column lanes make a warp, which holds all keys of CL x 4 columns.
+// Geometry for key bucket KB (K <= KB): a thread owns RK keys x 4 columns, KL key lanes x
+// CL column lanes make a warp, which owns all keys of CL x 4 columns.
 template <int KB, bool KeyContig>
 struct Tile {
   static constexpr int RK = KB <= 64 ? KB / 8 : 16;  // keys per thread
@@ -23,10 +26,14 @@ struct Tile {
   // Lane bits that select the key lane: low bits when keys are contiguous in memory.
   static constexpr int kKeyLaneFirst = KeyContig ? 1 : CL;
   static constexpr int kKeyLaneLast = KeyContig ? KL / 2 : 16;
-  // Blocks per SM the register budget is sized for: the values plus ~60 registers of
-  // addresses and sums, without spills. Three blocks of 64 values per thread still keep
-  // ~100 KB of state loads in flight per SM.
-  static constexpr int kMinBlocks = RK * 4 >= 64 ? 3 : RK * 4 >= 32 ? 4 : 6;
+  // Blocks per SM the register budget is sized for, without spills (the state is in shared
+  // memory: 32 KB per block at most, so 6 blocks keep ~190 KB of state loads in flight per
+  // SM; K = 256 stages two key channels per thread and needs more registers).
+  static constexpr int kMinBlocks = KB >= 256 ? 5 : 6;
+  // Elements of one block's state tile in shared memory (32 KB in fp32 at most, so that 6
+  // blocks share an SM).
+  static constexpr int kTileElements = RK * kThreads * 4;
+  static_assert(kTileElements * 4 <= 32 * 1024, "state tile past 32 KB");
 
   // The thread's keys: RK / 4 runs of 4, the key lanes' runs adjacent, so that a warp reads
   // a contiguous span of a key-contiguous state per load instruction, and q, k and the
@@ -72,74 +79,87 @@ __device__ __forceinline__ Chunk chunk_of(const RecurrentParams& p,
   }
 }
 
-template <int RK, bool KeyContig>
-__device__ __forceinline__ void set_chunk(float (&x)[RK][4], int c, const float (&run)[4]) {
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    if constexpr (KeyContig) x[4 * (c / 4) + w][c % 4] = run[w];
-    else x[c][w] = run[w];
-  }
+// The thread's state tile lives in shared memory, chunk c of thread t at slot
+// c * kThreads + t (4 elements): a warp's accesses are conflict-free, and no thread reads a
+// slot another thread writes, so the state needs no barrier. Keeping it out of registers
+// lets 6 blocks share an SM, whose state loads are all in flight at once: decode is bound
+// by the bytes in flight per SM, not by arithmetic.
+template <class S>
+__device__ __forceinline__ S* slot_of(S* state, int c) {
+  return state + 4 * (c * kThreads + threadIdx.x);
 }
 
-template <int RK, bool KeyContig>
-__device__ __forceinline__ void get_chunk(const float (&x)[RK][4], int c, float (&run)[4]) {
-#pragma unroll
-  for (int w = 0; w < 4; ++w) run[w] = KeyContig ? x[4 * (c / 4) + w][c % 4] : x[c][w];
-}
-
+// Copies the thread's chunks of one state tile into its shared-memory slots: asynchronous
+// 16-byte (8 for bfloat16) copies when the tensor allows aligned runs (vector_ok),
+// otherwise element by element. Missing elements read as 0. Ends with a commit; the caller
+// waits (wait_async<0>) before reading.
 template <int KB, bool KeyContig, class S>
-__device__ void load_tile(const RecurrentParams& p, const StateTensor& st, const S* base,
-                          const Tile<KB, KeyContig>& tile, int j0,
-                          float (&x)[Tile<KB, KeyContig>::RK][4]) {
-#pragma unroll
-  for (int c = 0; c < Tile<KB, KeyContig>::RK; ++c) {
-    const Chunk ch = chunk_of(p, st, tile, j0, c);
-    float run[4];
-    load_run<4>(base + ch.offset, ch.step, ch.valid, p.vector_ok, run);
-    set_chunk<Tile<KB, KeyContig>::RK, KeyContig>(x, c, run);
-  }
-}
-
-template <int KB, bool KeyContig, class S>
-__device__ void store_tile(const RecurrentParams& p, const StateTensor& st, S* base,
-                           const Tile<KB, KeyContig>& tile, int j0,
-                           const float (&x)[Tile<KB, KeyContig>::RK][4]) {
-#pragma unroll
-  for (int c = 0; c < Tile<KB, KeyContig>::RK; ++c) {
-    const Chunk ch = chunk_of(p, st, tile, j0, c);
-    float run[4];
-    get_chunk<Tile<KB, KeyContig>::RK, KeyContig>(x, c, run);
-    store_run<4>(base + ch.offset, ch.step, ch.valid, p.vector_ok, run);
-  }
-}
-
-// Asynchronous copies of the thread's chunks into its slots of a shared-memory buffer
-// (chunk c of thread t at slot c * kThreads + t: a warp's reads are conflict-free); missing
-// elements are zero-filled. Needs aligned chunks (vector_ok).
-template <int KB, bool KeyContig, class S>
-__device__ void prefetch_tile(const RecurrentParams& p, const StateTensor& st, const S* base,
-                              const Tile<KB, KeyContig>& tile, int j0, S* buffer) {
+__device__ void stage_state(const RecurrentParams& p, const StateTensor& st, const S* base,
+                            const Tile<KB, KeyContig>& tile, int j0, S* state) {
   constexpr int kBytes = 4 * sizeof(S);
 #pragma unroll
   for (int c = 0; c < Tile<KB, KeyContig>::RK; ++c) {
     const Chunk ch = chunk_of(p, st, tile, j0, c);
-    copy_async<kBytes>(buffer + 4 * (c * kThreads + threadIdx.x), base + ch.offset,
-                       ch.valid * static_cast<int>(sizeof(S)));
+    if (p.vector_ok) {
+      copy_async<kBytes>(slot_of(state, c), base + ch.offset,
+                         ch.valid * static_cast<int>(sizeof(S)));
+    } else {
+      S* slot = slot_of(state, c);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) slot[w] = w < ch.valid ? base[ch.offset + w * ch.step] : S{};
+    }
   }
+  commit_async();
 }
 
 template <int KB, bool KeyContig, class S>
-__device__ void read_prefetched(const S* buffer, float (&x)[Tile<KB, KeyContig>::RK][4]) {
-  using WordT = typename Word<4 * sizeof(S)>::type;
+__device__ void zero_state(S* state) {
 #pragma unroll
   for (int c = 0; c < Tile<KB, KeyContig>::RK; ++c) {
-    const WordT w = *reinterpret_cast<const WordT*>(buffer + 4 * (c * kThreads + threadIdx.x));
-    const S* e = reinterpret_cast<const S*>(&w);
-    float run[4];
+    S* slot = slot_of(state, c);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) run[i] = to_float(e[i]);
-    set_chunk<Tile<KB, KeyContig>::RK, KeyContig>(x, c, run);
+    for (int w = 0; w < 4; ++w) slot[w] = S{};
   }
+}
+
+// Chunk c of the thread's slots as floats. The volatile load is re-issued on every pass
+// over the state, so the compiler cannot keep the tile in registers between passes (which
+// would bring back the register footprint the shared tile exists to avoid).
+__device__ __forceinline__ void read_chunk(const float* state, int c, float (&run)[4]) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(slot_of(state, c)));
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(run[0]), "=f"(run[1]), "=f"(run[2]), "=f"(run[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void read_chunk(const __nv_bfloat16* state, int c, float (&run)[4]) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(slot_of(state, c)));
+  unsigned lo, hi;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo), "=r"(hi) : "r"(a));
+  run[0] = __uint_as_float(lo << 16);
+  run[1] = __uint_as_float(lo & 0xffff0000u);
+  run[2] = __uint_as_float(hi << 16);
+  run[3] = __uint_as_float(hi & 0xffff0000u);
+}
+
+// Writes chunk c of the thread's slots; volatile like read_chunk, so the two stay in order.
+__device__ __forceinline__ void write_chunk(float* state, int c, const float (&run)[4]) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(slot_of(state, c)));
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "f"(run[0]), "f"(run[1]),
+               "f"(run[2]), "f"(run[3]));
+}
+__device__ __forceinline__ void write_chunk(__nv_bfloat16* state, int c, const float (&run)[4]) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(slot_of(state, c)));
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(a), "r"(pack_bf16(run[0], run[1])),
+               "r"(pack_bf16(run[2], run[3])));
+}
+
+// Writes chunk c (as floats) to its place in a state tensor.
+template <int KB, bool KeyContig, class S>
+__device__ __forceinline__ void store_chunk(const RecurrentParams& p, const StateTensor& st,
+                                            S* base, const Tile<KB, KeyContig>& tile, int j0,
+                                            int c, const float (&run)[4]) {
+  const Chunk ch = chunk_of(p, st, tile, j0, c);
+  store_run<4>(base + ch.offset, ch.step, ch.valid, p.vector_ok, run);
 }
 
 // The state of (slot, hv) in a state tensor.

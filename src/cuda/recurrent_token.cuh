@@ -124,5 +124,21 @@ __device__ void stage_token(const RecurrentParams& p, Shared& sh, const TokenRaw
   __syncthreads();
 }
 
+// The staged q, k and decays of 4 adjacent keys (key0..key0+3), read as conflict-free
+// 16-byte loads.
+struct KeyRun4 {
+  float q[4], k[4], d[4];
+};
+
+__device__ __forceinline__ KeyRun4 key_run(const RecurrentParams& p, const Shared& sh, int key0) {
+  const float4 q4 = *reinterpret_cast<const float4*>(&sh.q[key0]);
+  const float4 k4 = *reinterpret_cast<const float4*>(&sh.k[key0]);
+  const float4 d4 = p.gate == GateForm::vector
+                        ? *reinterpret_cast<const float4*>(&sh.decay[key0])
+                        : make_float4(sh.scalar_decay, sh.scalar_decay, sh.scalar_decay,
+                                      sh.scalar_decay);
+  return {{q4.x, q4.y, q4.z, q4.w}, {k4.x, k4.y, k4.z, k4.w}, {d4.x, d4.y, d4.z, d4.w}};
+}
+
 }  // namespace
 }  // namespace flashdelta::detail::cuda

@@ -1,6 +1,7 @@
 // Reference forward and decode: the fp64 scalar recurrence.
 #include <vector>
 
+#include "core/chunk_states.h"
 #include "core/parallel.h"
 #include "core/state_io.h"
 #include "core/token_inputs.h"
@@ -49,6 +50,7 @@ struct TokenBuffers {
 }  // namespace
 
 void reference_forward(const Problem& p, const ForwardIO& io) {
+  const ChunkStateEntries entries(p);
   parallel_for(p.N * p.HV, p.options.num_threads, [&](int64_t item) {
     const int64_t n = item / p.HV, hv = item % p.HV;
     const Sequence& seq = p.seqs[n];
@@ -57,6 +59,9 @@ void reference_forward(const Problem& p, const ForwardIO& io) {
     if (io.initial_state.t.present()) load_state(io.initial_state, n, hv, p.K, p.V, S.data());
     TokenBuffers b(p);
     for (int64_t t = seq.t0; t < seq.t0 + seq.len; ++t) {
+      const int64_t entry = entries.before(n, t - seq.t0);
+      if (io.chunk_states.t.present() && entry >= 0)
+        store_state(io.chunk_states, entry, hv, p.K, p.V, S.data());
       load_token(p, gp, seq.batch, t, hv, b.q.data(), b.k.data(), b.v.data(), b.g.data(), &b.beta);
       reference_step(p, S.data(), b.q.data(), b.k.data(), b.v.data(), b.g.data(), b.beta, b.o.data());
       store_row(io.o, offset_of(io.o, seq.batch, t, hv, 0), p.V, io.o.stride[3], b.o.data());

@@ -12,6 +12,7 @@ struct ForwardIO {
   StateView initial_state;  // absent view = zeros
   StateView final_state;    // absent view = not wanted
   TensorView o;
+  StateView chunk_states;   // absent view = not wanted (core/chunk_states.h)
 };
 
 // One token of the recurrence on a K x V state S (row-major by key): forget, write, read.

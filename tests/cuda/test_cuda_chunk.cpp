@@ -2,7 +2,8 @@
 // lengths that are not multiples of the 64-token chunk, every key width the kernels are
 // compiled for (64 / 128 / 256, with odd K and V padded), GVA, both state layouts, every
 // input dtype, varlen with empty and one-token sequences, the fused transforms, strong
-// gates. Skipped on machines without a GPU; run on the device by scripts/device-run.sh.
+// gates, the per-chunk states. Skipped on machines without a GPU; run on the device by
+// scripts/device-run.sh.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -176,7 +177,7 @@ TEST(CudaChunk, DeterministicBitwise) {
 // host arithmetic and run before any device access, so this needs no GPU.
 ForwardArgs labelled_cuda(ForwardArgs a) {
   for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.initial_state, &a.cu_seqlens,
-                        &a.A_log, &a.dt_bias, &a.o, &a.final_state})
+                        &a.A_log, &a.dt_bias, &a.o, &a.final_state, &a.chunk_states})
     if (t->present()) t->device = Device::cuda;
   return a;
 }
@@ -244,6 +245,121 @@ TEST(CudaChunkWorkspace, CallerMemoryMatchesTheAllocatingPath) {
   cudaFree(ws);
   EXPECT_EQ(o1.bytes, o2.bytes);
   EXPECT_EQ(s1.bytes, s2.bytes);
+}
+
+// ForwardArgs::chunk_states: the state entering every 64-token chunk, written from the state
+// kernel's registers by each warp for its value columns, against the reference's entries
+// (which test_chunk_states.cpp checks against runs over each prefix). Entries start
+// poisoned, so one left unwritten fails.
+struct ChunkStatesRun {
+  std::vector<double> o, state, chunks;
+};
+
+ChunkStatesRun run_with_chunk_states(const Case& c, DType chunk_dtype, Schedule schedule) {
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  HostTensor h = c.make_chunk_states(chunk_dtype);
+  o.fill(kPoison);
+  s.fill(kPoison);
+  h.fill(kPoison);
+  ForwardArgs a = c.args(o, &s);
+  a.chunk_states = h.view;
+  if (schedule == Schedule::reference)
+    forward(a, c.options, schedule);
+  else
+    forward_on_device(a, c.options, schedule);
+  return {o.to_double(), s.to_double(), h.to_double()};
+}
+
+void expect_chunk_states_match(const Case& c, DType chunk_dtype, const std::string& what) {
+  const ChunkStatesRun ref = run_with_chunk_states(c, DType::f64, Schedule::reference);
+  const ChunkStatesRun gpu = run_with_chunk_states(c, chunk_dtype, kChunk);
+  const double tol = 1e-2;  // bfloat16 products (and at most bfloat16 rounding of the entries)
+  EXPECT_LT(rel_error(gpu.chunks, ref.chunks), tol) << what << ": chunk states, "
+                                                    << dtype_name(chunk_dtype);
+  EXPECT_LT(rel_error(gpu.o, ref.o), tol) << what << ": output";
+  EXPECT_LT(rel_error(gpu.state, ref.state), tol) << what << ": final state";
+}
+
+// Fixed length and varlen (empty and one-token sequences), T not a multiple of 64, both
+// layouts, with and without an initial state, the three key widths, V over one to four
+// blocks of 64 columns with a partial last one, every entry dtype.
+TEST(CudaChunkStates, MatchReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  const StateLayout kf = StateLayout::k_first, vf = StateLayout::v_first;
+  struct Shape {
+    CaseConfig cfg;
+    DType chunk_dtype;
+  };
+  const Shape shapes[] = {
+      {{.B = 2, .T = 150, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16}, DType::f32},
+      {{.T = 267, .H = 1, .HV = 2, .K = 64, .V = 96, .seqlens = {0, 1, 64, 65, 130, 0, 7},
+        .initial_state = false, .layout = vf},
+       DType::f32},
+      {{.B = 1, .T = 200, .H = 1, .HV = 1, .K = 256, .V = 200, .layout = vf}, DType::bf16},
+      {{.B = 3, .T = 64, .H = 1, .HV = 2, .K = 17, .V = 33, .dtype = DType::f16, .layout = kf},
+       DType::f16},
+      {{.B = 1, .T = 129, .H = 1, .HV = 1, .K = 100, .V = 60, .dtype = DType::f64}, DType::f64},
+  };
+  uint64_t seed = 5600;
+  for (const Mechanism m : kAllMechanisms)
+    for (const Shape& shape : shapes) {
+      CaseConfig cfg = shape.cfg;
+      cfg.mechanism = m;
+      cfg.seed = seed++;
+      expect_chunk_states_match(make_case(cfg), shape.chunk_dtype, describe(cfg));
+    }
+}
+
+// Recording writes the registers out and changes nothing the kernel computes.
+TEST(CudaChunkStates, OutputsUnchangedByRecording) {
+  FLASHDELTA_REQUIRE_GPU();
+  const Case c = make_case({.B = 2, .T = 333, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+                            .seed = 5700});
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  forward_on_device(c.args(o, &s), c.options, kChunk);
+  const ChunkStatesRun with = run_with_chunk_states(c, DType::f32, kChunk);
+  EXPECT_EQ(with.o, o.to_double());
+  EXPECT_EQ(with.state, s.to_double());
+}
+
+// A malformed device table (overlapping sequences) promises more chunks than C: the entries
+// past C are not written (run it under compute-sanitizer); results are unspecified.
+TEST(CudaChunkStates, MalformedDeviceOffsetsStayInBounds) {
+  FLASHDELTA_REQUIRE_GPU();
+  Case c = make_case({.T = 640, .H = 1, .HV = 2, .K = 64, .V = 64,
+                      .seqlens = {91, 91, 91, 91, 91, 91, 94}});
+  const int64_t overlapping[8] = {0, 640, 0, 640, 0, 640, 0, 640};
+  std::memcpy(c.cu_seqlens.bytes.data(), overlapping, sizeof overlapping);
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  HostTensor h(DType::f32, {10, 2, 64, 64});  // C = 10: the least a device table allows
+  ForwardArgs a = c.args(o, &s);
+  a.chunk_states = h.view;
+  forward_on_device(a, c.options, kChunk);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// The CUDA recurrent kernel records no chunk states: refused before anything runs (no GPU
+// needed), naming the argument.
+TEST(CudaChunkStates, RecurrentScheduleRefusesThem) {
+  const Case c = make_case({.B = 1, .T = 70, .K = 64, .V = 64});
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  HostTensor h = c.make_chunk_states(DType::f32);
+  ForwardArgs host = c.args(o, &s);
+  host.chunk_states = h.view;
+  ForwardArgs a = labelled_cuda(host);
+  try {
+    forward(a, c.options, Schedule::recurrent);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("'chunk_states'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(forward_workspace_bytes(a, c.options, Schedule::recurrent), Error);
+  // The chunk schedule's workspace does not depend on them.
+  ForwardArgs without = a;
+  without.chunk_states = TensorView{};
+  EXPECT_EQ(forward_workspace_bytes(a, c.options, kChunk),
+            forward_workspace_bytes(without, c.options, kChunk));
 }
 
 // Long sequences: the state is carried through many chunks in bfloat16 products.

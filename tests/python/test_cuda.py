@@ -435,6 +435,30 @@ def test_chunk_schedule_on_cuda_matches_cpu():
     assert_same(s, s_cpu, 1e-2, "final_state")
 
 
+def test_chunk_states_on_cuda_match_cpu():
+    """return_intermediate_states: the CUDA state kernel writes h from its registers
+    (bfloat16 products: agreement to bfloat16 precision); varlen with device-resident offsets
+    (counted on the host by a copy); the recurrent schedule refuses it, naming the argument."""
+    for cfg in (dict(B=2, T=150, K=128, V=128, dtype="bfloat16"),
+                dict(seqlens=[0, 1, 64, 65, 130, 7], state_v_first=True)):
+        a = make_inputs("kda", **cfg)
+        v_first = cfg.get("state_v_first", False)
+        with torch.inference_mode():
+            results = [flashdelta.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                            initial_state=x["initial_state"],
+                                            cu_seqlens=x["cu_seqlens"], output_final_state=True,
+                                            state_v_first=v_first,
+                                            return_intermediate_states=True)
+                       for x in (cuda(a), a)]
+        for what, gpu, cpu in zip(("o", "final_state", "h"), *results):
+            assert_same(gpu, cpu, 2e-2, what)
+    b = cuda(a)
+    with pytest.raises(NotImplementedError, match="'chunk_states'"):
+        flashdelta.chunk_kda(b["q"], b["k"], b["v"], b["g"], b["beta"],
+                             cu_seqlens=b["cu_seqlens"], schedule="recurrent",
+                             return_intermediate_states=True)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_second_gpu_while_the_first_is_current():
     a, pool, indices = serving_step_inputs(device="cuda:0")

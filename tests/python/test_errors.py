@@ -87,8 +87,10 @@ CASES = {
     "device mix": (ValueError, ["g"], kda_call(inputs=dict(g=BASE["g"].to("meta")))),
     # unsupported fla features
     "context parallel": (NotImplementedError, ["cp_context"], kda_call(cp_context=object())),
-    "intermediate states": (NotImplementedError, ["return_intermediate_states"],
-                            kda_call(return_intermediate_states=True)),
+    # per-chunk states are inference-only, as in fla
+    "intermediate states with grad": (NotImplementedError, ["return_intermediate_states"],
+                                      kda_call(return_intermediate_states=True, inputs=dict(
+                                          v=BASE["v"].clone().requires_grad_()))),
 }
 
 
@@ -105,6 +107,8 @@ def test_other_functions_name_arguments():
         a["q"], a["k"], a["v"], a["g"], gv=a["v"]))
     expect(NotImplementedError, ["gv"], lambda: flashdelta.fused_recurrent_gated_delta_rule(
         a["q"], a["k"], a["v"], gv=a["v"]))
+    expect(NotImplementedError, ["return_intermediate_states"], lambda: flashdelta.
+           fused_recurrent_gla(a["q"], a["k"], a["v"], a["g"], return_intermediate_states=True))
     expect(ValueError, ["g_gamma"], lambda: flashdelta.chunk_simple_gla(
         a["q"], a["k"], a["v"], g=a["g"][..., 0], g_gamma=torch.zeros(4)))
     expect(ValueError, ["g_gamma"], lambda: flashdelta.chunk_simple_gla(

@@ -116,6 +116,30 @@ def test_signature_matches_installed_fla(name):
     assert not missing, f"{name}: fla parameters not accepted as FlashDelta's: {missing}"
 
 
+# fla 0.6's return convention with return_intermediate_states=True (an inference-mode
+# keyword of its chunk_kda; FlashDelta's other chunk_* functions take it through **kwargs):
+# (o, final_state or None, h), h [B, NT, HV, K, V] with NT = ceil(T / 64). The
+# fused_recurrent_* functions have no per-chunk states.
+@pytest.mark.parametrize("name", [n for n in FLA_0_6 if n.startswith("chunk_")])
+def test_intermediate_states_return_convention(name):
+    torch = pytest.importorskip("torch")
+    from problems import make_inputs
+    a = make_inputs("kda", B=2, T=70)
+    args = {"chunk_kda": ("q", "k", "v", "g", "beta"), "chunk_gla": ("q", "k", "v", "g"),
+            "chunk_gated_delta_rule": ("q", "k", "v", "gs", "beta"),
+            "chunk_simple_gla": ("q", "k", "v", "gs"), "chunk_delta_rule": ("q", "k", "v", "beta"),
+            "chunk_linear_attn": ("q", "k", "v")}[name]
+    a["gs"] = a["g"][..., 0]
+    fn = getattr(flashdelta, name)
+    with torch.inference_mode():
+        result = fn(*(a[n] for n in args), return_intermediate_states=True)
+        plain = fn(*(a[n] for n in args))
+    assert isinstance(result, tuple) and len(result) == 3, f"{name}: {type(result)}"
+    o, final, h = result
+    assert final is None and tuple(h.shape) == (2, 2, 4, 16, 12) and h.dtype == a["q"].dtype
+    assert torch.equal(o, plain[0]) and len(plain) == 2
+
+
 def test_package_exports():
     for name in FLA_0_6:
         assert callable(getattr(flashdelta, name))

@@ -74,7 +74,8 @@ struct DeviceForward {
                         {&host.g, &args.g}, {&host.beta, &args.beta},
                         {&host.cu_seqlens, &args.cu_seqlens}, {&host.A_log, &args.A_log},
                         {&host.dt_bias, &args.dt_bias}, {&host.o, &args.o},
-                        {&host.initial_state, &args.initial_state}})
+                        {&host.initial_state, &args.initial_state},
+                        {&host.chunk_states, &args.chunk_states}})
       *d = mirror.upload(*h);
     const bool in_place =
         host.final_state.present() && host.final_state.data == host.initial_state.data;
@@ -84,6 +85,7 @@ struct DeviceForward {
     check_cuda(cudaDeviceSynchronize(), "forward");
     mirror.download(args.o, host.o);
     mirror.download(args.final_state, host.final_state);
+    mirror.download(args.chunk_states, host.chunk_states);
   }
 };
 

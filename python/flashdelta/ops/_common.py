@@ -40,9 +40,10 @@ def extra_options(fn_name, kwargs, state_v_first=False):
                          "pass [B, T, H, ...] tensors")
     if kwargs.pop("cp_context", None) is not None:
         raise NotImplementedError("argument 'cp_context': context parallelism is not supported")
-    if kwargs.pop("return_intermediate_states", False):
-        raise NotImplementedError("argument 'return_intermediate_states': per-chunk states are "
-                                  "not returned by FlashDelta")
+    if kwargs.pop("return_intermediate_states", False):  # the chunk_* functions take it first
+        raise NotImplementedError("argument 'return_intermediate_states': per-chunk states come "
+                                  "from the chunk_* functions (the chunkwise schedule), as in "
+                                  "fla")
     chunk_size = kwargs.pop("chunk_size", None)
     schedule = kwargs.pop("schedule", None)
     for name in _IGNORED_KWARGS:
@@ -73,17 +74,26 @@ def gate_arguments(use_gate_in_kernel, A_log, dt_bias, lower_bound):
 def run(mechanism, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
         state_v_first, chunk_size, schedule, qk_l2norm=False, use_gate_in_kernel=False,
         A_log=None, dt_bias=None, beta_sigmoid=False, allow_neg_eigval=False,
-        lower_bound=None):
-    """fla's checks, then flashdelta.forward (whose library validates everything else)."""
+        lower_bound=None, return_intermediate_states=False, cu_seqlens_cpu=None):
+    """fla's checks, then flashdelta.forward (whose library validates everything else).
+    return_intermediate_states: fla's inference mode, (o, final_state, h) with h the state
+    entering every 64-token chunk (flashdelta.forward's output_chunk_states)."""
     check_neg_eigval(allow_neg_eigval, beta_sigmoid)
     gate_in_kernel, A_log, dt_bias, lower_bound = gate_arguments(use_gate_in_kernel, A_log,
                                                                  dt_bias, lower_bound)
+    if return_intermediate_states and is_torch(q):
+        from .._torch_ops import check_no_grad
+        check_no_grad([("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                       ("initial_state", initial_state), ("A_log", A_log),
+                       ("dt_bias", dt_bias)], "return_intermediate_states")
     return _api.forward(q, k, v, g, beta, mechanism=mechanism, scale=scale,
                         initial_state=initial_state, output_final_state=output_final_state,
                         cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
                         allow_neg_eigval=allow_neg_eigval, gate_in_kernel=gate_in_kernel,
                         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                        state_v_first=state_v_first, chunk_size=chunk_size, schedule=schedule)
+                        state_v_first=state_v_first, chunk_size=chunk_size, schedule=schedule,
+                        output_chunk_states=bool(return_intermediate_states),
+                        cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def run_in_time_order(reverse, mechanism, q, k, v, g, *, initial_state, cu_seqlens, **options):

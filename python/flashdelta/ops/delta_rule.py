@@ -24,18 +24,24 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
         output_final_state: also return the final state (float32; float64 for float64 inputs).
         use_qk_l2norm_in_kernel: L2-normalise q and k per head (eps 1e-6).
         cu_seqlens: int64/int32 ``[N + 1]`` offsets of sequences packed along T (B = 1).
-        cu_seqlens_cpu: accepted, no effect.  chunk_size (keyword): 16, 32, 64 or 128.
+        return_intermediate_states (keyword): also return ``h``, the state entering every
+            64-token chunk, as ``chunk_kda`` does (an extension: fla's function has none);
+            ``cu_seqlens_cpu`` only counts its chunks on the host.
+        chunk_size (keyword): 16, 32, 64 or 128.
         float32 inputs are accepted (fla's chunk kernel refuses them).
 
     Returns:
-        (o ``[B, T, HV, V]`` in q's dtype, final_state or None).
+        (o ``[B, T, HV, V]`` in q's dtype, final_state or None), and ``h`` third with
+        ``return_intermediate_states``.
     """
+    intermediate = kwargs.pop("return_intermediate_states", False)
     state_v_first, chunk_size, schedule = extra_options("chunk_delta_rule", kwargs)
     return run("deltanet", q, k, v, None, beta, scale=scale, initial_state=initial_state,
                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                state_v_first=state_v_first, chunk_size=chunk_size,
                schedule=_api.pick_schedule(schedule, "chunk", q),
-               qk_l2norm=use_qk_l2norm_in_kernel)
+               qk_l2norm=use_qk_l2norm_in_kernel, return_intermediate_states=intermediate,
+               cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None,

@@ -30,16 +30,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         output_final_state: also return the final state (float32; float64 for float64 inputs).
         use_qk_l2norm_in_kernel: L2-normalise q and k per head (eps 1e-6).
         cu_seqlens: int64/int32 ``[N + 1]`` offsets of sequences packed along T (B = 1).
-        cu_seqlens_cpu, chunk_indices: accepted, no effect.  cp_context: not supported.
+        return_intermediate_states (keyword): also return ``h``, the state entering every
+            64-token chunk, as ``chunk_kda`` does (an extension: fla's function has none);
+            ``cu_seqlens_cpu`` only counts its chunks on the host.
+        chunk_indices: accepted, no effect.  cp_context: not supported.
         chunk_size (keyword): 16, 32, 64 (default) or 128.
 
     Returns:
-        (o ``[B, T, HV, V]`` in q's dtype, final_state or None).
+        (o ``[B, T, HV, V]`` in q's dtype, final_state or None), and ``h`` third with
+        ``return_intermediate_states``.
     """
     use_gate_in_kernel = kwargs.pop("use_gate_in_kernel", False)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     if use_gate_in_kernel and A_log is None:
         raise ValueError("argument 'A_log': must be provided when use_gate_in_kernel=True")
+    intermediate = kwargs.pop("return_intermediate_states", False)
     state_v_first, chunk_size, schedule = extra_options(
         "chunk_gated_delta_rule", dict(kwargs, cp_context=cp_context), state_v_first)
     return run("gated_deltanet", q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -48,7 +53,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                schedule=_api.pick_schedule(schedule, "chunk", q),
                qk_l2norm=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                A_log=A_log, dt_bias=dt_bias, beta_sigmoid=use_beta_sigmoid_in_kernel,
-               allow_neg_eigval=allow_neg_eigval)
+               allow_neg_eigval=allow_neg_eigval, return_intermediate_states=intermediate,
+               cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,

@@ -22,16 +22,22 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
         output_final_state: also return the final state (float32; float64 for float64 inputs).
         cu_seqlens: int64/int32 ``[N + 1]`` offsets of sequences packed along T (B = 1).
-        cu_seqlens_cpu: accepted, no effect.  chunk_size (keyword): 16, 32, 64 or 128.
+        return_intermediate_states (keyword): also return ``h``, the state entering every
+            64-token chunk, as ``chunk_kda`` does (an extension: fla's function has none);
+            ``cu_seqlens_cpu`` only counts its chunks on the host.
+        chunk_size (keyword): 16, 32, 64 or 128.
 
     Returns:
-        (o ``[B, T, HV, V]`` in q's dtype, final_state or None).
+        (o ``[B, T, HV, V]`` in q's dtype, final_state or None), and ``h`` third with
+        ``return_intermediate_states``.
     """
+    intermediate = kwargs.pop("return_intermediate_states", False)
     state_v_first, chunk_size, schedule = extra_options("chunk_gla", kwargs, state_v_first)
     return run("gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                state_v_first=state_v_first, chunk_size=chunk_size,
-               schedule=_api.pick_schedule(schedule, "chunk", q))
+               schedule=_api.pick_schedule(schedule, "chunk", q),
+               return_intermediate_states=intermediate, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None,

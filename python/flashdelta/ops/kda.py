@@ -36,18 +36,24 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         safe_gate: a speed knob in fla; here it only keeps fla's check that ``lower_bound`` is
             in ``[-5, 0)`` when the gate is computed in the kernel.
         cu_seqlens: int64/int32 ``[N + 1]`` offsets of sequences packed along T (B = 1).
-        disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs: accepted, no effect.
-        cp_context, return_intermediate_states: not supported (NotImplementedError).
+        return_intermediate_states: also return ``h``, the state entering every 64-token
+            chunk (before tokens 0, 64, 128, ... of each sequence), as fla's inference mode:
+            ``[B, NT, HV, K, V]`` (``[B, NT, HV, V, K]`` with ``state_v_first``) in q's
+            dtype, NT = ceil(T / 64), or with ``cu_seqlens`` ``[1, NT, ...]`` with NT the
+            chunks of all sequences. No gradient: inputs must not require grad (fla asks
+            for ``torch.inference_mode()``). With ``cu_seqlens`` the chunks are counted on
+            the host, from ``cu_seqlens_cpu`` when given (its only use here).
+        disable_recompute, use_graph, max_num_seqs: accepted, no effect.
+        cp_context: not supported (NotImplementedError).
         chunk_size (keyword): 16, 32, 64 (default) or 128.
 
     Returns:
-        (o ``[B, T, HV, V]`` in q's dtype, final_state or None).
+        (o ``[B, T, HV, V]`` in q's dtype, final_state or None), and ``h`` third with
+        ``return_intermediate_states``.
     """
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     state_v_first, chunk_size, schedule = extra_options(
-        "chunk_kda", dict(kwargs, cp_context=cp_context,
-                          return_intermediate_states=return_intermediate_states),
-        state_v_first)
+        "chunk_kda", dict(kwargs, cp_context=cp_context), state_v_first)
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
             raise ValueError("argument 'lower_bound': must be set when safe_gate=True and "
@@ -61,7 +67,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                schedule=_api.pick_schedule(schedule, "chunk", q),
                qk_l2norm=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                A_log=A_log, dt_bias=dt_bias, beta_sigmoid=use_beta_sigmoid_in_kernel,
-               allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound)
+               allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound,
+               return_intermediate_states=return_intermediate_states,
+               cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,

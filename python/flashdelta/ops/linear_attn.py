@@ -27,13 +27,17 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
             result is None, as fla documents (fla's code returns ``(None, z_state)``).
         normalize: divide by ``scale * q . z_t + 1e-10`` (default True, as in fla).
         cu_seqlens: int64/int32 ``[N + 1]`` offsets of sequences packed along T (B = 1).
+        return_intermediate_states (keyword): also return ``h``, the kv state entering every
+            64-token chunk, as ``chunk_kda`` does (an extension: fla's function has none).
         chunk_size (keyword): 16, 32, 64 or 128.
 
     Returns:
-        (o ``[B, T, HV, V]`` in q's dtype, final state or None).
+        (o ``[B, T, HV, V]`` in q's dtype, final state or None), and ``h`` third with
+        ``return_intermediate_states``.
     """
+    intermediate = kwargs.pop("return_intermediate_states", False)
     return _linear_attn("chunk_linear_attn", "chunk", q, k, v, scale, initial_state,
-                        output_final_state, normalize, False, cu_seqlens, kwargs)
+                        output_final_state, normalize, False, cu_seqlens, kwargs, intermediate)
 
 
 def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None,
@@ -51,7 +55,7 @@ def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None,
 
 
 def _linear_attn(fn_name, default_schedule, q, k, v, scale, initial_state, output_final_state,
-                 normalize, reverse, cu_seqlens, kwargs):
+                 normalize, reverse, cu_seqlens, kwargs, intermediate=False):
     state_v_first, chunk_size, schedule = extra_options(fn_name, kwargs)
     if isinstance(initial_state, tuple):
         if not normalize:
@@ -63,11 +67,13 @@ def _linear_attn(fn_name, default_schedule, q, k, v, scale, initial_state, outpu
     check_arrays(q=q, k=k, v=v, initial_state=kv_init, z_state=z_init)
     options = dict(scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                    schedule=_api.pick_schedule(schedule, default_schedule, q))
-    o, kv_state = run_in_time_order(reverse, "linear", q, k, v, None, initial_state=kv_init,
-                                    output_final_state=output_final_state,
-                                    state_v_first=state_v_first, **options)
+    # h: the kv states entering each chunk, when asked for (the normaliser's are not returned).
+    o, kv_state, *h = run_in_time_order(reverse, "linear", q, k, v, None, initial_state=kv_init,
+                                        output_final_state=output_final_state,
+                                        state_v_first=state_v_first,
+                                        return_intermediate_states=intermediate, **options)
     if not normalize:
-        return o, kv_state
+        return (o, kv_state, *h)
     # The normaliser scale q_t . z_t is the same recurrence with a one-column value v = 1:
     # its state [N, HV, K, 1] is the running key sum z.
     if z_init is not None:
@@ -80,5 +86,5 @@ def _linear_attn(fn_name, default_schedule, q, k, v, scale, initial_state, outpu
         output_final_state=output_final_state, state_v_first=False, **options)
     o = o / (denominator + 1e-10)
     if not output_final_state:
-        return o, None
-    return o, (kv_state, z_state[:, None, :, :, 0])
+        return (o, None, *h)
+    return (o, (kv_state, z_state[:, None, :, :, 0]), *h)
