@@ -75,27 +75,6 @@ __device__ Task task_of(const RecurrentParams& p, int64_t blk, int64_t blocks) {
   return w;
 }
 
-// Walks the thread's state chunks in shared memory: per run of 4 keys, its staged q, k and
-// decays, then for each of the run's chunks `value(keys, x, u, e, m)` on every element m
-// of the chunk (key u of the run, column e) and `done(c, x)` once chunk c is through.
-template <int KB, bool KeyContig, class S, class ValueFn, class DoneFn>
-__device__ __forceinline__ void for_each_chunk(const RecurrentParams& p, const Shared& sh,
-                                               const Tile<KB, KeyContig>& tile, const S* state,
-                                               ValueFn&& value, DoneFn&& done) {
-#pragma unroll
-  for (int g = 0; g < Tile<KB, KeyContig>::RK / 4; ++g) {
-    const KeyRun4 kr = key_run(p, sh, tile.key(4 * g));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float x[4];
-      read_chunk(state, 4 * g + i, x);
-#pragma unroll
-      for (int m = 0; m < 4; ++m) value(kr, x, KeyContig ? m : i, KeyContig ? i : m, m);
-      done(4 * g + i, x);
-    }
-  }
-}
-
 // Processes one task with its state tile in `state` (this block's shared memory).
 template <int KB, bool KeyContig, class S>
 __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, KeyContig>& tile,
@@ -152,12 +131,22 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, Ke
 
     // Pass 1: decay, then the partial column sums k^T S' and q^T S' over this thread's keys.
     float pred[4] = {0.f, 0.f, 0.f, 0.f}, out[4] = {0.f, 0.f, 0.f, 0.f};
-    for_each_chunk<KB, KeyContig>(
-        p, sh, tile, state, [&](const KeyRun4& kr, const float (&x)[4], int u, int e, int m) {
-      const float xd = x[m] * kr.d[u];
-      pred[e] = fmaf(kr.k[u], xd, pred[e]);
-      out[e] = fmaf(kr.q[u], xd, out[e]);
-    }, [](int, float (&)[4]) {});
+#pragma unroll
+    for (int g = 0; g < T::RK / 4; ++g) {
+      const KeyRun4 kr = key_run(p, sh, tile.key(4 * g));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float x[4];
+        read_chunk(state, 4 * g + i, x);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int u = KeyContig ? m : i, e = KeyContig ? i : m;  // key u of the run, column e
+          const float xd = x[m] * kr.d[u];
+          pred[e] = fmaf(kr.k[u], xd, pred[e]);
+          out[e] = fmaf(kr.q[u], xd, out[e]);
+        }
+      }
+    }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       pred[e] = lane_sum<T::kKeyLaneFirst, T::kKeyLaneLast>(pred[e]) * k_mul;
@@ -181,13 +170,22 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, Ke
     const int64_t slot = slot_after(p, n, t, seq.len, w.start);
     S* const dst = slot >= 0 ? tile_base<S>(p.state_out, slot, hv) : nullptr;
     const bool more = t + 1 < seq.len;
-    for_each_chunk<KB, KeyContig>(
-        p, sh, tile, state, [&](const KeyRun4& kr, float (&x)[4], int u, int e, int m) {
-      x[m] = fmaf(kr.k[u] * k_mul, r_col[e], x[m] * kr.d[u]);
-    }, [&](int c, float (&x)[4]) {
-      if (more) write_chunk(state, c, x);
-      if (dst) store_chunk<KB, KeyContig, S>(p, p.state_out, dst, tile, j0, c, x);
-    });
+#pragma unroll
+    for (int g = 0; g < T::RK / 4; ++g) {
+      const KeyRun4 kr = key_run(p, sh, tile.key(4 * g));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float x[4];
+        read_chunk(state, 4 * g + i, x);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int u = KeyContig ? m : i, e = KeyContig ? i : m;
+          x[m] = fmaf(kr.k[u] * k_mul, r_col[e], x[m] * kr.d[u]);
+        }
+        if (more) write_chunk(state, 4 * g + i, x);
+        if (dst) store_chunk<KB, KeyContig, S>(p, p.state_out, dst, tile, j0, 4 * g + i, x);
+      }
+    }
     if (more) __syncthreads();  // shared staging is rewritten next token
   }
   if (!p.serving && seq.len == 0 && p.state_out.data) {  // empty sequence: state passes through
