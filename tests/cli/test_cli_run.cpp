@@ -3,6 +3,8 @@
 // the built-in check with no arguments.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "cli_harness.h"
 
 namespace flashdelta::testing {
@@ -13,6 +15,7 @@ struct RunCase {
   CaseConfig cfg;
   Schedule schedule = Schedule::chunk;
   std::vector<std::string> extra_flags;  // execution settings: chunk size, threads, device
+  bool chunk_states = false;             // --chunk-states: the file also holds chunk_states
 };
 
 // gtest prints a failing parameter with this, instead of its bytes.
@@ -23,6 +26,8 @@ std::vector<RunCase> run_cases() {
   auto add = [&](std::string name, Schedule schedule, std::vector<std::string> extra,
                  auto&& configure) {
     RunCase rc{std::move(name), CaseConfig{}, schedule, std::move(extra)};
+    rc.chunk_states = std::find(rc.extra_flags.begin(), rc.extra_flags.end(),
+                                "--chunk-states") != rc.extra_flags.end();
     rc.cfg.T = 29;
     rc.cfg.seed = 1000 + cases.size();
     configure(rc.cfg);
@@ -49,6 +54,23 @@ std::vector<RunCase> run_cases() {
     c.seqlens = {5, 0, 19, 1};
     c.T = 25;
   });
+  add("kda_f32_chunk16_varlen_chunk_states", Schedule::chunk,
+      {"--chunk-size", "16", "--chunk-states"}, [](CaseConfig& c) {
+        c.mechanism = Mechanism::kda;
+        c.seqlens = {130, 0, 64, 1, 65};
+        c.T = 260;
+        c.K = 16;
+        c.V = 24;
+      });
+  add("gated_deltanet_f32_recurrent_chunk_states_v_first", Schedule::recurrent,
+      {"--chunk-states"}, [](CaseConfig& c) {
+        c.mechanism = Mechanism::gated_deltanet;
+        c.layout = StateLayout::v_first;
+        c.B = 2;
+        c.T = 129;
+        c.K = 16;
+        c.V = 8;
+      });
   add("gla_f32_recurrent_lower_bound_with_A_log", Schedule::recurrent, {}, [](CaseConfig& c) {
     c.mechanism = Mechanism::gla;
     c.gate_in_kernel = true;
@@ -131,10 +153,13 @@ TEST_P(RunFile, MatchesTheReference) {
 
   HostTensor o_ref = c.make_output(DType::f64);
   HostTensor state_ref = c.make_state();
-  forward(c.args(o_ref, &state_ref), c.options, Schedule::reference);
+  HostTensor chunk_states_ref = c.make_chunk_states(DType::f64);
+  ForwardArgs ref_args = c.args(o_ref, &state_ref);
+  if (rc.chunk_states) ref_args.chunk_states = chunk_states_ref.view;
+  forward(ref_args, c.options, Schedule::reference);
 
   io::TensorMap out = io::read_safetensors(path("out.safetensors").string());
-  ASSERT_EQ(out.size(), 2u);
+  ASSERT_EQ(out.size(), rc.chunk_states ? 3u : 2u);
   ASSERT_EQ(out.count("o"), 1u);
   ASSERT_EQ(out.count("final_state"), 1u);
   io::OwnedTensor& o = out.at("o");
@@ -151,6 +176,16 @@ TEST_P(RunFile, MatchesTheReference) {
                         << dtype_name(rc.cfg.dtype) << ")";
   EXPECT_LE(err_state, tol) << "final_state: relative error " << err_state << ", tolerance " << tol
                             << " (" << dtype_name(rc.cfg.dtype) << ")";
+  if (rc.chunk_states) {
+    ASSERT_EQ(out.count("chunk_states"), 1u);
+    io::OwnedTensor& chunk_states = out.at("chunk_states");
+    EXPECT_EQ(chunk_states.dtype, DType::f32);
+    std::vector<int64_t> shape = c.state_shape();
+    shape[0] = c.chunk_count();
+    EXPECT_EQ(chunk_states.shape, shape);
+    const double err = rel_error(to_double(chunk_states), chunk_states_ref.to_double());
+    EXPECT_LE(err, tol) << "chunk_states: relative error " << err << ", tolerance " << tol;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cli, RunFile, ::testing::ValuesIn(run_cases()),

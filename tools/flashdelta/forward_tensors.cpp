@@ -49,7 +49,33 @@ void check_input_names(const io::TensorMap& inputs, const std::string& origin) {
                                                " (the inputs are named " + expected + ")");
 }
 
-ForwardOutputs make_forward_outputs(const io::TensorMap& inputs, StateLayout layout) {
+namespace {
+
+// Entries of ForwardArgs::chunk_states for these inputs: ceil(L / 64) per sequence, with the
+// lengths from cu_seqlens when present (clamped like the library's own reading; a malformed
+// table is the library's to report).
+int64_t chunk_state_entries(const io::OwnedTensor& q, const io::OwnedTensor* cu_seqlens) {
+  const auto entries = [](int64_t len) {
+    return len > 0 ? (len + kChunkStateTokens - 1) / kChunkStateTokens : 0;
+  };
+  if (!cu_seqlens) return q.shape[0] * entries(q.shape[1]);
+  const int64_t n = cu_seqlens->numel();
+  const auto at = [&](int64_t i) -> int64_t {
+    if (cu_seqlens->dtype == DType::i64)
+      return reinterpret_cast<const int64_t*>(cu_seqlens->bytes.data())[i];
+    if (cu_seqlens->dtype == DType::i32)
+      return reinterpret_cast<const int32_t*>(cu_seqlens->bytes.data())[i];
+    return 0;
+  };
+  int64_t total = 0;
+  for (int64_t i = 0; i + 1 < n; ++i) total += entries(at(i + 1) - at(i));
+  return total;
+}
+
+}  // namespace
+
+ForwardOutputs make_forward_outputs(const io::TensorMap& inputs, StateLayout layout,
+                                    bool chunk_states) {
   ForwardOutputs out;
   const io::OwnedTensor* q = find(inputs, "q");
   const io::OwnedTensor* v = find(inputs, "v");
@@ -61,9 +87,13 @@ ForwardOutputs make_forward_outputs(const io::TensorMap& inputs, StateLayout lay
   const int64_t N = cu_seqlens ? cu_seqlens->shape[0] - 1 : q->shape[0];
   const int64_t HV = v->shape[2], K = q->shape[3], V = v->shape[3];
   if (N < 0) return out;
-  out.final_state = io::OwnedTensor(DType::f32, layout == StateLayout::k_first
-                                                    ? std::vector<int64_t>{N, HV, K, V}
-                                                    : std::vector<int64_t>{N, HV, V, K});
+  const auto state_shape = [&](int64_t count) {
+    return layout == StateLayout::k_first ? std::vector<int64_t>{count, HV, K, V}
+                                          : std::vector<int64_t>{count, HV, V, K};
+  };
+  out.final_state = io::OwnedTensor(DType::f32, state_shape(N));
+  if (chunk_states)
+    out.chunk_states = io::OwnedTensor(DType::f32, state_shape(chunk_state_entries(*q, cu_seqlens)));
   return out;
 }
 
@@ -84,6 +114,7 @@ ForwardArgs make_forward_args(io::TensorMap& inputs, ForwardOutputs& outputs) {
   a.dt_bias = input("dt_bias");
   if (outputs.o) a.o = outputs.o->view();
   if (outputs.final_state) a.final_state = outputs.final_state->view();
+  if (outputs.chunk_states) a.chunk_states = outputs.chunk_states->view();
   return a;
 }
 

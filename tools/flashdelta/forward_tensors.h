@@ -22,14 +22,18 @@ std::string describe(const io::OwnedTensor& t);
 // would otherwise silently become an absent argument.
 void check_input_names(const io::TensorMap& inputs, const std::string& origin);
 
-// o [B, T, HV, V] in the dtype of v, final_state float32 [N, HV, K, V] or [N, HV, V, K].
+// o [B, T, HV, V] in the dtype of v, final_state float32 [N, HV, K, V] or [N, HV, V, K],
+// and with `chunk_states` the float32 states before every 64th token of each sequence
+// (ForwardArgs::chunk_states: [C, HV, K, V] or [C, HV, V, K], C = sum ceil(L_n / 64)).
 // An output stays empty when the inputs it is sized from are missing or of the wrong rank;
 // the library then reports the bad input, which it checks before the outputs.
 struct ForwardOutputs {
   std::optional<io::OwnedTensor> o;
   std::optional<io::OwnedTensor> final_state;
+  std::optional<io::OwnedTensor> chunk_states;
 };
-ForwardOutputs make_forward_outputs(const io::TensorMap& inputs, StateLayout layout);
+ForwardOutputs make_forward_outputs(const io::TensorMap& inputs, StateLayout layout,
+                                    bool chunk_states = false);
 
 // Host views of the inputs and outputs (forward_on runs them on either device).
 ForwardArgs make_forward_args(io::TensorMap& inputs, ForwardOutputs& outputs);

@@ -1,6 +1,7 @@
 #include "run_command.h"
 
 #include <cstdio>
+#include <string>
 
 #include "flashdelta/flashdelta.h"
 #include "flashdelta/safetensors.h"
@@ -60,22 +61,24 @@ void run_file(const RunFlags& f) {
 
   io::TensorMap inputs = io::read_safetensors(f.in);
   check_input_names(inputs, f.in);
-  ForwardOutputs outputs = make_forward_outputs(inputs, options.state_layout);
+  ForwardOutputs outputs = make_forward_outputs(inputs, options.state_layout, f.chunk_states);
   const double elapsed =
       forward_on(device, make_forward_args(inputs, outputs), options, schedule);
 
-  // The library accepted the inputs, so both outputs were sized from them.
-  if (!outputs.o || !outputs.final_state)
+  // The library accepted the inputs, so the outputs were sized from them.
+  if (!outputs.o || !outputs.final_state || (f.chunk_states && !outputs.chunk_states))
     throw Error(ErrorCode::runtime, "internal: forward succeeded without sized outputs");
   io::TensorMap result;
   result.emplace("o", std::move(*outputs.o));
   result.emplace("final_state", std::move(*outputs.final_state));
+  if (outputs.chunk_states) result.emplace("chunk_states", std::move(*outputs.chunk_states));
   // Only now, and atomically: a failed run leaves an existing --out untouched.
   io::write_safetensors(f.out, result);
-  std::printf("%s %s on %s: %.3f ms; wrote o %s, final_state %s to %s\n",
-              mechanism_name(options.mechanism), schedule_name(schedule), f.device.c_str(),
-              elapsed * 1e3,
-              describe(result.at("o")).c_str(), describe(result.at("final_state")).c_str(),
+  std::string wrote;
+  for (const auto& [name, tensor] : result)
+    wrote += (wrote.empty() ? "" : ", ") + name + " " + describe(tensor);
+  std::printf("%s %s on %s: %.3f ms; wrote %s to %s\n", mechanism_name(options.mechanism),
+              schedule_name(schedule), f.device.c_str(), elapsed * 1e3, wrote.c_str(),
               f.out.c_str());
 }
 
@@ -93,7 +96,8 @@ CLI::App* add_run_command(CLI::App& app, RunFlags& f) {
         f.from_file = true;
       },
       "Input tensors: q k v, and as needed g beta initial_state cu_seqlens A_log dt_bias");
-  CLI::Option* out = cmd->add_option("--out", f.out, "Output: o (dtype of v), final_state (F32)");
+  CLI::Option* out = cmd->add_option(
+      "--out", f.out, "Output: o (dtype of v), final_state (F32), chunk_states (F32, if asked)");
   CLI::Option* mechanism = cmd->add_option("--mechanism", f.mechanism, "The recurrence to run")
                                ->check(library_spelling(parse_mechanism, mechanism_choices()));
   in->needs(out);
@@ -123,6 +127,9 @@ CLI::App* add_run_command(CLI::App& app, RunFlags& f) {
           "--lower-bound", [&f](double x) { f.lower_bound = x; },
           "With --gate-in-kernel: g = lb sigmoid(...), lb in [-5, 0)"),
       cmd->add_flag("--state-v-first", f.state_v_first, "States are [N, HV, V, K]"),
+      cmd->add_flag("--chunk-states", f.chunk_states,
+                    "Also write chunk_states: the state before every 64th token of each "
+                    "sequence, [C, HV, K, V] (fla's return_intermediate_states)"),
   };
   for (CLI::Option* o : with_in) o->needs(in);
   cmd->add_option("--chunk-size", f.chunk_size, "Tokens per chunk: 16, 32, 64 or 128")

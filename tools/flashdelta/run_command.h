@@ -19,6 +19,7 @@ struct RunFlags {
   std::optional<double> scale, lower_bound;
   bool qk_l2norm = false, beta_sigmoid = false, allow_neg_eigval = false;
   bool gate_in_kernel = false, state_v_first = false;
+  bool chunk_states = false;  // also write the states before every 64th token
   int chunk_size = flashdelta::Options{}.chunk_size;
   int threads = 0;
 };
