@@ -6,7 +6,9 @@
 // state, every chunk size and both orders of the chunk schedule, every output dtype.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "test_util.h"
@@ -151,16 +153,28 @@ TEST(ChunkStates, RecurrentScheduleMatchesReference) {
 }
 
 // Chunk sizes 16 and 32 record at every 4th and 2nd chunk start, 128 runs 64-token chunks;
-// one thread takes the fused order, eight the phased one (fewer items than threads).
+// one or two threads take the fused order (except on the one-item shape), sixteen the
+// phased one (fewer items than threads) on every shape, varlen included.
 TEST(ChunkStates, ChunkScheduleMatchesReference) {
   uint64_t seed = 500;
   for (const Mechanism m : kAllMechanisms)
     for (const CaseConfig& cfg : shapes(m, seed += 3))
       for (const int chunk : {16, 32, 64, 128})
-        for (const int threads : {1, 8})
+        for (const int threads : {1, 2, 16})
           expect_matches_reference(make_case(cfg),
                                    {.chunk_size = chunk, .num_threads = threads},
                                    tolerance(DType::f32));
+}
+
+// The phased order over several windows of chunks (a window holds 8 per thread): with two
+// threads and 16-token chunks a 300-token sequence takes two windows, recorded entries
+// falling in both.
+TEST(ChunkStates, PhasedOrderAcrossWindows) {
+  uint64_t seed = 550;
+  for (const Mechanism m : kAllMechanisms)
+    expect_matches_reference(make_case({.mechanism = m, .B = 1, .T = 300, .H = 1, .HV = 1,
+                                        .K = 8, .V = 8, .seed = seed++}),
+                             {.chunk_size = 16, .num_threads = 2}, tolerance(DType::f32));
 }
 
 TEST(ChunkStates, EveryOutputDtype) {
@@ -189,6 +203,75 @@ TEST(ChunkStates, EmptyBatchesHaveNoEntries) {
       EXPECT_TRUE(got.chunks.empty());
       EXPECT_EQ(got.state, ref.state) << "states pass through, " << schedule_name(schedule);
     }
+  }
+}
+
+// Chunk states in a view whose rows (the last dimension) are `pad` elements apart beyond
+// their length, starting `offset` elements into its buffer: the view's elements in shape
+// order, and whether every buffer element outside it kept its value.
+struct StridedRun {
+  std::vector<double> entries;
+  bool outside_untouched = true;
+};
+
+StridedRun run_strided(const Case& c, Schedule schedule, DType dtype, int64_t pad,
+                       int64_t offset) {
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  std::vector<int64_t> shape = c.state_shape();
+  shape[0] = c.chunk_count();
+  const std::array<int64_t, 4> stride = {shape[1] * shape[2] * (shape[3] + pad),
+                                         shape[2] * (shape[3] + pad), shape[3] + pad, 1};
+  int64_t span = 1;
+  for (int i = 0; i < 4; ++i) span += (shape[i] - 1) * stride[i];
+  HostTensor buffer(dtype, {offset + span});
+  std::vector<double> marks(static_cast<size_t>(offset + span));
+  for (size_t i = 0; i < marks.size(); ++i) marks[i] = 1000.0 + static_cast<double>(i % 512);
+  buffer.set(marks);
+  const std::vector<double> before = buffer.to_double();
+  ForwardArgs a = c.args(o, &s);
+  a.chunk_states = buffer.view;
+  a.chunk_states.data = detail::element_address(buffer.view, offset);
+  for (int i = 0; i < 4; ++i) {
+    a.chunk_states.shape[i] = shape[i];
+    a.chunk_states.stride[i] = stride[i];
+  }
+  a.chunk_states.rank = 4;
+  forward(a, c.options, schedule);
+  const std::vector<double> after = buffer.to_double();
+  StridedRun out;
+  std::vector<bool> inside(after.size(), false);
+  for (int64_t e = 0; e < shape[0]; ++e)
+    for (int64_t h = 0; h < shape[1]; ++h)
+      for (int64_t i = 0; i < shape[2]; ++i)
+        for (int64_t j = 0; j < shape[3]; ++j) {
+          const auto at = static_cast<size_t>(offset + e * stride[0] + h * stride[1] +
+                                              i * stride[2] + j);
+          out.entries.push_back(after[at]);
+          inside[at] = true;
+        }
+  for (size_t i = 0; i < after.size(); ++i)
+    if (!inside[i] && after[i] != before[i]) out.outside_untouched = false;
+  return out;
+}
+
+// Strided and offset views (the state tile stores of the recurrent schedule have paths for
+// dense keys and dense values): the same entries, nothing written outside the view.
+TEST(ChunkStates, StridedViews) {
+  uint64_t seed = 650;
+  for (const StateLayout layout : {StateLayout::k_first, StateLayout::v_first}) {
+    const Case c = make_case({.mechanism = Mechanism::kda, .B = 2, .T = 150, .H = 1, .HV = 2,
+                              .K = 16, .V = 24, .layout = layout, .seed = seed++});
+    const Outputs ref = run_reference(c);
+    for (const Schedule schedule : {Schedule::reference, Schedule::recurrent, Schedule::chunk})
+      for (const DType dtype : {DType::f32, DType::bf16})
+        for (const auto& [pad, offset] : {std::pair{0, 1}, std::pair{1, 0}, std::pair{3, 2}}) {
+          const StridedRun got = run_strided(c, schedule, dtype, pad, offset);
+          const std::string what = describe(c, {.schedule = schedule, .chunk_dtype = dtype}) +
+                                   " pad " + std::to_string(pad) + " offset " +
+                                   std::to_string(offset);
+          EXPECT_LE(rel_error(got.entries, ref.chunks), tolerance(dtype)) << what;
+          EXPECT_TRUE(got.outside_untouched) << what << ": written outside the view";
+        }
   }
 }
 

@@ -322,20 +322,131 @@ TEST(CudaChunkStates, OutputsUnchangedByRecording) {
   EXPECT_EQ(with.state, s.to_double());
 }
 
+// A forward on the device (the other outputs discarded) whose chunk_states is `view` (shape,
+// strides, dtype) placed `offset` elements into a device buffer of `elements` elements that
+// starts out holding distinct marks: the buffer before and after the call.
+struct BufferRun {
+  std::vector<double> before, after;
+};
+
+BufferRun run_into_buffer(const Case& c, TensorView view, int64_t offset, int64_t elements) {
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  cli::DeviceForward d(c.args(o, &s));
+  HostTensor buffer(view.dtype, {elements});
+  std::vector<double> marks(static_cast<size_t>(elements));
+  for (size_t i = 0; i < marks.size(); ++i) marks[i] = 1000.0 + static_cast<double>(i % 512);
+  buffer.set(marks);
+  BufferRun run{buffer.to_double(), {}};
+  const size_t bytes = buffer.bytes.size();
+  char* base = static_cast<char*>(d.mirror.allocate(bytes));
+  cli::check_cuda(cudaMemcpy(base, buffer.bytes.data(), bytes, cudaMemcpyHostToDevice), "upload");
+  view.data = base + static_cast<size_t>(offset * dtype_size(view.dtype));
+  view.device = Device::cuda;
+  d.args.chunk_states = view;
+  forward(d.args, c.options, kChunk);
+  cli::check_cuda(cudaDeviceSynchronize(), "forward");
+  cli::check_cuda(cudaMemcpy(buffer.bytes.data(), base, bytes, cudaMemcpyDeviceToHost), "download");
+  run.after = buffer.to_double();
+  return run;
+}
+
+// The chunk states in a view of `dtype` whose rows (the last dimension) are `pad` elements
+// apart beyond their length, starting `offset` elements into its buffer: the view's
+// elements in shape order, and whether every buffer element outside it kept its value.
+struct StridedStates {
+  std::vector<double> entries;
+  bool outside_untouched = true;
+};
+
+StridedStates run_strided_chunk_states(const Case& c, DType dtype, int64_t pad, int64_t offset) {
+  std::vector<int64_t> shape = c.state_shape();
+  shape[0] = c.chunk_count();
+  TensorView v;
+  v.dtype = dtype;
+  v.rank = 4;
+  for (int i = 0; i < 4; ++i) v.shape[i] = shape[i];
+  const int64_t row = shape[3] + pad;
+  v.stride = {shape[1] * shape[2] * row, shape[2] * row, row, 1};
+  int64_t span = 1;
+  for (int i = 0; i < 4; ++i) span += (shape[i] - 1) * v.stride[i];
+  const BufferRun run = run_into_buffer(c, v, offset, offset + span);
+
+  StridedStates out;
+  std::vector<bool> inside(run.after.size(), false);
+  for (int64_t a = 0; a < shape[0]; ++a)
+    for (int64_t b = 0; b < shape[1]; ++b)
+      for (int64_t i = 0; i < shape[2]; ++i)
+        for (int64_t j = 0; j < shape[3]; ++j) {
+          const size_t at = static_cast<size_t>(offset + a * v.stride[0] + b * v.stride[1] +
+                                                i * v.stride[2] + j);
+          out.entries.push_back(run.after[at]);
+          inside[at] = true;
+        }
+  for (size_t i = 0; i < run.after.size(); ++i)
+    if (!inside[i] && run.after[i] != run.before[i]) out.outside_untouched = false;
+  return out;
+}
+
+// Every way the state kernel stores an entry, in every dtype: key pairs as one vector store
+// (V-first, dense rows, the pair's alignment), single elements (K-first; V-first rows an odd
+// number of elements apart, or a view one element off the pair's alignment), and the checked
+// stores of a slice partly past V (V = 40: the third warp's 16 columns hold 8). Nothing
+// outside the view is written.
+TEST(CudaChunkStates, EveryStorePathAndDtype) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 5800;
+  for (const StateLayout layout : {StateLayout::k_first, StateLayout::v_first}) {
+    const Case c = make_case({.mechanism = Mechanism::kda, .B = 2, .T = 150, .H = 1, .HV = 2,
+                              .K = 64, .V = 40, .dtype = DType::bf16, .layout = layout,
+                              .seed = seed++});
+    const ChunkStatesRun ref = run_with_chunk_states(c, DType::f64, Schedule::reference);
+    struct View {
+      int64_t pad, offset;
+    };
+    for (const DType dtype : {DType::f32, DType::bf16, DType::f16, DType::f64})
+      for (const View view : {View{0, 0}, View{1, 0}, View{0, 1}}) {
+        const StridedStates got = run_strided_chunk_states(c, dtype, view.pad, view.offset);
+        const std::string what = describe(c.cfg) + " " + dtype_name(dtype) + " pad " +
+                                 std::to_string(view.pad) + " offset " +
+                                 std::to_string(view.offset);
+        EXPECT_LT(rel_error(got.entries, ref.chunks), 1e-2) << what;
+        EXPECT_TRUE(got.outside_untouched) << what << ": written outside the view";
+      }
+  }
+}
+
+// No entries (T = 0, or only empty sequences): a zero-length chunk_states is accepted and
+// the final states still pass through.
+TEST(CudaChunkStates, NoEntries) {
+  FLASHDELTA_REQUIRE_GPU();
+  for (const CaseConfig& cfg : {CaseConfig{.B = 2, .T = 0, .K = 64, .V = 64},
+                                CaseConfig{.T = 0, .K = 64, .V = 64, .seqlens = {0, 0, 0}}}) {
+    const Case c = make_case(cfg);
+    ASSERT_EQ(c.chunk_count(), 0);
+    const ChunkStatesRun ref = run_with_chunk_states(c, DType::f64, Schedule::reference);
+    const ChunkStatesRun gpu = run_with_chunk_states(c, DType::f32, kChunk);
+    EXPECT_TRUE(gpu.chunks.empty());
+    EXPECT_EQ(gpu.state, ref.state) << describe(cfg);
+  }
+}
+
 // A malformed device table (overlapping sequences) promises more chunks than C: the entries
-// past C are not written (run it under compute-sanitizer); results are unspecified.
+// past C are not written. C = 10 entries lie at the start of a buffer of 17 (T / 64 + N,
+// the most a device table can promise), and the 7 past them must keep their values;
+// results are otherwise unspecified (run it under compute-sanitizer too).
 TEST(CudaChunkStates, MalformedDeviceOffsetsStayInBounds) {
   FLASHDELTA_REQUIRE_GPU();
   Case c = make_case({.T = 640, .H = 1, .HV = 2, .K = 64, .V = 64,
                       .seqlens = {91, 91, 91, 91, 91, 91, 94}});
   const int64_t overlapping[8] = {0, 640, 0, 640, 0, 640, 0, 640};
+  ASSERT_EQ(c.cu_seqlens.view.dtype, DType::i64);
   std::memcpy(c.cu_seqlens.bytes.data(), overlapping, sizeof overlapping);
-  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  const int64_t entry = 2 * 64 * 64;
   HostTensor h(DType::f32, {10, 2, 64, 64});  // C = 10: the least a device table allows
-  ForwardArgs a = c.args(o, &s);
-  a.chunk_states = h.view;
-  forward_on_device(a, c.options, kChunk);
+  const BufferRun run = run_into_buffer(c, h.view, 0, 17 * entry);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  for (auto i = static_cast<size_t>(10 * entry); i < run.after.size(); ++i)
+    ASSERT_EQ(run.after[i], run.before[i]) << "element " << i << " past C written";
 }
 
 // The CUDA recurrent kernel records no chunk states: refused before anything runs (no GPU

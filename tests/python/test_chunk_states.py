@@ -184,3 +184,18 @@ def test_opcheck_and_compile():
         compiled = torch.compile(step, fullgraph=True, backend="eager")(*inputs)
         eager = step(*inputs)
     assert all(torch.equal(x, y) for x, y in zip(compiled, eager))
+
+
+def test_chunk_kda_refuses_fla_32_token_h():
+    """fla's chunk_kda(chunk_size=32) returns h per 32 tokens (NT = ceil(T / 32)); FlashDelta
+    records h per 64 tokens whatever chunk_size (a CPU schedule knob here) says, so that call
+    is refused by name rather than answered with an h of another shape. 16 and 128, which fla
+    refuses, keep their FlashDelta meaning (test_schedules_and_reference)."""
+    a = make_inputs("kda", B=1, T=70)
+    args = (a["q"], a["k"], a["v"], a["g"], a["beta"])
+    with torch.inference_mode():
+        with pytest.raises(NotImplementedError, match="'chunk_size'.*32.*64"):
+            flashdelta.chunk_kda(*args, chunk_size=32, return_intermediate_states=True)
+        o, _ = flashdelta.chunk_kda(*args, chunk_size=32)  # without h, 32 is a schedule knob
+        *_, h = flashdelta.chunk_kda(*args, chunk_size=64, return_intermediate_states=True)
+    assert tuple(h.shape) == (1, 2, 4, 16, 12)

@@ -42,7 +42,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             dtype, NT = ceil(T / 64), or with ``cu_seqlens`` ``[1, NT, ...]`` with NT the
             chunks of all sequences. No gradient: inputs must not require grad (fla asks
             for ``torch.inference_mode()``). With ``cu_seqlens`` the chunks are counted on
-            the host, from ``cu_seqlens_cpu`` when given (its only use here).
+            the host, from ``cu_seqlens_cpu`` when given (its only use here). Not with
+            ``chunk_size=32``, for which fla's ``h`` holds a state per 32 tokens.
         disable_recompute, use_graph, max_num_seqs: accepted, no effect.
         cp_context: not supported (NotImplementedError).
         chunk_size (keyword): 16, 32, 64 (default) or 128.
@@ -61,6 +62,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         if not -5 <= lower_bound < 0:
             raise ValueError(f"argument 'lower_bound': must be in the safe range [-5, 0), got "
                              f"{lower_bound}")
+    if return_intermediate_states and chunk_size == 32:
+        # fla's h then holds a state per 32 tokens; ours is per 64 whatever chunk_size says.
+        raise NotImplementedError("argument 'chunk_size': fla's chunk_kda(chunk_size=32) "
+                                  "returns h per 32 tokens; FlashDelta records h per 64 "
+                                  "tokens; pass chunk_size=64 (or leave it out)")
     return run("kda", q, k, v, g, beta, scale=scale, initial_state=initial_state,
                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                state_v_first=state_v_first, chunk_size=chunk_size,
