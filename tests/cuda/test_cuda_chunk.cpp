@@ -122,16 +122,23 @@ TEST(CudaChunk, OneSidedBlockDecayAndResetGates) {
           kChunk);
 }
 
+// Seven sequences whose device-resident cu_seqlens overlap (0, 640, 0, 640, ...): the host
+// cannot check them, and together they promise more chunks than T holds.
+Case malformed_offsets_case() {
+  Case c = make_case({.T = 640, .H = 1, .HV = 2, .K = 64, .V = 64,
+                      .seqlens = {91, 91, 91, 91, 91, 91, 94}});
+  const int64_t overlapping[8] = {0, 640, 0, 640, 0, 640, 0, 640};
+  EXPECT_EQ(c.cu_seqlens.view.dtype, DType::i64);
+  std::memcpy(c.cu_seqlens.bytes.data(), overlapping, sizeof overlapping);
+  return c;
+}
+
 // A device-resident cu_seqlens the host cannot check: overlapping sequences promise more
 // chunks than the workspace holds. The call must stay inside its memory (run it under
 // compute-sanitizer) and finish; its results are unspecified.
 TEST(CudaChunk, MalformedDeviceOffsetsStayInBounds) {
   FLASHDELTA_REQUIRE_GPU();
-  Case c = make_case({.T = 640, .H = 1, .HV = 2, .K = 64, .V = 64,
-                      .seqlens = {91, 91, 91, 91, 91, 91, 94}});
-  const int64_t overlapping[8] = {0, 640, 0, 640, 0, 640, 0, 640};
-  ASSERT_EQ(c.cu_seqlens.view.dtype, DType::i64);
-  std::memcpy(c.cu_seqlens.bytes.data(), overlapping, sizeof overlapping);
+  Case c = malformed_offsets_case();
   HostTensor o = c.make_output(DType::f32), s = c.make_state();
   forward_on_device(c.args(o, &s), c.options, kChunk);  // synchronises: faults surface here
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
@@ -436,11 +443,7 @@ TEST(CudaChunkStates, NoEntries) {
 // results are otherwise unspecified (run it under compute-sanitizer too).
 TEST(CudaChunkStates, MalformedDeviceOffsetsStayInBounds) {
   FLASHDELTA_REQUIRE_GPU();
-  Case c = make_case({.T = 640, .H = 1, .HV = 2, .K = 64, .V = 64,
-                      .seqlens = {91, 91, 91, 91, 91, 91, 94}});
-  const int64_t overlapping[8] = {0, 640, 0, 640, 0, 640, 0, 640};
-  ASSERT_EQ(c.cu_seqlens.view.dtype, DType::i64);
-  std::memcpy(c.cu_seqlens.bytes.data(), overlapping, sizeof overlapping);
+  Case c = malformed_offsets_case();
   const int64_t entry = 2 * 64 * 64;
   HostTensor h(DType::f32, {10, 2, 64, 64});  // C = 10: the least a device table allows
   const BufferRun run = run_into_buffer(c, h.view, 0, 17 * entry);
