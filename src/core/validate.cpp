@@ -114,10 +114,12 @@ bool same_view(const TensorView& a, const TensorView& b) {
          a.stride == b.stride;
 }
 
+// `in` may be an input or another output (chunk_states against o, say): the message says which
+// two tensors, not which kind.
 void check_no_overlap(const TensorView& out, const char* out_name, const TensorView& in,
                       const char* in_name) {
   if (overlaps(out, in))
-    fail(arg(out_name) + "output memory overlaps input '" + in_name + "'");
+    fail(arg(out_name) + "output memory overlaps '" + in_name + "'");
 }
 
 // Checks the per-token inputs shared by forward, decode and backward, and fills the sizes,
