@@ -111,10 +111,9 @@ struct Case {
 
   // ForwardArgs::chunk_states: ceil(L / 64) entries per sequence of L tokens, in order.
   int64_t chunk_count() const {
-    auto count = [](int64_t len) { return (len + kChunkStateTokens - 1) / kChunkStateTokens; };
-    if (cfg.seqlens.empty()) return cfg.B * count(cfg.T);
+    if (cfg.seqlens.empty()) return cfg.B * chunk_state_count(cfg.T);
     int64_t total = 0;
-    for (int64_t len : cfg.seqlens) total += count(len);
+    for (int64_t len : cfg.seqlens) total += chunk_state_count(len);
     return total;
   }
   HostTensor make_chunk_states(DType dtype) const {

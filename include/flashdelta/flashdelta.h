@@ -46,6 +46,12 @@ namespace flashdelta {
 // whatever schedule or Options::chunk_size runs the forward.
 inline constexpr int64_t kChunkStateTokens = 64;
 
+// Entries of ForwardArgs::chunk_states that a sequence of `len` tokens records: one per
+// chunk it starts (none when empty).
+inline constexpr int64_t chunk_state_count(int64_t len) {
+  return len > 0 ? (len + kChunkStateTokens - 1) / kChunkStateTokens : 0;
+}
+
 struct ForwardArgs {
   TensorView q, k, v;
   TensorView g;              // required for gated mechanisms, absent otherwise

@@ -10,11 +10,6 @@
 
 namespace flashdelta::detail {
 
-// Entries a sequence of `len` tokens records: one per chunk it starts.
-inline int64_t chunk_state_count(int64_t len) {
-  return len > 0 ? (len + kChunkStateTokens - 1) / kChunkStateTokens : 0;
-}
-
 class ChunkStateEntries {
  public:
   // From the host sequence table (p.seqs).

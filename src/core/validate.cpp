@@ -350,7 +350,7 @@ void check_chunk_states(const Problem& p, const ForwardArgs& a) {
   } else {
     // Device-resident cu_seqlens are not read: C is only known to lie between the chunks
     // of T tokens in one sequence and one more partial chunk per non-empty sequence.
-    const int64_t lo = (p.T + kChunkStateTokens - 1) / kChunkStateTokens;
+    const int64_t lo = chunk_state_count(p.T);
     const int64_t hi = p.T / kChunkStateTokens + std::min(p.N, p.T);
     const std::string dims = (k_first ? "[C, HV, K, V] (K-first" : "[C, HV, V, K] (V-first") +
                              per_chunk + std::to_string(lo) + " to " + std::to_string(hi) +

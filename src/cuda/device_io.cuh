@@ -156,8 +156,6 @@ template <> struct Word<4> { using type = unsigned int; };
 template <> struct Word<8> { using type = uint2; };
 template <> struct Word<16> { using type = uint4; };
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <class S> __device__ __forceinline__ S from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
@@ -171,28 +169,9 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// W state elements starting at p, `step` elements apart. With `vec` (step == 1 and p aligned
-// to the word) a full run is loaded with streaming vector loads; elements at or past `valid`
-// read as 0 and are never touched.
-template <int W, class S>
-__device__ __forceinline__ void load_run(const S* p, int64_t step, int valid, bool vec,
-                                         float (&out)[W]) {
-  constexpr int kBytes = W * static_cast<int>(sizeof(S));
-  constexpr int kWord = kBytes < 16 ? kBytes : 16;
-  using WordT = typename Word<kWord>::type;
-  if (vec && valid == W) {
-    WordT raw[kBytes / kWord];
-#pragma unroll
-    for (int x = 0; x < kBytes / kWord; ++x) raw[x] = __ldcs(reinterpret_cast<const WordT*>(p) + x);
-    const S* e = reinterpret_cast<const S*>(raw);
-#pragma unroll
-    for (int w = 0; w < W; ++w) out[w] = to_float(e[w]);
-  } else {
-#pragma unroll
-    for (int w = 0; w < W; ++w) out[w] = w < valid ? to_float(p[w * step]) : 0.f;
-  }
-}
-
+// W state elements starting at p, `step` elements apart, from floats. With `vec` (step == 1
+// and p aligned to the word) a full run is one streaming vector store; elements at or past
+// `valid` are never touched.
 template <int W, class S>
 __device__ __forceinline__ void store_run(S* p, int64_t step, int valid, bool vec,
                                           const float (&in)[W]) {

@@ -55,10 +55,7 @@ namespace {
 // lengths from cu_seqlens when present (clamped like the library's own reading; a malformed
 // table is the library's to report).
 int64_t chunk_state_entries(const io::OwnedTensor& q, const io::OwnedTensor* cu_seqlens) {
-  const auto entries = [](int64_t len) {
-    return len > 0 ? (len + kChunkStateTokens - 1) / kChunkStateTokens : 0;
-  };
-  if (!cu_seqlens) return q.shape[0] * entries(q.shape[1]);
+  if (!cu_seqlens) return q.shape[0] * chunk_state_count(q.shape[1]);
   const int64_t n = cu_seqlens->numel();
   const auto at = [&](int64_t i) -> int64_t {
     if (cu_seqlens->dtype == DType::i64)
@@ -68,7 +65,7 @@ int64_t chunk_state_entries(const io::OwnedTensor& q, const io::OwnedTensor* cu_
     return 0;
   };
   int64_t total = 0;
-  for (int64_t i = 0; i + 1 < n; ++i) total += entries(at(i + 1) - at(i));
+  for (int64_t i = 0; i + 1 < n; ++i) total += chunk_state_count(at(i + 1) - at(i));
   return total;
 }
 
