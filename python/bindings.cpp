@@ -343,6 +343,19 @@ void set_token_inputs(CallViews& views, Args& a, nb::handle q, nb::handle k, nb:
   a.dt_bias = views.input(dt_bias, "dt_bias");
 }
 
+// The workspace of a CUDA chunk call from the caller's allocator (a callable nbytes ->
+// device address, e.g. backed by torch's caching allocator, which keeps the memory alive for
+// the call); None, or a call that needs none, leaves the library to allocate.
+// Only the chunk schedule takes one: other calls skip the sizing (a second validation).
+template <class Args, class Bytes>
+void take_workspace(nb::handle allocate, fd::Schedule s, Args& a, Bytes bytes_of) {
+  if (allocate.is_none() || s != fd::Schedule::chunk) return;
+  const size_t bytes = bytes_of(a, s);
+  if (bytes == 0) return;
+  a.workspace = reinterpret_cast<void*>(nb::cast<uintptr_t>(allocate(bytes)));
+  a.workspace_bytes = bytes;
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -375,7 +388,8 @@ NB_MODULE(_C, m) {
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle g, nb::handle beta,
          nb::handle initial_state, nb::handle cu_seqlens, nb::handle A_log, nb::handle dt_bias,
          nb::handle o, nb::handle final_state, nb::handle chunk_states,
-         const fd::Options& options, const std::string& schedule, uintptr_t stream) {
+         const fd::Options& options, const std::string& schedule, nb::handle workspace,
+         uintptr_t stream) {
         CallViews views;
         fd::ForwardArgs a;
         set_token_inputs(views, a, q, k, v, g, beta, cu_seqlens, A_log, dt_bias);
@@ -385,6 +399,9 @@ NB_MODULE(_C, m) {
         a.chunk_states = views.output(chunk_states, "chunk_states");
         a.stream = reinterpret_cast<void*>(stream);
         const fd::Schedule s = fd::parse_schedule(schedule);
+        take_workspace(workspace, s, a, [&](const fd::ForwardArgs& x, fd::Schedule y) {
+          return fd::forward_workspace_bytes(x, options, y);
+        });
         nb::gil_scoped_release release;
         fd::forward(a, options, s);
       },
@@ -392,10 +409,11 @@ NB_MODULE(_C, m) {
       nb::arg("initial_state").none(), nb::arg("cu_seqlens").none(), nb::arg("A_log").none(),
       nb::arg("dt_bias").none(), nb::arg("o"), nb::arg("final_state").none(),
       nb::arg("chunk_states").none(), nb::arg("options"), nb::arg("schedule"),
-      nb::arg("stream") = 0,
+      nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0,
       "flashdelta::forward: writes o (and final_state, chunk_states [C, HV, K, V] when given) in "
       "place; CUDA work is queued on `stream` (an integer cudaStream_t, 0 = the default "
-      "stream).");
+      "stream). workspace: None (the library allocates in stream order) or a callable "
+      "nbytes -> device address of memory that stays valid for the call's work on `stream`.");
 
   m.def(
       "decode",
@@ -428,7 +446,7 @@ NB_MODULE(_C, m) {
          nb::handle d_o, nb::handle d_final_state, nb::handle dq, nb::handle dk, nb::handle dv,
          nb::handle dg, nb::handle dbeta, nb::handle d_initial_state, nb::handle dA_log,
          nb::handle ddt_bias, const fd::Options& options, const std::string& schedule,
-         uintptr_t stream) {
+         nb::handle workspace, uintptr_t stream) {
         CallViews views;
         fd::BackwardArgs a;
         set_token_inputs(views, a, q, k, v, g, beta, cu_seqlens, A_log, dt_bias);
@@ -445,6 +463,9 @@ NB_MODULE(_C, m) {
         a.ddt_bias = views.output(ddt_bias, "ddt_bias");
         a.stream = reinterpret_cast<void*>(stream);
         const fd::Schedule s = fd::parse_schedule(schedule);
+        take_workspace(workspace, s, a, [&](const fd::BackwardArgs& x, fd::Schedule y) {
+          return fd::backward_workspace_bytes(x, options, y);
+        });
         nb::gil_scoped_release release;
         fd::backward(a, options, s);
       },
@@ -453,8 +474,10 @@ NB_MODULE(_C, m) {
       nb::arg("dt_bias").none(), nb::arg("d_o"), nb::arg("d_final_state").none(),
       nb::arg("dq").none(), nb::arg("dk").none(), nb::arg("dv").none(), nb::arg("dg").none(),
       nb::arg("dbeta").none(), nb::arg("d_initial_state").none(), nb::arg("dA_log").none(),
-      nb::arg("ddt_bias").none(), nb::arg("options"), nb::arg("schedule"), nb::arg("stream") = 0,
-      "flashdelta::backward: writes the requested gradients in place (on `stream` for CUDA).");
+      nb::arg("ddt_bias").none(), nb::arg("options"), nb::arg("schedule"),
+      nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0,
+      "flashdelta::backward: writes the requested gradients in place (on `stream` for CUDA); "
+      "workspace as in forward.");
 
   m.def("version", &fd::version);
   m.def("cpu_simd_target", &fd::cpu_simd_target);

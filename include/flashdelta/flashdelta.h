@@ -125,15 +125,28 @@ void decode(const DecodeArgs& args, const Options& options,
 // gradient output is optional (absent = not wanted) and has its input's shape:
 // dq, dk, dv with respect to the raw q, k, v (through the L2 norm); dg with respect to the
 // raw gate (through the activation); dbeta with respect to the raw beta (through the
-// sigmoid); d_initial_state, dA_log, ddt_bias. Gradient dtypes are any float dtype.
-// Only Schedule::reference exists on the CPU today.
+// sigmoid); d_initial_state, dA_log, ddt_bias. Gradient dtypes are any float dtype; states
+// and their gradients any float dtype too.
+// Schedules: the fp64 reference on the CPU; the chunkwise kernels on CUDA (sm_80 and later),
+// which recompute the forward's per-chunk states instead of keeping them and compute in
+// float32 throughout. Deterministic: no floating-point atomics, so the gradients are bitwise
+// identical from run to run.
 struct BackwardArgs {
   TensorView q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias;
   TensorView d_o;
   TensorView d_final_state;  // optional
   TensorView dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias;
   void* stream = nullptr;  // cudaStream_t for CUDA tensors (nullptr = default stream)
+  // Optional temporary device memory for the CUDA chunk backward, as ForwardArgs::workspace
+  // (at least backward_workspace_bytes(...) long, 256-byte aligned).
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
+
+// Bytes of workspace backward(args, options, schedule) uses: 0 on the CPU. Validates args
+// as backward does (throws Error), reads no tensor data.
+size_t backward_workspace_bytes(const BackwardArgs& args, const Options& options,
+                                Schedule schedule = Schedule::chunk);
 
 void backward(const BackwardArgs& args, const Options& options,
               Schedule schedule = Schedule::reference);

@@ -165,7 +165,6 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
             _torch_ops.check_no_grad(arrays.items(), "output_chunk_states")
         num_chunks = _core.chunks_per_row(q.shape[1], host_offsets(cu_seqlens, cu_seqlens_cpu))
     if use_torch:
-        _torch_ops.check_cuda_grad(arrays.items())
         if output_chunk_states:
             o, final, h = _torch_ops.forward_chunk_states(
                 q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *config,
@@ -238,7 +237,7 @@ def decode(q, k, v, g=None, beta=None, *, mechanism, state_pool, state_indices,
               bool(allow_neg_eigval), bool(gate_in_kernel),
               None if lower_bound is None else float(lower_bound), bool(state_v_first))
     if use_torch:
-        _torch_ops.check_cuda_grad(arrays.items())
+        _torch_ops.check_decode_grad(arrays.items())
         return _torch_ops.decode(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool,
                                  state_indices, num_accepted_tokens, *config, schedule)
     o_dtype, _ = _core.output_dtypes(_core.dtype_name(q), None, schedule)

@@ -27,8 +27,10 @@ from torch import Tensor
 
 from . import _C, _core
 
-# The backward schedule: the only one the CPU library has today.
-BACKWARD_SCHEDULE = "reference"
+# The backward schedule per device: the fp64 reference on the CPU, the chunkwise kernels on
+# CUDA (float32 throughout: bench/NOTES.md (i)).
+def _backward_schedule(q):
+    return "chunk" if q.is_cuda else "reference"
 
 # The float dtypes q may have: o takes q's dtype.
 FLOAT_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
@@ -73,17 +75,17 @@ def direct(tensors, grad=False):
     return True
 
 
-def check_cuda_grad(named_tensors):
-    """NotImplementedError naming the first CUDA input that requires grad (grad mode on): the
-    CUDA backward does not exist yet."""
+def check_decode_grad(named_tensors):
+    """NotImplementedError naming the first CUDA input that requires grad (grad mode on):
+    decode updates its state pool in place and has no autograd formula."""
     if not torch.is_grad_enabled():
         return
     for name, t in named_tensors:
         if t is not None and t.is_cuda and t.requires_grad:
             raise NotImplementedError(
-                f"argument '{name}': requires grad, but gradients of CUDA tensors are not "
-                f"implemented yet (the CUDA backward is to come); call under torch.no_grad() or "
-                f"torch.inference_mode(), or pass detached tensors")
+                f"argument '{name}': requires grad, but decode (a serving step that updates "
+                f"its state pool in place) has no autograd formula; call under "
+                f"torch.no_grad() or torch.inference_mode(), or pass detached tensors")
 
 
 def check_no_grad(named_tensors, argument):
@@ -132,6 +134,27 @@ def _run(fn, q, args):
         return fn(*args, _raw_stream(index))
 
 
+class _Workspace:
+    """The temporary memory of one CUDA chunk call, from torch's caching allocator: the
+    library asks for it by size (a call of its own allocation would return memory to the
+    driver and map it again every call, milliseconds for the backward's gigabytes). Allocated
+    on the current stream and held until the call has queued its work, so torch reuses it
+    only in stream order."""
+
+    __slots__ = ("device", "held")
+
+    def __init__(self, device):
+        self.device, self.held = device, None
+
+    def __call__(self, nbytes):
+        self.held = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.held.data_ptr()
+
+
+def _workspace(q):
+    return _Workspace(q.device) if q.is_cuda else None
+
+
 def _forward_outputs(q, v, initial_state, cu_seqlens, state_v_first, output_final_state,
                      schedule):
     """o [B, T, HV, V] (v's shape, q's dtype) and the final state [N, HV, K, V] (or V-first;
@@ -170,7 +193,8 @@ def forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, me
     options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
                        gate_in_kernel, lower_bound, state_v_first, chunk_size)
     _run(_C.forward, q, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o,
-                         final if output_final_state else None, None, options, schedule))
+                         final if output_final_state else None, None, options, schedule,
+                         _workspace(q)))
     return o, final
 
 
@@ -212,7 +236,8 @@ def backward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optiona
                        gate_in_kernel, lower_bound, state_v_first, chunk_size)
     requested = [gr if w else None for gr, w in zip(grads, wanted)]
     _run(_C.backward, q, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, d_o,
-                          d_final_state, *requested, options, BACKWARD_SCHEDULE))
+                          d_final_state, *requested, options, _backward_schedule(q),
+                          _workspace(q)))
     return grads
 
 
@@ -253,7 +278,7 @@ def forward_chunk_states(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
                        gate_in_kernel, lower_bound, state_v_first, chunk_size)
     _run(_C.forward, q, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o,
                          final if output_final_state else None, h.flatten(0, 1), options,
-                         schedule))
+                         schedule, _workspace(q)))
     return o, final, h
 
 

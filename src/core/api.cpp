@@ -25,7 +25,7 @@ constexpr bool kBuiltWithCuda = true;
 constexpr bool kBuiltWithCuda = false;
 #endif
 
-// CUDA tensors run the CUDA schedules: recurrent and chunk (forward only).
+// CUDA tensors run the CUDA schedules: recurrent and chunk (the backward: chunk only).
 void require_cuda_schedule(Schedule schedule) {
   if (!kBuiltWithCuda)
     throw Error(ErrorCode::unsupported,
@@ -100,11 +100,40 @@ void decode(const DecodeArgs& args, const Options& options, Schedule schedule) {
   detail::cpu_recurrent_decode(d, args.o);
 }
 
+namespace {
+
+// The CUDA backward runs the chunk schedule only.
+void require_cuda_backward_schedule(Schedule schedule) {
+  require_cuda_schedule(schedule);
+  if (schedule != Schedule::chunk)
+    throw Error(ErrorCode::unsupported,
+                std::string("argument 'schedule': the CUDA backward runs the chunk schedule, got ") +
+                    schedule_name(schedule));
+}
+
+}  // namespace
+
+size_t backward_workspace_bytes(const BackwardArgs& args, const Options& options,
+                                Schedule schedule) {
+  const detail::Problem p = detail::validate_backward(args, options);
+  if (args.q.device != Device::cuda) return 0;
+  require_cuda_backward_schedule(schedule);
+#ifdef FLASHDELTA_WITH_CUDA
+  return static_cast<size_t>(detail::cuda_chunk_backward_workspace_bytes(p));
+#else
+  return 0;
+#endif
+}
+
 void backward(const BackwardArgs& args, const Options& options, Schedule schedule) {
   const detail::Problem p = detail::validate_backward(args, options);
-  if (args.q.device == Device::cuda)
-    throw Error(ErrorCode::unsupported,
-                "argument 'q': the backward runs on cpu tensors only in this version, got cuda");
+  if (args.q.device == Device::cuda) {
+    require_cuda_backward_schedule(schedule);
+#ifdef FLASHDELTA_WITH_CUDA
+    detail::cuda_chunk_backward(p, args);
+#endif
+    return;
+  }
   if (schedule != Schedule::reference)
     throw Error(ErrorCode::unsupported,
                 std::string("argument 'schedule': the CPU backward exists for the reference "

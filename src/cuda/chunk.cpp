@@ -11,6 +11,7 @@
 #include "cuda/chunk_params.h"
 #include "cuda/cuda.h"
 #include "cuda/host_params.h"
+#include "cuda/workspace.h"
 
 namespace flashdelta::detail {
 namespace {
@@ -18,9 +19,9 @@ namespace {
 // The chunk table numbers the chunk states too (ForwardArgs::chunk_states).
 static_assert(cuda::kChunk == kChunkStateTokens);
 
-constexpr int64_t kAlign = 256;
-
-int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+int64_t aligned(int64_t bytes) {
+  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
 
 // The workspace regions in order: chunk table, qg, kg, w, u, aqk, decay.
 struct Layout {
@@ -62,15 +63,6 @@ void check_launch(const char* what) {
                 std::string("CUDA chunk ") + what + " kernel launch failed: " + cudaGetErrorString(err));
 }
 
-// Releases the workspace on the stream however the launches end.
-struct StreamAllocation {
-  void* ptr = nullptr;
-  cudaStream_t stream = nullptr;
-  ~StreamAllocation() {
-    if (ptr) cudaFreeAsync(ptr, stream);
-  }
-};
-
 // The kernels' arguments for a problem, without the workspace pointers.
 cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
   cuda::ChunkParams c;
@@ -89,22 +81,6 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
   return c;
 }
 
-// The caller's workspace, checked before anything runs (no GPU is needed to fail here).
-void check_workspace(void* workspace, size_t bytes, int64_t needed) {
-  if (bytes < static_cast<size_t>(needed))
-    throw Error(ErrorCode::invalid_argument,
-                "argument 'workspace_bytes': the CUDA chunk schedule needs " +
-                    std::to_string(needed) + " bytes for this call, got " + std::to_string(bytes));
-  if (needed > 0 && !workspace)
-    throw Error(ErrorCode::invalid_argument,
-                "argument 'workspace': null, with workspace_bytes " + std::to_string(bytes));
-  if (reinterpret_cast<uintptr_t>(workspace) % kAlign != 0)
-    throw Error(ErrorCode::invalid_argument,
-                "argument 'workspace': expected an address aligned to " + std::to_string(kAlign) +
-                    " bytes, got one " + std::to_string(reinterpret_cast<uintptr_t>(workspace) % kAlign) +
-                    " bytes past");
-}
-
 }  // namespace
 
 int64_t cuda_chunk_workspace_bytes(const Problem& p) {
@@ -120,7 +96,8 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
   const Layout layout = layout_of(c, varlen);
   const int64_t bytes = layout.total();
   const bool caller_memory = workspace != nullptr || workspace_bytes > 0;
-  if (caller_memory) check_workspace(workspace, workspace_bytes, bytes);
+  // The caller's workspace is checked before anything else (no GPU is needed to fail here).
+  if (caller_memory) check_caller_workspace(workspace, workspace_bytes, bytes);
   require_sm80("the CUDA chunk schedule");
   cuda::require_chunk_state_shared_memory(c);
   const int64_t columns = cuda::chunk_state_columns(c.KP);
@@ -131,20 +108,8 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
                     std::to_string(c.max_chunks * p.HV) + " chunk records and " +
                     std::to_string(state_blocks) + " state tiles");
 
-  StreamAllocation owned;
-  owned.stream = static_cast<cudaStream_t>(stream);
-  if (caller_memory) {
-    carve(c, layout, static_cast<char*>(workspace));
-  } else if (bytes > 0) {
-    const cudaError_t err = cudaMallocAsync(&owned.ptr, static_cast<size_t>(bytes), owned.stream);
-    if (err != cudaSuccess) {
-      cudaGetLastError();  // clear it: nothing was launched
-      throw Error(ErrorCode::runtime, "CUDA chunk schedule: cannot allocate its workspace of " +
-                                          std::to_string(bytes) + " bytes: " +
-                                          cudaGetErrorString(err));
-    }
-    carve(c, layout, static_cast<char*>(owned.ptr));
-  }
+  const StreamWorkspace memory("CUDA chunk schedule", bytes, workspace, workspace_bytes, stream);
+  if (bytes > 0) carve(c, layout, memory.data());
   if (varlen) {
     cuda::launch_chunk_table(c, stream);
     check_launch("table");

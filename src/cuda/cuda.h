@@ -20,5 +20,9 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
                         size_t workspace_bytes);
 // Bytes of workspace the chunkwise forward of p needs (host arithmetic only).
 int64_t cuda_chunk_workspace_bytes(const Problem& p);
+// The chunkwise backward (sm_80 or later); allocates its float32 workspace in stream order
+// (cuda_chunk_backward_workspace_bytes of it).
+void cuda_chunk_backward(const Problem& p, const BackwardArgs& args);
+int64_t cuda_chunk_backward_workspace_bytes(const Problem& p);
 
 }  // namespace flashdelta::detail

@@ -1,8 +1,9 @@
 """CUDA tensors: the recurrent schedule (fused_recurrent_*, flashdelta.forward) and the serving
 entry point (flashdelta.decode, fused_recurrent_*(ssm_state_indices=...)) on the GPU give the
 results of the same call on the CPU; index tensors stay on the GPU; the work runs on the
-current stream and can be captured in a CUDA graph (no host synchronisation); CUDA tensors
-that require grad get a clear error (the CUDA backward is to come). Skipped without a GPU."""
+current stream and can be captured in a CUDA graph (no host synchronisation); decode with
+CUDA tensors that require grad gets a clear error (it has no autograd formula). Gradients of
+CUDA tensors: test_cuda_backward.py. Skipped without a GPU."""
 
 import pytest
 
@@ -395,20 +396,15 @@ def test_compiled_serving_step_on_cuda():
     assert torch.equal(eager_pool, compiled_pool)
 
 
-def test_cuda_tensors_requiring_grad_raise():
-    a = cuda(make_inputs("kda", gate_in_kernel=True))
-    A_log = torch.nn.Parameter(a["A_log"])
-    with pytest.raises(NotImplementedError, match="'A_log'"):
-        flashdelta.fused_recurrent_kda(a["q"], a["k"], a["v"], a["g"], a["beta"], A_log=A_log,
-                                       dt_bias=a["dt_bias"], use_gate_in_kernel=True)
+def test_cuda_decode_requiring_grad_raises():
+    a, pool, indices = serving_step_inputs()
     q = a["q"].clone().requires_grad_()
     with pytest.raises(NotImplementedError, match="'q'"):
-        flashdelta.forward(q, a["k"], a["v"], a["g"], a["beta"], mechanism="kda",
-                           schedule="recurrent")
+        flashdelta.decode(q, a["k"], a["v"], a["g"], a["beta"], mechanism="kda",
+                          state_pool=pool, state_indices=indices)
     with torch.no_grad():  # without autograd the same call runs
-        o, _ = flashdelta.fused_recurrent_kda(q, a["k"], a["v"], a["g"], a["beta"],
-                                              A_log=A_log, dt_bias=a["dt_bias"],
-                                              use_gate_in_kernel=True)
+        o = flashdelta.decode(q, a["k"], a["v"], a["g"], a["beta"], mechanism="kda",
+                              state_pool=pool, state_indices=indices)
     assert o.device.type == "cuda" and not o.requires_grad
 
 

@@ -1,0 +1,309 @@
+// The per-chunk stages of the CUDA backward (cuda/backward_params.h), one block per
+// (chunk, value head), all chunks in parallel: `records` recomputes the forward's chunk
+// matrices, `grads` takes the chunk-entry state and the state gradient leaving the chunk (from
+// the scans) to the gradients of the transformed inputs. The math is bench/model/
+// chunk_backward.py term by term; Gamma is natural-log here and every e^(Gamma_i - Gamma_j)
+// is formed pairwise (an exponent <= 0 for j <= i: no factorisation, nothing to overflow).
+#include <cuda_runtime.h>
+
+#include "cuda/backward_common.cuh"
+
+namespace flashdelta::detail::cuda {
+namespace {
+
+constexpr int kLd = kC + 1;  // C x C tiles in shared memory, padded against bank conflicts
+constexpr int kSlice = 32;   // key channels staged per pass of the pairwise sums
+constexpr int kSliceLd = kSlice + 1;
+
+// The chunk's rows of the buffers, for one value head.
+struct ChunkRows {
+  const BackwardParams& b;
+  int64_t r0, hv, h;
+  int len;
+  __device__ float* k_row(float* buf, int i) const { return head_row(buf, r0 + i, hv, b, b.p.K); }
+  __device__ float* v_row(float* buf, int i) const { return head_row(buf, r0 + i, hv, b, b.p.V); }
+  __device__ const float* key_head(const float* buf, int i) const {
+    return buf + ((r0 + i) * b.H + h) * b.p.K;
+  }
+  __device__ float beta(int i) const { return b.ws.beta[(r0 + i) * b.p.HV + hv]; }
+  __device__ float value(const TokenTensor& x, int i, int j) const {
+    const int64_t row = r0 + i;
+    return load_float(x.data, x.dtype, row / b.p.T * x.stride[0] + row % b.p.T * x.stride[1] +
+                                           hv * x.stride[2] + j * x.stride[3]);
+  }
+};
+
+__device__ __forceinline__ int64_t ld_k(const BackwardParams& b) { return b.p.HV * b.p.K; }
+__device__ __forceinline__ int64_t ld_v(const BackwardParams& b) { return b.p.HV * b.p.V; }
+
+// Stages channels [c0, c0 + kSlice) of q, k and Gamma of the chunk's rows (zeros past len / K).
+__device__ void stage_slice(const ChunkRows& x, int c0, float (*sq)[kSliceLd],
+                            float (*sk)[kSliceLd], float (*sg)[kSliceLd]) {
+  const int64_t K = x.b.p.K;
+  for (int idx = threadIdx.x; idx < kC * kSlice; idx += blockDim.x) {
+    const int i = idx / kSlice, cc = idx % kSlice, c = c0 + cc;
+    const bool ok = i < x.len && c < K;
+    sq[i][cc] = ok ? x.key_head(x.b.ws.qn, i)[c] : 0.f;
+    sk[i][cc] = ok ? x.key_head(x.b.ws.kn, i)[c] : 0.f;
+    sg[i][cc] = ok ? x.k_row(x.b.ws.gamma, i)[c] : 0.f;
+  }
+}
+
+struct RecordsShared {
+  float sq[kC][kSliceLd], sk[kC][kSliceLd], sg[kC][kSliceLd];
+  float akk[kC][kLd], tm[kC][kLd];
+};
+
+__global__ void __launch_bounds__(kBackwardThreads) records_kernel(const BackwardParams b) {
+  const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
+  ChunkAt at;
+  if (!chunk_at(b, rec / b.p.HV, at)) return;
+  const ChunkRows x{b, at.r0, hv, hv / b.p.group, at.len};
+  const int64_t K = b.p.K, V = b.p.V;
+  const int len = at.len;
+  extern __shared__ __align__(16) unsigned char smem[];
+  RecordsShared& sh = *reinterpret_cast<RecordsShared*>(smem);
+
+  // Gamma (the cumulative log gate), the gate factors of q and k, beta k e^Gamma, the decay.
+  for (int64_t c = threadIdx.x; c < K; c += blockDim.x) {
+    float G = 0.f;
+    for (int i = 0; i < len; ++i) {
+      G += x.k_row(b.ws.gate, i)[c];
+      x.k_row(b.ws.gamma, i)[c] = G;
+    }
+    const float end = G;
+    b.ws.decay[rec * K + c] = expf(end);
+    for (int i = 0; i < len; ++i) {
+      const float g = x.k_row(b.ws.gamma, i)[c], e = expf(g), kv = x.key_head(b.ws.kn, i)[c];
+      x.k_row(b.ws.qg, i)[c] = x.key_head(b.ws.qn, i)[c] * e;
+      x.k_row(b.ws.kg, i)[c] = kv * expf(end - g);
+      x.k_row(b.ws.kb, i)[c] = x.beta(i) * kv * e;
+    }
+  }
+  for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x) {
+    const int i = static_cast<int>(idx / V), j = static_cast<int>(idx % V);
+    x.v_row(b.ws.vb, i)[j] = x.beta(i) * x.value(b.p.v, i, j);
+  }
+
+  // A_qk (diagonal included) and the unscaled A_kk products, pairwise over key slices.
+  constexpr int kPairs = kC * kC / kBackwardThreads;
+  float aq[kPairs] = {}, kd[kPairs] = {};
+  for (int c0 = 0; c0 < K; c0 += kSlice) {
+    __syncthreads();
+    stage_slice(x, c0, sh.sq, sh.sk, sh.sg);
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < kPairs; ++e) {
+      const int pair = threadIdx.x + e * kBackwardThreads, i = pair / kC, j = pair % kC;
+      if (j > i || i >= len) continue;
+      for (int cc = 0; cc < kSlice; ++cc) {
+        const float f = expf(sh.sg[i][cc] - sh.sg[j][cc]) * sh.sk[j][cc];
+        aq[e] = fmaf(sh.sq[i][cc], f, aq[e]);
+        kd[e] = fmaf(sh.sk[i][cc], f, kd[e]);
+      }
+    }
+  }
+  float* aqk = b.ws.aqk + rec * kC * kC;
+  float* kdot = b.ws.kdot + rec * kC * kC;
+#pragma unroll
+  for (int e = 0; e < kPairs; ++e) {
+    const int pair = threadIdx.x + e * kBackwardThreads, i = pair / kC, j = pair % kC;
+    const bool strict = j < i && i < len;
+    aqk[pair] = aq[e];
+    kdot[pair] = strict ? kd[e] : 0.f;
+    sh.akk[i][j] = strict ? x.beta(i) * kd[e] : 0.f;
+  }
+  __syncthreads();
+
+  // T = (I + A_kk)^-1 by forward substitution, one column per thread.
+  if (threadIdx.x < kC) {
+    const int c = threadIdx.x;
+    for (int i = 0; i < kC; ++i) {
+      float t = i == c ? 1.f : 0.f;
+      for (int j = c; j < i; ++j) t = fmaf(-sh.akk[i][j], sh.tm[j][c], t);
+      sh.tm[i][c] = t;
+    }
+  }
+  __syncthreads();
+  float* tm = b.ws.tm + rec * kC * kC;
+  for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) tm[idx] = sh.tm[idx / kC][idx % kC];
+
+  // w = T (beta k e^Gamma) and u = T (beta v); the linear rule writes u = v (beta is 1).
+  const Rows T{&sh.tm[0][0], kLd};
+  if (b.p.delta) {
+    tile_product(len, static_cast<int>(K), len, T, Rows{x.k_row(b.ws.kb, 0), ld_k(b)},
+                 [&](int m, int n, float acc) { x.k_row(b.ws.w, m)[n] = acc; });
+    tile_product(len, static_cast<int>(V), len, T, Rows{x.v_row(b.ws.vb, 0), ld_v(b)},
+                 [&](int m, int n, float acc) { x.v_row(b.ws.u, m)[n] = acc; });
+  } else {
+    for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x) {
+      const int i = static_cast<int>(idx / V), j = static_cast<int>(idx % V);
+      x.v_row(b.ws.u, i)[j] = x.v_row(b.ws.vb, i)[j];
+    }
+  }
+}
+
+struct GradsShared {
+  float daqk[kC][kLd];  // d A_qk (lower, diagonal included)
+  float dakk[kC][kLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
+  float dt[kC][kLd];    // d T, then d A_kk * unscaled products (for d beta)
+  float x[kC][kLd];     // d T T^T
+  float dgamma[256];    // d Gamma_end per channel
+  float sq[kC][kSliceLd], sk[kC][kSliceLd], sg[kC][kSliceLd];
+};
+
+__global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardParams b) {
+  const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
+  ChunkAt at;
+  if (!chunk_at(b, rec / b.p.HV, at)) return;
+  const ChunkRows x{b, at.r0, hv, hv / b.p.group, at.len};
+  const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), len = at.len;
+  const BackwardWorkspace& ws = b.ws;
+  const float* S = ws.states + rec * K * V;    // entering the chunk, K x V
+  const float* dS = ws.dstates + rec * K * V;  // gradient of the state leaving it
+  const float* tm = ws.tm + rec * kC * kC;
+  const float* kdot = ws.kdot + rec * kC * kC;
+  const float* decay = ws.decay + rec * K;
+  extern __shared__ __align__(16) unsigned char smem[];
+  GradsShared& sh = *reinterpret_cast<GradsShared*>(smem);
+  for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) {
+    sh.daqk[idx / kC][idx % kC] = 0.f;
+    sh.dakk[idx / kC][idx % kC] = 0.f;
+  }
+  auto dO = [&](int i, int j) { return x.value(b.d_o, i, j); };
+  auto gamma = [&](int i, int c) { return x.k_row(ws.gamma, i)[c]; };
+  const Cols S_t{S, V}, dS_t{dS, V};
+
+  // d(q e^Gamma) = dO S^T, to q and Gamma.
+  tile_product(len, K, V, dO, S_t, [&](int m, int n, float acc) {
+    x.k_row(ws.dq, m)[n] = acc * expf(gamma(m, n));
+    x.k_row(ws.dg, m)[n] = acc * x.k_row(ws.qg, m)[n];
+  });
+  __syncthreads();
+  // d(k e^(Gamma_end - Gamma)) = v_new dS^T, to k and Gamma; its Gamma_end part waits in dw.
+  tile_product(len, K, V, Rows{x.v_row(ws.vn, 0), ld_v(b)}, dS_t, [&](int m, int n, float acc) {
+    x.k_row(ws.dk, m)[n] = acc * expf(gamma(len - 1, n) - gamma(m, n));
+    const float t = acc * x.k_row(ws.kg, m)[n];
+    x.k_row(ws.dg, m)[n] -= t;
+    x.k_row(ws.dw, m)[n] = t;
+  });
+  // d A_qk = tril(dO v_new^T).
+  tile_product(len, len, V, dO, Cols{x.v_row(ws.vn, 0), ld_v(b)}, [&](int m, int n, float acc) {
+    sh.daqk[m][n] = n <= m ? acc : 0.f;
+  });
+  __syncthreads();
+  for (int c = threadIdx.x; c < K; c += blockDim.x) {
+    float s = 0.f, t = 0.f;
+    for (int j = 0; j < V; ++j) s = fmaf(dS[c * V + j], S[c * V + j], s);
+    for (int i = 0; i < len; ++i) t += x.k_row(ws.dw, i)[c];
+    sh.dgamma[c] = decay[c] * s + t;
+  }
+  __syncthreads();
+
+  if (b.p.delta) {
+    const Cols T_t{tm, kC};  // T^T
+    // v_new = u - w S: dw = -dv_new S^T.
+    tile_product(len, K, V, Rows{x.v_row(ws.dvn, 0), ld_v(b)}, S_t,
+                 [&](int m, int n, float acc) { x.k_row(ws.dw, m)[n] = -acc; });
+    __syncthreads();
+    // dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
+    tile_product(len, len, V, Rows{x.v_row(ws.dvn, 0), ld_v(b)}, Cols{x.v_row(ws.vb, 0), ld_v(b)},
+                 [&](int m, int n, float acc) { sh.dt[m][n] = acc; });
+    __syncthreads();
+    tile_product(len, len, K, Rows{x.k_row(ws.dw, 0), ld_k(b)}, Cols{x.k_row(ws.kb, 0), ld_k(b)},
+                 [&](int m, int n, float acc) { sh.dt[m][n] += acc; });
+    __syncthreads();
+    // d(beta v) = T^T dv_new: dv, and beta's share kept in vb.
+    tile_product(len, V, len, T_t, Rows{x.v_row(ws.dvn, 0), ld_v(b)}, [&](int m, int n, float acc) {
+      x.v_row(ws.dv, m)[n] = x.beta(m) * acc;
+      x.v_row(ws.vb, m)[n] = acc * x.value(b.p.v, m, n);
+    });
+    // d(beta k e^Gamma) = T^T dw: to k and Gamma, and beta's share kept in kb.
+    tile_product(len, K, len, T_t, Rows{x.k_row(ws.dw, 0), ld_k(b)}, [&](int m, int n, float acc) {
+      float* kb = x.k_row(ws.kb, m) + n;
+      const float e = expf(gamma(m, n)), kv = x.key_head(ws.kn, m)[n];
+      x.k_row(ws.dk, m)[n] += x.beta(m) * acc * e;
+      x.k_row(ws.dg, m)[n] += acc * *kb;
+      *kb = acc * kv * e;
+    });
+    // d A_kk = -T^T dT T^T (strictly lower).
+    tile_product(len, len, len, Rows{&sh.dt[0][0], kLd}, T_t,
+                 [&](int m, int n, float acc) { sh.x[m][n] = acc; });
+    __syncthreads();
+    tile_product(len, len, len, T_t, Rows{&sh.x[0][0], kLd}, [&](int m, int n, float acc) {
+      const float d = n < m ? -acc : 0.f;
+      sh.dakk[m][n] = x.beta(m) * d;
+      sh.dt[m][n] = d * kdot[m * kC + n];
+    });
+    __syncthreads();
+    for (int m = threadIdx.x; m < len; m += blockDim.x) {
+      float s = 0.f;
+      for (int j = 0; j < V; ++j) s += x.v_row(ws.vb, m)[j];
+      for (int c = 0; c < K; ++c) s += x.k_row(ws.kb, m)[c];
+      for (int n = 0; n < len; ++n) s += sh.dt[m][n];
+      ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)
+      x.v_row(ws.dv, idx / V)[idx % V] = x.v_row(ws.dvn, idx / V)[idx % V];
+  }
+
+  // The pairwise terms of A_qk and A_kk: row sums (their i side) and column sums (j side).
+  const int cc = threadIdx.x % kSlice, rg = threadIdx.x / kSlice;
+  constexpr int kRowGroups = kBackwardThreads / kSlice;
+  for (int c0 = 0; c0 < K; c0 += kSlice) {
+    __syncthreads();
+    stage_slice(x, c0, sh.sq, sh.sk, sh.sg);
+    __syncthreads();
+    const int c = c0 + cc;
+    if (c >= K) continue;
+    for (int i = rg; i < len; i += kRowGroups) {
+      const float gi = sh.sg[i][cc], qi = sh.sq[i][cc], ki = sh.sk[i][cc];
+      float p1 = 0.f, p2 = 0.f, q1 = 0.f, q2 = 0.f;
+      for (int j = 0; j <= i; ++j) {
+        const float f = expf(gi - sh.sg[j][cc]) * sh.sk[j][cc];
+        p1 = fmaf(sh.daqk[i][j], f, p1);
+        p2 = fmaf(sh.dakk[i][j], f, p2);
+      }
+      for (int r = i; r < len; ++r) {
+        const float f = expf(sh.sg[r][cc] - gi);
+        q1 = fmaf(sh.daqk[r][i] * sh.sq[r][cc], f, q1);
+        q2 = fmaf(sh.dakk[r][i] * sh.sk[r][cc], f, q2);
+      }
+      x.k_row(ws.dq, i)[c] += p1;
+      x.k_row(ws.dk, i)[c] += p2 + q1 + q2;
+      x.k_row(ws.dg, i)[c] += qi * p1 + ki * p2 - ki * (q1 + q2);
+    }
+  }
+  __syncthreads();
+  // Gamma = cumsum(g) inside the chunk: g's gradient is the reverse cumulative sum.
+  for (int c = threadIdx.x; c < K; c += blockDim.x) {
+    float run = sh.dgamma[c];
+    for (int i = len - 1; i >= 0; --i) {
+      float* d = x.k_row(ws.dg, i) + c;
+      run += *d;
+      *d = run;
+    }
+  }
+}
+
+// Both kernels keep more than the 48 KB of static shared memory: opt in once per process.
+template <class Shared>
+void launch_records_kernel(void (*kernel)(BackwardParams), const BackwardParams& b, void* stream) {
+  const unsigned blocks = static_cast<unsigned>(b.max_chunks * b.p.HV);
+  if (blocks == 0) return;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(Shared));
+  kernel<<<blocks, kBackwardThreads, sizeof(Shared), static_cast<cudaStream_t>(stream)>>>(b);
+}
+
+}  // namespace
+
+void launch_backward_records(const BackwardParams& b, void* stream) {
+  launch_records_kernel<RecordsShared>(records_kernel, b, stream);
+}
+
+void launch_backward_grads(const BackwardParams& b, void* stream) {
+  launch_records_kernel<GradsShared>(grads_kernel, b, stream);
+}
+
+}  // namespace flashdelta::detail::cuda

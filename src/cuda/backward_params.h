@@ -1,0 +1,77 @@
+// Arguments of the CUDA chunkwise backward (bench/NOTES.md (h), bench/model/chunk_backward.py):
+// the problem as the forward kernels see it, the gradients in and out, and the float32
+// workspace that carries each stage's tiles to the next. This first version computes every
+// product in float32 on the CUDA cores: it is the exact, deterministic baseline the tensor-core
+// version will be tested against, and it is not yet fast or frugal with memory.
+//
+// Stages, in order on one stream (cuda/backward.cpp):
+//   inputs    per token: q, k normalised and scaled, the activated gate, beta (float32)
+//   records   per (chunk, value head), in parallel: Gamma, q/k gate factors, A_qk, A_kk,
+//             T = (I + A_kk)^-1, w = T (beta k e^Gamma), u = T (beta v)
+//   states    per (sequence, value head, column tile), chunks in order: the state entering
+//             every chunk and v_new = u - w S
+//   dstates   the same, chunks in reverse: the state gradient leaving every chunk and dv_new
+//   grads     per (chunk, value head), in parallel: everything else (notes (h))
+//   outputs   per token: GVA sums, the transforms' derivatives, the gradients in their dtypes
+//   params    dA_log and ddt_bias, summed over tokens in a fixed order
+// No atomics anywhere: every float is written by one thread in a fixed order, so the
+// gradients are bitwise identical from run to run.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/recurrent_params.h"
+
+namespace flashdelta::detail::cuda {
+
+inline constexpr int kBackwardChunk = 64;
+
+// A rank-1 or rank-2 per-head parameter (A_log [HV], dt_bias [HV, W] or [HV * W]) or its
+// gradient: element (hv, i) at hv * head_stride + i * key_stride.
+struct HeadParam {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  int64_t head_stride = 0, key_stride = 0;
+};
+
+// Buffers are float32 and dense. Token rows are r = batch * T + t; "per value head" arrays
+// are [B * T, HV, width], "per key head" [B * T, H, K]; records (chunk * HV + hv) hold
+// C x C tiles, K-vectors or K x V states.
+struct BackwardWorkspace {
+  int64_t* chunk_start = nullptr;  // [N + 1], cu_seqlens only
+  float *qn, *kn;                  // per key head: scale q / |q|, k / |k| (or as given)
+  float *gate, *beta;              // per value head: log gate (K wide), beta
+  float *gamma, *qg, *kg, *kb, *w, *dw;  // per value head, K wide
+  float *vb, *u, *vn, *dvn;        // per value head, V wide
+  float *aqk, *tm, *kdot;          // per record, C x C
+  float* decay;                    // per record, K
+  float *states, *dstates;         // per record, K x V (K-first)
+  float *dq, *dk, *dg, *dv, *dbeta;  // gradients of the transformed inputs, per value head
+  float* dA_log_part;              // per value head and token
+};
+
+struct BackwardParams {
+  RecurrentParams p;  // sizes, options, q k v g beta, A_log, dt_bias, cu_seqlens, state_in
+  DType state_in_dtype = DType::f32;
+  int64_t B = 0, H = 0;
+  int64_t chunks_per_row = 0, max_chunks = 0;
+  TokenTensor d_o;
+  StateTensor d_final;
+  DType d_final_dtype = DType::f32;
+  // Outputs; data == nullptr means not wanted.
+  TokenTensor dq, dk, dv, dg, dbeta;
+  StateTensor d_initial;
+  DType d_initial_dtype = DType::f32;
+  HeadParam dA_log, ddt_bias;
+  BackwardWorkspace ws;
+};
+
+void launch_backward_inputs(const BackwardParams& b, void* stream);
+void launch_backward_records(const BackwardParams& b, void* stream);
+void launch_backward_states(const BackwardParams& b, void* stream);
+void launch_backward_dstates(const BackwardParams& b, void* stream);
+void launch_backward_grads(const BackwardParams& b, void* stream);
+void launch_backward_outputs(const BackwardParams& b, void* stream);
+void launch_backward_params(const BackwardParams& b, void* stream);
+
+}  // namespace flashdelta::detail::cuda

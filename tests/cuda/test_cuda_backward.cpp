@@ -1,0 +1,256 @@
+// The CUDA chunkwise backward against the fp64 reference backward on random inputs: every
+// mechanism, lengths past several 64-token chunks and not multiples of them, K and V from 17
+// to 256, GVA, both state layouts, every input dtype, varlen with empty and one-token
+// sequences, the fused transforms in every gate form, strong and -inf gates; gradients
+// bitwise identical across runs; bad schedules refused. Skipped on machines without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cuda/device_mirror.h"
+#include "cuda/forward_check.h"
+#include "test_util.h"
+
+namespace flashdelta::testing {
+namespace {
+
+// Every gradient with its input, by name.
+struct GradSlot {
+  const char* name;
+  HostTensor Case::*input;
+  TensorView BackwardArgs::*value;
+  TensorView BackwardArgs::*grad;
+};
+
+constexpr GradSlot kSlots[] = {
+    {"q", &Case::q, &BackwardArgs::q, &BackwardArgs::dq},
+    {"k", &Case::k, &BackwardArgs::k, &BackwardArgs::dk},
+    {"v", &Case::v, &BackwardArgs::v, &BackwardArgs::dv},
+    {"g", &Case::g, &BackwardArgs::g, &BackwardArgs::dg},
+    {"beta", &Case::beta, &BackwardArgs::beta, &BackwardArgs::dbeta},
+    {"initial_state", &Case::initial_state, &BackwardArgs::initial_state,
+     &BackwardArgs::d_initial_state},
+    {"A_log", &Case::A_log, &BackwardArgs::A_log, &BackwardArgs::dA_log},
+    {"dt_bias", &Case::dt_bias, &BackwardArgs::dt_bias, &BackwardArgs::ddt_bias},
+};
+constexpr size_t kNumSlots = std::size(kSlots);
+
+// A case and the gradients flowing in: d_o and (optionally) d_final_state, float32.
+struct BackwardCase {
+  Case c;
+  HostTensor d_o, d_final;
+  bool with_d_final = true;
+
+  BackwardArgs args() const {
+    HostTensor unused = c.make_output(DType::f32);
+    const ForwardArgs f = c.args(unused, nullptr);
+    BackwardArgs a;
+    a.q = f.q, a.k = f.k, a.v = f.v, a.g = f.g, a.beta = f.beta;
+    a.initial_state = f.initial_state, a.cu_seqlens = f.cu_seqlens;
+    a.A_log = f.A_log, a.dt_bias = f.dt_bias;
+    a.d_o = d_o.view;
+    if (with_d_final) a.d_final_state = d_final.view;
+    return a;
+  }
+};
+
+BackwardCase make_backward_case(const CaseConfig& cfg, bool with_d_final = true) {
+  BackwardCase b{make_case(cfg), {}, {}, with_d_final};
+  std::mt19937_64 rng(cfg.seed + 77);
+  b.d_o = b.c.make_output(DType::f32);
+  b.d_o.set(random_normal(rng, b.d_o.numel()));
+  b.d_final = b.c.make_state();
+  b.d_final.set(random_normal(rng, b.d_final.numel()));
+  return b;
+}
+
+struct Gradients {
+  HostTensor t[kNumSlots];
+  std::vector<double> values(size_t i) const { return t[i].to_double(); }
+};
+
+// Gradient outputs of every present input, poisoned so anything unwritten fails.
+Gradients allocate_gradients(const BackwardCase& b, BackwardArgs& a, DType dtype) {
+  Gradients g;
+  for (size_t i = 0; i < kNumSlots; ++i) {
+    if (!(a.*kSlots[i].value).present()) continue;
+    const TensorView& in = (b.c.*kSlots[i].input).view;
+    g.t[i] = HostTensor(dtype, std::vector<int64_t>(in.shape.begin(), in.shape.begin() + in.rank));
+    g.t[i].fill(std::numeric_limits<double>::quiet_NaN());
+    a.*kSlots[i].grad = g.t[i].view;
+  }
+  return g;
+}
+
+Gradients reference_gradients(const BackwardCase& b) {
+  BackwardArgs a = b.args();
+  Gradients g = allocate_gradients(b, a, DType::f64);
+  backward(a, b.c.options, Schedule::reference);
+  return g;
+}
+
+Gradients cuda_gradients(const BackwardCase& b, DType dtype = DType::f32) {
+  BackwardArgs host = b.args();
+  Gradients g = allocate_gradients(b, host, dtype);
+  DeviceMirror mirror;
+  BackwardArgs d = host;
+  for (TensorView BackwardArgs::*f :
+       {&BackwardArgs::q, &BackwardArgs::k, &BackwardArgs::v, &BackwardArgs::g,
+        &BackwardArgs::beta, &BackwardArgs::initial_state, &BackwardArgs::cu_seqlens,
+        &BackwardArgs::A_log, &BackwardArgs::dt_bias, &BackwardArgs::d_o,
+        &BackwardArgs::d_final_state, &BackwardArgs::dq, &BackwardArgs::dk, &BackwardArgs::dv,
+        &BackwardArgs::dg, &BackwardArgs::dbeta, &BackwardArgs::d_initial_state,
+        &BackwardArgs::dA_log, &BackwardArgs::ddt_bias})
+    d.*f = mirror.upload(host.*f);
+  backward(d, b.c.options, Schedule::chunk);
+  check_cuda(cudaDeviceSynchronize(), "backward");
+  for (size_t i = 0; i < kNumSlots; ++i) mirror.download(d.*kSlots[i].grad, host.*kSlots[i].grad);
+  return g;
+}
+
+// float32 throughout on the GPU against float64: the error grows with the chunk's products
+// (sums of 64-256 terms) and the states' accumulation over chunks.
+constexpr double kTolerance = 2e-3;
+// Gradients stored in bfloat16 round to 8 significant bits.
+constexpr double kBf16Tolerance = 1.6e-2;
+
+void expect_gradients_match(const BackwardCase& b, const std::string& what,
+                            DType grad_dtype = DType::f32) {
+  const Gradients ref = reference_gradients(b);
+  const Gradients gpu = cuda_gradients(b, grad_dtype);
+  const double tol = grad_dtype == DType::bf16 ? kBf16Tolerance : kTolerance;
+  for (size_t i = 0; i < kNumSlots; ++i) {
+    if (ref.t[i].bytes.empty() || !ref.t[i].view.present()) continue;
+    EXPECT_LT(rel_error(gpu.values(i), ref.values(i)), tol)
+        << what << ": d" << kSlots[i].name << " relative error";
+  }
+}
+
+std::vector<CaseConfig> backward_grid() {
+  struct Shape {
+    int64_t B, T, K, V, H, HV;
+    StateLayout layout;
+    DType dtype;
+    bool initial_state;
+  };
+  const StateLayout kf = StateLayout::k_first, vf = StateLayout::v_first;
+  const Shape shapes[] = {
+      {2, 1, 64, 64, 2, 4, kf, DType::bf16, true},     {1, 64, 128, 128, 1, 2, vf, DType::bf16, true},
+      {2, 65, 64, 64, 1, 4, kf, DType::f16, true},     {1, 130, 60, 100, 2, 4, vf, DType::f32, true},
+      {2, 47, 17, 33, 1, 2, kf, DType::f32, false},    {1, 150, 256, 256, 1, 1, kf, DType::bf16, true},
+      {2, 100, 100, 60, 2, 2, kf, DType::f64, true},   {1, 200, 128, 128, 2, 8, kf, DType::bf16, true},
+  };
+  std::vector<CaseConfig> grid;
+  uint64_t seed = 7000;
+  for (const Mechanism m : kAllMechanisms)
+    for (const Shape& s : shapes)
+      grid.push_back({.mechanism = m, .B = s.B, .T = s.T, .H = s.H, .HV = s.HV, .K = s.K,
+                      .V = s.V, .dtype = s.dtype, .initial_state = s.initial_state,
+                      .layout = s.layout, .seed = seed++});
+  return grid;
+}
+
+class CudaBackwardGrid : public ::testing::TestWithParam<CaseConfig> {};
+
+TEST_P(CudaBackwardGrid, MatchesReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  expect_gradients_match(make_backward_case(GetParam()), describe(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardGrid, ::testing::ValuesIn(backward_grid()),
+                         [](const auto& info) { return describe(info.param); });
+
+TEST(CudaBackward, VarlenWithEmptyAndOneTokenSequences) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 7100;
+  for (const Mechanism m : kAllMechanisms) {
+    const CaseConfig c{.mechanism = m, .T = 337, .H = 2, .HV = 4, .K = 64, .V = 48,
+                       .dtype = DType::bf16, .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
+                       .seed = seed++};
+    expect_gradients_match(make_backward_case(c), std::string("varlen ") + mechanism_name(m));
+  }
+}
+
+TEST(CudaBackward, FusedTransformsInEveryGateForm) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 7200;
+  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet, Mechanism::gla,
+                            Mechanism::simple_gla})
+    for (int form = 0; form < 4; ++form) {
+      CaseConfig c = gate_form_case(m, form, 150, seed++);
+      c.K = c.V = 64;  // the reference backward's time
+      expect_gradients_match(make_backward_case(c), std::string(mechanism_name(m)) +
+                                                        " gate form " + std::to_string(form));
+    }
+}
+
+TEST(CudaBackward, StrongAndInfiniteGatesAndBetaZeroOne) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 7300;
+  for (const Mechanism m : {Mechanism::kda, Mechanism::gla, Mechanism::gated_deltanet})
+    for (const double gate_min : {-1000.0, -8.0}) {
+      const CaseConfig c{.mechanism = m, .T = 150, .K = 64, .V = 32, .gate_min = gate_min,
+                         .seed = seed++};
+      expect_gradients_match(make_backward_case(c), "gates to " + std::to_string(gate_min) +
+                                                        " " + mechanism_name(m));
+    }
+  BackwardCase reset = make_backward_case({.T = 130, .K = 32, .V = 32, .seed = seed++});
+  std::vector<double> g = reset.c.g.to_double();
+  for (size_t i = 0; i < g.size(); i += 97) g[i] = -std::numeric_limits<double>::infinity();
+  reset.c.g.set(g);
+  expect_gradients_match(reset, "gates of -inf");
+  for (const double beta : {0.0, 1.0}) {
+    const CaseConfig c{.T = 100, .K = 64, .V = 64, .beta_value = beta, .seed = seed++};
+    expect_gradients_match(make_backward_case(c), "beta " + std::to_string(beta));
+  }
+}
+
+TEST(CudaBackward, WithoutFinalStateGradientAndInBfloat16) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig c{.B = 2, .T = 140, .H = 2, .HV = 4, .K = 64, .V = 64,
+                     .dtype = DType::bf16, .qk_l2norm = true, .beta_sigmoid = true,
+                     .gate_in_kernel = true, .lower_bound = -5.0, .seed = 7400};
+  expect_gradients_match(make_backward_case(c, false), "no d_final_state");
+  expect_gradients_match(make_backward_case(c), "bf16 gradients", DType::bf16);
+}
+
+TEST(CudaBackward, BitwiseDeterministic) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig c{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128,
+                     .dtype = DType::bf16, .seqlens = {}, .qk_l2norm = true,
+                     .beta_sigmoid = true, .gate_in_kernel = true, .seed = 7500};
+  const BackwardCase b = make_backward_case(c);
+  const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
+  for (size_t i = 0; i < kNumSlots; ++i)
+    EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kSlots[i].name << " differs";
+}
+
+TEST(CudaBackward, RunsTheChunkScheduleOnly) {
+  FLASHDELTA_REQUIRE_GPU();
+  const BackwardCase b = make_backward_case({.T = 10, .seed = 7600});
+  BackwardArgs host = b.args();
+  Gradients g = allocate_gradients(b, host, DType::f32);
+  DeviceMirror mirror;
+  BackwardArgs d = host;
+  for (TensorView BackwardArgs::*f : {&BackwardArgs::q, &BackwardArgs::k, &BackwardArgs::v,
+                                      &BackwardArgs::g, &BackwardArgs::beta,
+                                      &BackwardArgs::initial_state, &BackwardArgs::d_o,
+                                      &BackwardArgs::d_final_state, &BackwardArgs::dq})
+    d.*f = mirror.upload(host.*f);
+  d.dk = d.dv = d.dg = d.dbeta = d.d_initial_state = TensorView{};
+  for (const Schedule s : {Schedule::recurrent, Schedule::reference}) {
+    try {
+      backward(d, b.c.options, s);
+      ADD_FAILURE() << "schedule " << schedule_name(s) << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'schedule'"), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flashdelta::testing
