@@ -73,7 +73,7 @@ Carver layout(cuda::BackwardParams& b, bool varlen) {
   c.add(w.gate, rk);
   c.add(w.beta, rows * HV);
   for (float** p : {&w.gamma, &w.qg, &w.kg, &w.kb, &w.w, &w.dw}) c.add(*p, rk);
-  for (float** p : {&w.vb, &w.u, &w.vn, &w.dvn}) c.add(*p, rv);
+  for (float** p : {&w.dout, &w.vb, &w.u, &w.vn, &w.dvn}) c.add(*p, rv);
   for (float** p : {&w.aqk, &w.tm, &w.kdot}) c.add(*p, records * cuda::kBackwardChunk * cuda::kBackwardChunk);
   c.add(w.decay, records * K);
   c.add(w.states, records * K * V);

@@ -4,6 +4,8 @@
 // the scans) to the gradients of the transformed inputs. The math is bench/model/
 // chunk_backward.py term by term; Gamma is natural-log here and every e^(Gamma_i - Gamma_j)
 // is formed pairwise (an exponent <= 0 for j <= i: no factorisation, nothing to overflow).
+// Global operands pass through shared memory in coalesced slices (staged_product, the key
+// slices of the pairwise sums): a thread never waits on a chain of its own global loads.
 #include <cuda_runtime.h>
 
 #include "cuda/backward_common.cuh"
@@ -14,6 +16,7 @@ namespace {
 constexpr int kLd = kC + 1;  // C x C tiles in shared memory, padded against bank conflicts
 constexpr int kSlice = 32;   // key channels staged per pass of the pairwise sums
 constexpr int kSliceLd = kSlice + 1;
+constexpr int kWarps = kBackwardThreads / 32;
 
 // The chunk's rows of the buffers, for one value head.
 struct ChunkRows {
@@ -31,75 +34,101 @@ struct ChunkRows {
     return load_float(x.data, x.dtype, row / b.p.T * x.stride[0] + row % b.p.T * x.stride[1] +
                                            hv * x.stride[2] + j * x.stride[3]);
   }
+  // The chunk's rows of a per-value-head buffer as a product operand.
+  __device__ Rows k_rows(const float* buf) const { return {buf + (r0 * b.p.HV + hv) * b.p.K, b.p.HV * b.p.K}; }
+  __device__ Rows v_rows(const float* buf) const { return {buf + (r0 * b.p.HV + hv) * b.p.V, b.p.HV * b.p.V}; }
+  __device__ Cols k_cols(const float* buf) const { return {buf + (r0 * b.p.HV + hv) * b.p.K, b.p.HV * b.p.K}; }
+  __device__ Cols v_cols(const float* buf) const { return {buf + (r0 * b.p.HV + hv) * b.p.V, b.p.HV * b.p.V}; }
 };
 
-__device__ __forceinline__ int64_t ld_k(const BackwardParams& b) { return b.p.HV * b.p.K; }
-__device__ __forceinline__ int64_t ld_v(const BackwardParams& b) { return b.p.HV * b.p.V; }
+// Channels [c0, c0 + kSlice) of the chunk's rows (zeros past len / K).
+struct KeySlice {
+  float q[kC][kSliceLd], k[kC][kSliceLd], g[kC][kSliceLd];
+};
 
-// Stages channels [c0, c0 + kSlice) of q, k and Gamma of the chunk's rows (zeros past len / K).
-__device__ void stage_slice(const ChunkRows& x, int c0, float (*sq)[kSliceLd],
-                            float (*sk)[kSliceLd], float (*sg)[kSliceLd]) {
+// Stages q, k (normalised, q scaled) and Gamma of a key slice.
+__device__ void stage_slice(const ChunkRows& x, int c0, KeySlice& s) {
   const int64_t K = x.b.p.K;
   for (int idx = threadIdx.x; idx < kC * kSlice; idx += blockDim.x) {
     const int i = idx / kSlice, cc = idx % kSlice, c = c0 + cc;
     const bool ok = i < x.len && c < K;
-    sq[i][cc] = ok ? x.key_head(x.b.ws.qn, i)[c] : 0.f;
-    sk[i][cc] = ok ? x.key_head(x.b.ws.kn, i)[c] : 0.f;
-    sg[i][cc] = ok ? x.k_row(x.b.ws.gamma, i)[c] : 0.f;
+    s.q[i][cc] = ok ? x.key_head(x.b.ws.qn, i)[c] : 0.f;
+    s.k[i][cc] = ok ? x.key_head(x.b.ws.kn, i)[c] : 0.f;
+    s.g[i][cc] = ok ? x.k_row(x.b.ws.gamma, i)[c] : 0.f;
   }
 }
 
 struct RecordsShared {
-  float sq[kC][kSliceLd], sk[kC][kSliceLd], sg[kC][kSliceLd];
+  KeySlice slice;
   float akk[kC][kLd], tm[kC][kLd];
+  ProductStage stage;
 };
+
+// Gamma (the cumulative log gate) of one key slice, the gate factors of q and k, beta k e^Gamma
+// and the chunk's decay, written to the buffers; leaves q, k and Gamma of the slice staged.
+__device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64_t rec, int c0,
+                              KeySlice& s) {
+  const int64_t K = b.p.K;
+  const int len = x.len;
+  for (int idx = threadIdx.x; idx < kC * kSlice; idx += blockDim.x) {
+    const int i = idx / kSlice, cc = idx % kSlice, c = c0 + cc;
+    const bool ok = i < len && c < K;
+    s.g[i][cc] = ok ? x.k_row(b.ws.gate, i)[c] : 0.f;
+    s.q[i][cc] = ok ? x.key_head(b.ws.qn, i)[c] : 0.f;
+    s.k[i][cc] = ok ? x.key_head(b.ws.kn, i)[c] : 0.f;
+  }
+  __syncthreads();
+  if (threadIdx.x < kSlice) {
+    float G = 0.f;
+    for (int i = 0; i < len; ++i) {
+      G += s.g[i][threadIdx.x];
+      s.g[i][threadIdx.x] = G;
+    }
+    if (c0 + static_cast<int>(threadIdx.x) < K) b.ws.decay[rec * K + c0 + threadIdx.x] = expf(G);
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < len * kSlice; idx += blockDim.x) {
+    const int i = idx / kSlice, cc = idx % kSlice, c = c0 + cc;
+    if (c >= K) continue;
+    const float g = s.g[i][cc], e = expf(g), kv = s.k[i][cc];
+    x.k_row(b.ws.gamma, i)[c] = g;
+    x.k_row(b.ws.qg, i)[c] = s.q[i][cc] * e;
+    x.k_row(b.ws.kg, i)[c] = kv * expf(s.g[len - 1][cc] - g);
+    x.k_row(b.ws.kb, i)[c] = x.beta(i) * kv * e;
+  }
+}
 
 __global__ void __launch_bounds__(kBackwardThreads) records_kernel(const BackwardParams b) {
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
   ChunkAt at;
   if (!chunk_at(b, rec / b.p.HV, at)) return;
   const ChunkRows x{b, at.r0, hv, hv / b.p.group, at.len};
-  const int64_t K = b.p.K, V = b.p.V;
-  const int len = at.len;
+  const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), len = at.len;
   extern __shared__ __align__(16) unsigned char smem[];
   RecordsShared& sh = *reinterpret_cast<RecordsShared*>(smem);
 
-  // Gamma (the cumulative log gate), the gate factors of q and k, beta k e^Gamma, the decay.
-  for (int64_t c = threadIdx.x; c < K; c += blockDim.x) {
-    float G = 0.f;
-    for (int i = 0; i < len; ++i) {
-      G += x.k_row(b.ws.gate, i)[c];
-      x.k_row(b.ws.gamma, i)[c] = G;
-    }
-    const float end = G;
-    b.ws.decay[rec * K + c] = expf(end);
-    for (int i = 0; i < len; ++i) {
-      const float g = x.k_row(b.ws.gamma, i)[c], e = expf(g), kv = x.key_head(b.ws.kn, i)[c];
-      x.k_row(b.ws.qg, i)[c] = x.key_head(b.ws.qn, i)[c] * e;
-      x.k_row(b.ws.kg, i)[c] = kv * expf(end - g);
-      x.k_row(b.ws.kb, i)[c] = x.beta(i) * kv * e;
-    }
-  }
   for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x) {
-    const int i = static_cast<int>(idx / V), j = static_cast<int>(idx % V);
+    const int i = idx / V, j = idx % V;
     x.v_row(b.ws.vb, i)[j] = x.beta(i) * x.value(b.p.v, i, j);
   }
 
-  // A_qk (diagonal included) and the unscaled A_kk products, pairwise over key slices.
+  // Per key slice: the factors, then A_qk (diagonal included) and the unscaled A_kk
+  // products, pairwise.
   constexpr int kPairs = kC * kC / kBackwardThreads;
   float aq[kPairs] = {}, kd[kPairs] = {};
   for (int c0 = 0; c0 < K; c0 += kSlice) {
     __syncthreads();
-    stage_slice(x, c0, sh.sq, sh.sk, sh.sg);
+    slice_factors(b, x, rec, c0, sh.slice);
     __syncthreads();
+    const KeySlice& s = sh.slice;
 #pragma unroll
     for (int e = 0; e < kPairs; ++e) {
       const int pair = threadIdx.x + e * kBackwardThreads, i = pair / kC, j = pair % kC;
       if (j > i || i >= len) continue;
       for (int cc = 0; cc < kSlice; ++cc) {
-        const float f = expf(sh.sg[i][cc] - sh.sg[j][cc]) * sh.sk[j][cc];
-        aq[e] = fmaf(sh.sq[i][cc], f, aq[e]);
-        kd[e] = fmaf(sh.sk[i][cc], f, kd[e]);
+        const float f = expf(s.g[i][cc] - s.g[j][cc]) * s.k[j][cc];
+        aq[e] = fmaf(s.q[i][cc], f, aq[e]);
+        kd[e] = fmaf(s.k[i][cc], f, kd[e]);
       }
     }
   }
@@ -115,13 +144,16 @@ __global__ void __launch_bounds__(kBackwardThreads) records_kernel(const Backwar
   }
   __syncthreads();
 
-  // T = (I + A_kk)^-1 by forward substitution, one column per thread.
-  if (threadIdx.x < kC) {
-    const int c = threadIdx.x;
+  // T = (I + A_kk)^-1 by forward substitution: four lanes per column share each row's sum.
+  {
+    const int c = threadIdx.x / 4, part = threadIdx.x % 4;
     for (int i = 0; i < kC; ++i) {
-      float t = i == c ? 1.f : 0.f;
-      for (int j = c; j < i; ++j) t = fmaf(-sh.akk[i][j], sh.tm[j][c], t);
-      sh.tm[i][c] = t;
+      float t = 0.f;
+      for (int j = c + part; j < i; j += 4) t = fmaf(sh.akk[i][j], sh.tm[j][c], t);
+      t += __shfl_xor_sync(0xffffffffu, t, 1);
+      t += __shfl_xor_sync(0xffffffffu, t, 2);
+      if (part == 0) sh.tm[i][c] = (i == c ? 1.f : 0.f) - t;
+      __syncwarp();
     }
   }
   __syncthreads();
@@ -131,15 +163,14 @@ __global__ void __launch_bounds__(kBackwardThreads) records_kernel(const Backwar
   // w = T (beta k e^Gamma) and u = T (beta v); the linear rule writes u = v (beta is 1).
   const Rows T{&sh.tm[0][0], kLd};
   if (b.p.delta) {
-    tile_product(len, static_cast<int>(K), len, T, Rows{x.k_row(b.ws.kb, 0), ld_k(b)},
-                 [&](int m, int n, float acc) { x.k_row(b.ws.w, m)[n] = acc; });
-    tile_product(len, static_cast<int>(V), len, T, Rows{x.v_row(b.ws.vb, 0), ld_v(b)},
-                 [&](int m, int n, float acc) { x.v_row(b.ws.u, m)[n] = acc; });
+    staged_product(len, K, len, T, x.k_rows(b.ws.kb), sh.stage,
+                   [&](int m, int n, float acc) { x.k_row(b.ws.w, m)[n] = acc; });
+    staged_product(len, V, len, T, x.v_rows(b.ws.vb), sh.stage,
+                   [&](int m, int n, float acc) { x.v_row(b.ws.u, m)[n] = acc; });
   } else {
-    for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x) {
-      const int i = static_cast<int>(idx / V), j = static_cast<int>(idx % V);
-      x.v_row(b.ws.u, i)[j] = x.v_row(b.ws.vb, i)[j];
-    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)
+      x.v_row(b.ws.u, idx / V)[idx % V] = x.v_row(b.ws.vb, idx / V)[idx % V];
   }
 }
 
@@ -148,8 +179,11 @@ struct GradsShared {
   float dakk[kC][kLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
   float dt[kC][kLd];    // d T, then d A_kk * unscaled products (for d beta)
   float x[kC][kLd];     // d T T^T
-  float dgamma[256];    // d Gamma_end per channel
-  float sq[kC][kSliceLd], sk[kC][kSliceLd], sg[kC][kSliceLd];
+  float dgamma[kMaxCols];  // d Gamma_end per channel
+  union {
+    ProductStage stage;  // the products
+    KeySlice slice;      // the pairwise sums
+  };
 };
 
 __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardParams b) {
@@ -166,60 +200,57 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
   const float* decay = ws.decay + rec * K;
   extern __shared__ __align__(16) unsigned char smem[];
   GradsShared& sh = *reinterpret_cast<GradsShared*>(smem);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) {
     sh.daqk[idx / kC][idx % kC] = 0.f;
     sh.dakk[idx / kC][idx % kC] = 0.f;
   }
-  auto dO = [&](int i, int j) { return x.value(b.d_o, i, j); };
   auto gamma = [&](int i, int c) { return x.k_row(ws.gamma, i)[c]; };
+  const Rows dO = x.v_rows(ws.dout);
   const Cols S_t{S, V}, dS_t{dS, V};
 
   // d(q e^Gamma) = dO S^T, to q and Gamma.
-  tile_product(len, K, V, dO, S_t, [&](int m, int n, float acc) {
+  staged_product(len, K, V, dO, S_t, sh.stage, [&](int m, int n, float acc) {
     x.k_row(ws.dq, m)[n] = acc * expf(gamma(m, n));
     x.k_row(ws.dg, m)[n] = acc * x.k_row(ws.qg, m)[n];
   });
-  __syncthreads();
   // d(k e^(Gamma_end - Gamma)) = v_new dS^T, to k and Gamma; its Gamma_end part waits in dw.
-  tile_product(len, K, V, Rows{x.v_row(ws.vn, 0), ld_v(b)}, dS_t, [&](int m, int n, float acc) {
+  staged_product(len, K, V, x.v_rows(ws.vn), dS_t, sh.stage, [&](int m, int n, float acc) {
     x.k_row(ws.dk, m)[n] = acc * expf(gamma(len - 1, n) - gamma(m, n));
     const float t = acc * x.k_row(ws.kg, m)[n];
     x.k_row(ws.dg, m)[n] -= t;
     x.k_row(ws.dw, m)[n] = t;
   });
   // d A_qk = tril(dO v_new^T).
-  tile_product(len, len, V, dO, Cols{x.v_row(ws.vn, 0), ld_v(b)}, [&](int m, int n, float acc) {
-    sh.daqk[m][n] = n <= m ? acc : 0.f;
-  });
-  __syncthreads();
-  for (int c = threadIdx.x; c < K; c += blockDim.x) {
+  staged_product(len, len, V, dO, x.v_cols(ws.vn), sh.stage,
+                 [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });
+  // d Gamma_end = e^Gamma_end sum_j dS S + the kg terms: one warp per channel.
+  for (int c = warp; c < K; c += kWarps) {
     float s = 0.f, t = 0.f;
-    for (int j = 0; j < V; ++j) s = fmaf(dS[c * V + j], S[c * V + j], s);
-    for (int i = 0; i < len; ++i) t += x.k_row(ws.dw, i)[c];
-    sh.dgamma[c] = decay[c] * s + t;
+    for (int j = lane; j < V; j += 32) s = fmaf(dS[c * V + j], S[c * V + j], s);
+    for (int i = lane; i < len; i += 32) t += x.k_row(ws.dw, i)[c];
+    s = warp_sum(s);
+    t = warp_sum(t);
+    if (lane == 0) sh.dgamma[c] = decay[c] * s + t;
   }
-  __syncthreads();
 
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
-    // v_new = u - w S: dw = -dv_new S^T.
-    tile_product(len, K, V, Rows{x.v_row(ws.dvn, 0), ld_v(b)}, S_t,
-                 [&](int m, int n, float acc) { x.k_row(ws.dw, m)[n] = -acc; });
-    __syncthreads();
+    // v_new = u - w S: dw = -dv_new S^T (after the d Gamma_end sums read dw).
+    staged_product(len, K, V, x.v_rows(ws.dvn), S_t, sh.stage,
+                   [&](int m, int n, float acc) { x.k_row(ws.dw, m)[n] = -acc; });
     // dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
-    tile_product(len, len, V, Rows{x.v_row(ws.dvn, 0), ld_v(b)}, Cols{x.v_row(ws.vb, 0), ld_v(b)},
-                 [&](int m, int n, float acc) { sh.dt[m][n] = acc; });
-    __syncthreads();
-    tile_product(len, len, K, Rows{x.k_row(ws.dw, 0), ld_k(b)}, Cols{x.k_row(ws.kb, 0), ld_k(b)},
-                 [&](int m, int n, float acc) { sh.dt[m][n] += acc; });
-    __syncthreads();
+    staged_product(len, len, V, x.v_rows(ws.dvn), x.v_cols(ws.vb), sh.stage,
+                   [&](int m, int n, float acc) { sh.dt[m][n] = acc; });
+    staged_product(len, len, K, x.k_rows(ws.dw), x.k_cols(ws.kb), sh.stage,
+                   [&](int m, int n, float acc) { sh.dt[m][n] += acc; });
     // d(beta v) = T^T dv_new: dv, and beta's share kept in vb.
-    tile_product(len, V, len, T_t, Rows{x.v_row(ws.dvn, 0), ld_v(b)}, [&](int m, int n, float acc) {
+    staged_product(len, V, len, T_t, x.v_rows(ws.dvn), sh.stage, [&](int m, int n, float acc) {
       x.v_row(ws.dv, m)[n] = x.beta(m) * acc;
       x.v_row(ws.vb, m)[n] = acc * x.value(b.p.v, m, n);
     });
     // d(beta k e^Gamma) = T^T dw: to k and Gamma, and beta's share kept in kb.
-    tile_product(len, K, len, T_t, Rows{x.k_row(ws.dw, 0), ld_k(b)}, [&](int m, int n, float acc) {
+    staged_product(len, K, len, T_t, x.k_rows(ws.dw), sh.stage, [&](int m, int n, float acc) {
       float* kb = x.k_row(ws.kb, m) + n;
       const float e = expf(gamma(m, n)), kv = x.key_head(ws.kn, m)[n];
       x.k_row(ws.dk, m)[n] += x.beta(m) * acc * e;
@@ -227,21 +258,22 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
       *kb = acc * kv * e;
     });
     // d A_kk = -T^T dT T^T (strictly lower).
-    tile_product(len, len, len, Rows{&sh.dt[0][0], kLd}, T_t,
-                 [&](int m, int n, float acc) { sh.x[m][n] = acc; });
-    __syncthreads();
-    tile_product(len, len, len, T_t, Rows{&sh.x[0][0], kLd}, [&](int m, int n, float acc) {
-      const float d = n < m ? -acc : 0.f;
-      sh.dakk[m][n] = x.beta(m) * d;
-      sh.dt[m][n] = d * kdot[m * kC + n];
-    });
-    __syncthreads();
-    for (int m = threadIdx.x; m < len; m += blockDim.x) {
+    staged_product(len, len, len, Rows{&sh.dt[0][0], kLd}, T_t, sh.stage,
+                   [&](int m, int n, float acc) { sh.x[m][n] = acc; });
+    staged_product(len, len, len, T_t, Rows{&sh.x[0][0], kLd}, sh.stage,
+                   [&](int m, int n, float acc) {
+                     const float d = n < m ? -acc : 0.f;
+                     sh.dakk[m][n] = x.beta(m) * d;
+                     sh.dt[m][n] = d * kdot[m * kC + n];
+                   });
+    // d beta: one warp per row.
+    for (int m = warp; m < len; m += kWarps) {
       float s = 0.f;
-      for (int j = 0; j < V; ++j) s += x.v_row(ws.vb, m)[j];
-      for (int c = 0; c < K; ++c) s += x.k_row(ws.kb, m)[c];
-      for (int n = 0; n < len; ++n) s += sh.dt[m][n];
-      ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
+      for (int j = lane; j < V; j += 32) s += x.v_row(ws.vb, m)[j];
+      for (int c = lane; c < K; c += 32) s += x.k_row(ws.kb, m)[c];
+      for (int n = lane; n < len; n += 32) s += sh.dt[m][n];
+      s = warp_sum(s);
+      if (lane == 0) ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
     }
   } else {
     for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)
@@ -253,22 +285,23 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
   constexpr int kRowGroups = kBackwardThreads / kSlice;
   for (int c0 = 0; c0 < K; c0 += kSlice) {
     __syncthreads();
-    stage_slice(x, c0, sh.sq, sh.sk, sh.sg);
+    stage_slice(x, c0, sh.slice);
     __syncthreads();
     const int c = c0 + cc;
     if (c >= K) continue;
+    const KeySlice& s = sh.slice;
     for (int i = rg; i < len; i += kRowGroups) {
-      const float gi = sh.sg[i][cc], qi = sh.sq[i][cc], ki = sh.sk[i][cc];
+      const float gi = s.g[i][cc], qi = s.q[i][cc], ki = s.k[i][cc];
       float p1 = 0.f, p2 = 0.f, q1 = 0.f, q2 = 0.f;
       for (int j = 0; j <= i; ++j) {
-        const float f = expf(gi - sh.sg[j][cc]) * sh.sk[j][cc];
+        const float f = expf(gi - s.g[j][cc]) * s.k[j][cc];
         p1 = fmaf(sh.daqk[i][j], f, p1);
         p2 = fmaf(sh.dakk[i][j], f, p2);
       }
       for (int r = i; r < len; ++r) {
-        const float f = expf(sh.sg[r][cc] - gi);
-        q1 = fmaf(sh.daqk[r][i] * sh.sq[r][cc], f, q1);
-        q2 = fmaf(sh.dakk[r][i] * sh.sk[r][cc], f, q2);
+        const float f = expf(s.g[r][cc] - gi);
+        q1 = fmaf(sh.daqk[r][i] * s.q[r][cc], f, q1);
+        q2 = fmaf(sh.dakk[r][i] * s.k[r][cc], f, q2);
       }
       x.k_row(ws.dq, i)[c] += p1;
       x.k_row(ws.dk, i)[c] += p2 + q1 + q2;
@@ -276,13 +309,20 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
     }
   }
   __syncthreads();
-  // Gamma = cumsum(g) inside the chunk: g's gradient is the reverse cumulative sum.
+  // Gamma = cumsum(g) inside the chunk: g's gradient is the reverse cumulative sum. Rows are
+  // loaded kRun at a time, so the loads do not wait on each other.
+  constexpr int kRun = 16;
   for (int c = threadIdx.x; c < K; c += blockDim.x) {
     float run = sh.dgamma[c];
-    for (int i = len - 1; i >= 0; --i) {
-      float* d = x.k_row(ws.dg, i) + c;
-      run += *d;
-      *d = run;
+    for (int top = kC; top > 0; top -= kRun) {
+      float col[kRun];
+#pragma unroll
+      for (int i = 0; i < kRun; ++i) col[i] = top - kRun + i < len ? x.k_row(ws.dg, top - kRun + i)[c] : 0.f;
+#pragma unroll
+      for (int i = kRun - 1; i >= 0; --i) {
+        run += col[i];
+        if (top - kRun + i < len) x.k_row(ws.dg, top - kRun + i)[c] = run;
+      }
     }
   }
 }

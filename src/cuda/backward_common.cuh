@@ -62,46 +62,98 @@ __device__ __forceinline__ float* head_row(float* buf, int64_t row, int64_t hv,
   return buf + (row * b.p.HV + hv) * width;
 }
 
-// Element (i, l) of a row-major matrix with row stride ld (a functor for tile_product).
+// Operands of staged_product: element (i, j) of a float32 matrix in global or shared memory.
+// Rows: row-major with row stride ld (contiguous in j); Cols: its transpose (contiguous in i).
 struct Rows {
+  static constexpr bool kContiguousFirst = false;
   const float* p;
   int64_t ld;
-  __device__ __forceinline__ float operator()(int i, int l) const { return p[i * ld + l]; }
+  __device__ __forceinline__ float operator()(int i, int j) const { return p[i * ld + j]; }
 };
-// Element (i, l) of the transpose of a row-major matrix.
 struct Cols {
+  static constexpr bool kContiguousFirst = true;
   const float* p;
   int64_t ld;
-  __device__ __forceinline__ float operator()(int i, int l) const { return p[l * ld + i]; }
+  __device__ __forceinline__ float operator()(int i, int j) const { return p[j * ld + i]; }
 };
 
-// out(m, n) = sum over l < L of a(m, l) b(l, n) for m < M, n < N, handed to epi(m, n, value).
-// Each output belongs to one thread, which sums in order of l: deterministic, and epi may
-// read-modify-write any array at (m, n). Callers synchronise around it.
-template <class A, class Bm, class Epi>
-__device__ void tile_product(int M, int N, int L, const A& a, const Bm& bm, const Epi& epi) {
-  constexpr int TM = 4, TN = 4;
-  const int tiles_n = (N + TN - 1) / TN, tiles = (M + TM - 1) / TM * tiles_n;
-  for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
-    const int m0 = tile / tiles_n * TM, n0 = tile % tiles_n * TN;
-    float acc[TM][TN] = {};
-    for (int l = 0; l < L; ++l) {
-      float av[TM], bv[TN];
-#pragma unroll
-      for (int i = 0; i < TM; ++i) av[i] = m0 + i < M ? a(m0 + i, l) : 0.f;
-#pragma unroll
-      for (int j = 0; j < TN; ++j) bv[j] = n0 + j < N ? bm(l, n0 + j) : 0.f;
-#pragma unroll
-      for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TN; ++j)
-        if (m0 + i < M && n0 + j < N) epi(m0 + i, n0 + j, acc[i][j]);
+// Products have at most kC rows (a chunk's tokens) and 256 columns (K or V); the summed index
+// is staged kStageL values at a time: A as [l][m], B as [l][n], read back four at a time.
+constexpr int kStageL = 16;
+constexpr int kMaxCols = 256;
+struct alignas(16) ProductStage {
+  float a[kStageL][kC + 4];
+  float b[kStageL][kMaxCols + 4];
+};
+
+// Copies A(m, l0 + l) to a[l][m] (m < kC, zeros past M or L), walking the contiguous index
+// fastest so that global reads coalesce.
+template <class Op>
+__device__ void stage_a(const Op& op, int M, int L, int l0, ProductStage& st) {
+  for (int idx = threadIdx.x; idx < kStageL * kC; idx += blockDim.x) {
+    const int l = Op::kContiguousFirst ? idx / kC : idx % kStageL;
+    const int m = Op::kContiguousFirst ? idx % kC : idx / kStageL;
+    st.a[l][m] = m < M && l0 + l < L ? op(m, l0 + l) : 0.f;
   }
+}
+
+// Copies B(l0 + l, n) to b[l][n] for n < N4 (N rounded up to 4; zeros past N or L).
+template <class Op>
+__device__ void stage_b(const Op& op, int N, int N4, int L, int l0, ProductStage& st) {
+  for (int idx = threadIdx.x; idx < kStageL * N4; idx += blockDim.x) {
+    const int l = Op::kContiguousFirst ? idx % kStageL : idx / N4;
+    const int n = Op::kContiguousFirst ? idx / kStageL : idx % N4;
+    st.b[l][n] = n < N && l0 + l < L ? op(l0 + l, n) : 0.f;
+  }
+}
+
+// out(m, n) = sum over l < L of a(m, l) b(l, n) for m < M <= kC, n < N <= kMaxCols, handed to
+// epi(m, n, value). Each output belongs to one thread (a 4 x 4 block; more blocks than
+// threads take further passes over the operands, which keeps 16 accumulators per thread) and
+// is summed in order of l: deterministic, and epi may read-modify-write any array at (m, n).
+// Starts and ends with a block barrier, so operands written just before and arrays the
+// epilogue writes are safe to use around it.
+template <class A, class Bm, class Epi>
+__device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm, ProductStage& st,
+                               const Epi& epi) {
+  const int N4 = (N + 3) / 4 * 4, tiles_n = N4 / 4, tiles = (M + 3) / 4 * tiles_n;
+  for (int first = 0; first < tiles; first += kBackwardThreads) {
+    const int tile = first + threadIdx.x;
+    const int m0 = tile / tiles_n * 4, n0 = tile % tiles_n * 4;
+    float acc[4][4] = {};
+    for (int l0 = 0; l0 < L; l0 += kStageL) {
+      __syncthreads();
+      stage_a(a, M, L, l0, st);
+      stage_b(bm, N, N4, L, l0, st);
+      __syncthreads();
+      if (tile >= tiles) continue;
+#pragma unroll 4
+      for (int l = 0; l < kStageL; ++l) {
+        const float4 av = *reinterpret_cast<const float4*>(&st.a[l][m0]);
+        const float4 bv = *reinterpret_cast<const float4*>(&st.b[l][n0]);
+        const float ar[4] = {av.x, av.y, av.z, av.w}, br[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], br[j], acc[i][j]);
+      }
+    }
+    if (tile < tiles) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (m0 + i < M && n0 + j < N) epi(m0 + i, n0 + j, acc[i][j]);
+    }
+  }
+  __syncthreads();
+}
+
+// Sum over the 32 lanes of a warp (every lane gets it), in a fixed order.
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
 }
 
 // Element (i, j) of a state tensor given on the host side (K-first or V-first, any float).

@@ -42,7 +42,7 @@ struct BackwardWorkspace {
   float *qn, *kn;                  // per key head: scale q / |q|, k / |k| (or as given)
   float *gate, *beta;              // per value head: log gate (K wide), beta
   float *gamma, *qg, *kg, *kb, *w, *dw;  // per value head, K wide
-  float *vb, *u, *vn, *dvn;        // per value head, V wide
+  float *dout, *vb, *u, *vn, *dvn;  // per value head, V wide (dout: d_o in float32)
   float *aqk, *tm, *kdot;          // per record, C x C
   float* decay;                    // per record, K
   float *states, *dstates;         // per record, K x V (K-first)

@@ -4,6 +4,9 @@
 // chunk and v_new = u - w S; `dstates` goes backward with the state gradient:
 //   dv_new = A_qk^T dO + kg dS'        dS = (q e^Gamma)^T dO + e^(Gamma_end) dS' - w^T dv_new
 // keeping dS' (the gradient of the state leaving each chunk) and dv_new.
+// The chunk's K-wide rows (w, kg, q e^Gamma) pass through shared memory kSlab channels at a
+// time, loaded by the whole block in coalesced rows; thread (warp, lane) owns column `lane`
+// and rows (or channels) warp, warp + 8, ...
 #include <cuda_runtime.h>
 
 #include "cuda/backward_common.cuh"
@@ -12,13 +15,17 @@ namespace flashdelta::detail::cuda {
 namespace {
 
 constexpr int kCols = 32;
-constexpr int kMaxKeys = 256;
+constexpr int kSlab = 32;
+constexpr int kWarps = kBackwardThreads / 32;
+constexpr int kRowsPerThread = kC / kWarps;
+constexpr int kSlabChannelsPerThread = kSlab / kWarps;
 
-// 48 KB: the static limit. A warp touches one row of 32 consecutive columns: no conflicts.
-struct ScanShared {
-  float s[kMaxKeys][kCols];  // the state or its gradient, columns j0 ..
-  float a[kC][kCols];        // v_new (states) or dO (dstates)
-  float d[kC][kCols];        // dv_new (dstates)
+struct alignas(16) ScanShared {
+  float s[kMaxCols][kCols];      // the state or its gradient, columns j0 ..
+  float a[kC][kCols];            // v_new (states) or dO (dstates)
+  float d[kC][kCols];            // dv_new (dstates)
+  float aqk[kC][kC + 1];         // A_qk of the chunk (dstates)
+  float slab[2][kC][kSlab + 1];  // K-wide rows, channels c0 .. c0 + kSlab
 };
 
 // The block's sequence, value head and columns, and the chunk geometry of the sequence.
@@ -28,7 +35,7 @@ struct ScanTile {
   Sequence seq;
   BackwardChunks chunks;
 
-  __device__ ScanTile(const BackwardParams& b) {
+  __device__ explicit ScanTile(const BackwardParams& b) {
     const int64_t tiles = (b.p.V + kCols - 1) / kCols;
     n = blockIdx.x / (b.p.HV * tiles);
     hv = blockIdx.x / tiles % b.p.HV;
@@ -37,13 +44,13 @@ struct ScanTile {
     seq = sequence_of(b.p, n);
     chunks = chunks_of(b, n);
   }
-  // Record index and first token row of chunk ci, and its length (0 past the sequence).
   __device__ int64_t record(const BackwardParams& b, int64_t ci) const {
     return (chunks.first + ci) * b.p.HV + hv;
   }
   __device__ int64_t row0(const BackwardParams& b, int64_t ci) const {
     return seq.batch * b.p.T + seq.t0 + ci * kC;
   }
+  // Tokens of chunk ci (0 past the sequence).
   __device__ int len(int64_t ci) const {
     const int64_t left = seq.len - ci * kC;
     return static_cast<int>(left <= 0 ? 0 : left < kC ? left : kC);
@@ -59,106 +66,159 @@ __device__ void store_tile(const ScanShared& sh, const ScanTile& t, int64_t K, i
   }
 }
 
+// Stages rows [0, len) of the block's value head in a V-wide buffer, columns j0 .. j0 + 31.
+__device__ void stage_columns(const BackwardParams& b, const ScanTile& t, const float* buf,
+                              int64_t r0, int len, float (*dst)[kCols]) {
+  for (int idx = threadIdx.x; idx < kC * kCols; idx += blockDim.x) {
+    const int i = idx / kCols, j = idx % kCols;
+    dst[i][j] = i < len && j < t.cols ? buf[((r0 + i) * b.p.HV + t.hv) * b.p.V + t.j0 + j] : 0.f;
+  }
+}
+
+// Stages channels [c0, c0 + kSlab) of rows [0, len) of a K-wide buffer into slab `which`.
+__device__ void stage_slab(const BackwardParams& b, const ScanTile& t, const float* buf,
+                           int64_t r0, int len, int c0, ScanShared& sh, int which) {
+  const int64_t K = b.p.K;
+  for (int idx = threadIdx.x; idx < kC * kSlab; idx += blockDim.x) {
+    const int i = idx / kSlab, cc = idx % kSlab;
+    sh.slab[which][i][cc] =
+        i < len && c0 + cc < K ? buf[((r0 + i) * b.p.HV + t.hv) * K + c0 + cc] : 0.f;
+  }
+}
+
+// Loads the block's tile of a state given by the caller (any layout and float dtype; zeros
+// when absent).
+__device__ void load_tile(const BackwardParams& b, const ScanTile& t, const StateTensor& s,
+                          DType dtype, ScanShared& sh) {
+  for (int idx = threadIdx.x; idx < b.p.K * kCols; idx += blockDim.x) {
+    const int c = idx / kCols, j = idx % kCols;
+    sh.s[c][j] = s.data && j < t.cols ? load_state_elem(s, dtype, t.n, t.hv, c, t.j0 + j) : 0.f;
+  }
+}
+
 __global__ void __launch_bounds__(kBackwardThreads) states_kernel(const BackwardParams b) {
   const ScanTile t(b);
-  const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV;
-  __shared__ ScanShared sh;
-  for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
-    const int c = idx / kCols, j = idx % kCols;
-    sh.s[c][j] = b.p.state_in.data && j < t.cols
-                     ? load_state_elem(b.p.state_in, b.state_in_dtype, t.n, t.hv, c, t.j0 + j)
-                     : 0.f;
-  }
-  __syncthreads();
+  const int K = static_cast<int>(b.p.K);
+  const int64_t V = b.p.V, HV = b.p.HV;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  extern __shared__ __align__(16) unsigned char smem[];
+  ScanShared& sh = *reinterpret_cast<ScanShared*>(smem);
+  load_tile(b, t, b.p.state_in, b.state_in_dtype, sh);
   for (int64_t ci = 0; ci < t.chunks.count; ++ci) {
     const int len = t.len(ci);
     if (len == 0) break;  // a malformed device table promised more chunks than tokens
     const int64_t rec = t.record(b, ci), r0 = t.row0(b, ci);
+    __syncthreads();
     store_tile(sh, t, K, V, b.ws.states + rec * K * V);
     // v_new = u - w S.
-    for (int idx = threadIdx.x; idx < kC * kCols; idx += blockDim.x) {
-      const int i = idx / kCols, j = idx % kCols;
-      float acc = 0.f;
-      if (i < len && j < t.cols) {
-        const int64_t row = (r0 + i) * HV + t.hv;
-        acc = b.ws.u[row * V + t.j0 + j];
-        if (b.p.delta) {
-          const float* w = b.ws.w + row * K;
-          for (int c = 0; c < K; ++c) acc = fmaf(-w[c], sh.s[c][j], acc);
+    stage_columns(b, t, b.ws.u, r0, len, sh.a);
+    if (b.p.delta) {
+      float acc[kRowsPerThread] = {};
+      for (int c0 = 0; c0 < K; c0 += kSlab) {
+        __syncthreads();
+        stage_slab(b, t, b.ws.w, r0, len, c0, sh, 0);
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < kRowsPerThread; ++e) {
+          const int i = warp + e * kWarps;
+#pragma unroll 8
+          for (int cc = 0; cc < kSlab; ++cc)
+            acc[e] = fmaf(sh.slab[0][i][cc], sh.s[c0 + cc][lane], acc[e]);
         }
-        b.ws.vn[row * V + t.j0 + j] = acc;
       }
-      sh.a[i][j] = acc;
+#pragma unroll
+      for (int e = 0; e < kRowsPerThread; ++e) sh.a[warp + e * kWarps][lane] -= acc[e];
     }
     __syncthreads();
+    for (int e = 0; e < kRowsPerThread; ++e) {
+      const int i = warp + e * kWarps;
+      if (i < len && lane < t.cols) b.ws.vn[((r0 + i) * HV + t.hv) * V + t.j0 + lane] = sh.a[i][lane];
+    }
     // S' = e^(Gamma_end) S + kg^T v_new.
     const float* decay = b.ws.decay + rec * K;
-    for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
-      const int c = idx / kCols, j = idx % kCols;
-      float acc = decay[c] * sh.s[c][j];
-      for (int i = 0; i < len; ++i) acc = fmaf(b.ws.kg[((r0 + i) * HV + t.hv) * K + c], sh.a[i][j], acc);
-      sh.s[c][j] = acc;
+    for (int c0 = 0; c0 < K; c0 += kSlab) {
+      __syncthreads();
+      stage_slab(b, t, b.ws.kg, r0, len, c0, sh, 0);
+      __syncthreads();
+#pragma unroll
+      for (int e = 0; e < kSlabChannelsPerThread; ++e) {
+        const int cc = warp + e * kWarps, c = c0 + cc;
+        if (c >= K) continue;
+        float acc = decay[c] * sh.s[c][lane];
+        for (int i = 0; i < len; ++i) acc = fmaf(sh.slab[0][i][cc], sh.a[i][lane], acc);
+        sh.s[c][lane] = acc;
+      }
     }
-    __syncthreads();
   }
 }
 
 __global__ void __launch_bounds__(kBackwardThreads) dstates_kernel(const BackwardParams b) {
   const ScanTile t(b);
-  const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV, T = b.p.T;
-  __shared__ ScanShared sh;
-  for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
-    const int c = idx / kCols, j = idx % kCols;
-    sh.s[c][j] = b.d_final.data && j < t.cols
-                     ? load_state_elem(b.d_final, b.d_final_dtype, t.n, t.hv, c, t.j0 + j)
-                     : 0.f;
-  }
-  __syncthreads();
+  const int K = static_cast<int>(b.p.K);
+  const int64_t V = b.p.V, HV = b.p.HV;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  extern __shared__ __align__(16) unsigned char smem[];
+  ScanShared& sh = *reinterpret_cast<ScanShared*>(smem);
+  load_tile(b, t, b.d_final, b.d_final_dtype, sh);
   for (int64_t ci = t.chunks.count - 1; ci >= 0; --ci) {
     const int len = t.len(ci);
     if (len == 0) continue;
     const int64_t rec = t.record(b, ci), r0 = t.row0(b, ci);
+    __syncthreads();
     store_tile(sh, t, K, V, b.ws.dstates + rec * K * V);
-    for (int idx = threadIdx.x; idx < kC * kCols; idx += blockDim.x) {
-      const int i = idx / kCols, j = idx % kCols;
-      const int64_t row = r0 + i;
-      const TokenTensor& d_o = b.d_o;
-      sh.a[i][j] = i < len && j < t.cols
-                       ? load_float(d_o.data, d_o.dtype, row / T * d_o.stride[0] +
-                                                              row % T * d_o.stride[1] +
-                                                              t.hv * d_o.stride[2] +
-                                                              (t.j0 + j) * d_o.stride[3])
-                       : 0.f;
-    }
+    stage_columns(b, t, b.ws.dout, r0, len, sh.a);
+    const float* aqk = b.ws.aqk + rec * kC * kC;
+    for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x)
+      sh.aqk[idx / kC][idx % kC] = aqk[idx];
     __syncthreads();
     // dv_new = A_qk^T dO + kg dS'.
-    const float* aqk = b.ws.aqk + rec * kC * kC;
-    for (int idx = threadIdx.x; idx < kC * kCols; idx += blockDim.x) {
-      const int i = idx / kCols, j = idx % kCols;
-      float acc = 0.f;
-      if (i < len) {
-        for (int r = i; r < len; ++r) acc = fmaf(aqk[r * kC + i], sh.a[r][j], acc);
-        const float* kg = b.ws.kg + ((r0 + i) * HV + t.hv) * K;
-        for (int c = 0; c < K; ++c) acc = fmaf(kg[c], sh.s[c][j], acc);
-        if (j < t.cols) b.ws.dvn[((r0 + i) * HV + t.hv) * V + t.j0 + j] = acc;
-      }
-      sh.d[i][j] = acc;
+    float acc[kRowsPerThread];
+#pragma unroll
+    for (int e = 0; e < kRowsPerThread; ++e) {
+      const int i = warp + e * kWarps;
+      float v = 0.f;
+      for (int r = i; r < len; ++r) v = fmaf(sh.aqk[r][i], sh.a[r][lane], v);
+      acc[e] = v;
     }
-    __syncthreads();
+    for (int c0 = 0; c0 < K; c0 += kSlab) {
+      __syncthreads();
+      stage_slab(b, t, b.ws.kg, r0, len, c0, sh, 0);
+      __syncthreads();
+#pragma unroll
+      for (int e = 0; e < kRowsPerThread; ++e) {
+        const int i = warp + e * kWarps;
+#pragma unroll 8
+        for (int cc = 0; cc < kSlab; ++cc)
+          acc[e] = fmaf(sh.slab[0][i][cc], sh.s[c0 + cc][lane], acc[e]);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kRowsPerThread; ++e) {
+      const int i = warp + e * kWarps;
+      sh.d[i][lane] = i < len ? acc[e] : 0.f;
+      if (i < len && lane < t.cols) b.ws.dvn[((r0 + i) * HV + t.hv) * V + t.j0 + lane] = acc[e];
+    }
     // dS = (q e^Gamma)^T dO + e^(Gamma_end) dS' - w^T dv_new.
     const float* decay = b.ws.decay + rec * K;
-    for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
-      const int c = idx / kCols, j = idx % kCols;
-      float acc = decay[c] * sh.s[c][j];
-      for (int i = 0; i < len; ++i) {
-        const int64_t row = (r0 + i) * HV + t.hv;
-        acc = fmaf(b.ws.qg[row * K + c], sh.a[i][j], acc);
-        if (b.p.delta) acc = fmaf(-b.ws.w[row * K + c], sh.d[i][j], acc);
+    for (int c0 = 0; c0 < K; c0 += kSlab) {
+      __syncthreads();
+      stage_slab(b, t, b.ws.qg, r0, len, c0, sh, 0);
+      if (b.p.delta) stage_slab(b, t, b.ws.w, r0, len, c0, sh, 1);
+      __syncthreads();
+#pragma unroll
+      for (int e = 0; e < kSlabChannelsPerThread; ++e) {
+        const int cc = warp + e * kWarps, c = c0 + cc;
+        if (c >= K) continue;
+        float v = decay[c] * sh.s[c][lane];
+        for (int i = 0; i < len; ++i) {
+          v = fmaf(sh.slab[0][i][cc], sh.a[i][lane], v);
+          if (b.p.delta) v = fmaf(-sh.slab[1][i][cc], sh.d[i][lane], v);
+        }
+        sh.s[c][lane] = v;
       }
-      sh.s[c][j] = acc;
     }
-    __syncthreads();
   }
+  __syncthreads();
   if (!b.d_initial.data) return;
   const StateTensor& o = b.d_initial;
   for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
@@ -171,20 +231,21 @@ __global__ void __launch_bounds__(kBackwardThreads) dstates_kernel(const Backwar
   }
 }
 
-unsigned scan_blocks(const BackwardParams& b) {
-  return static_cast<unsigned>(b.p.N * b.p.HV * ((b.p.V + kCols - 1) / kCols));
+void launch_scan(void (*kernel)(BackwardParams), const BackwardParams& b, void* stream) {
+  const unsigned blocks = static_cast<unsigned>(b.p.N * b.p.HV * ((b.p.V + kCols - 1) / kCols));
+  if (blocks == 0) return;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(ScanShared));
+  kernel<<<blocks, kBackwardThreads, sizeof(ScanShared), static_cast<cudaStream_t>(stream)>>>(b);
 }
 
 }  // namespace
 
 void launch_backward_states(const BackwardParams& b, void* stream) {
-  if (scan_blocks(b) == 0) return;
-  states_kernel<<<scan_blocks(b), kBackwardThreads, 0, static_cast<cudaStream_t>(stream)>>>(b);
+  launch_scan(states_kernel, b, stream);
 }
 
 void launch_backward_dstates(const BackwardParams& b, void* stream) {
-  if (scan_blocks(b) == 0) return;
-  dstates_kernel<<<scan_blocks(b), kBackwardThreads, 0, static_cast<cudaStream_t>(stream)>>>(b);
+  launch_scan(dstates_kernel, b, stream);
 }
 
 }  // namespace flashdelta::detail::cuda

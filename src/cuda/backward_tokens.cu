@@ -1,5 +1,5 @@
 // The per-token stages of the CUDA backward (cuda/backward_params.h): the fused input
-// transforms forward (inputs) and their derivatives with the GVA sums (outputs), and the
+// transforms forward and d_o in float32 (inputs), the transforms' derivatives with the GVA sums (outputs), and the
 // fixed-order sums of the gate parameters' gradients over all tokens (params).
 #include <cuda_runtime.h>
 
@@ -85,6 +85,9 @@ __global__ void __launch_bounds__(kBackwardThreads) inputs_kernel(const Backward
                       ? fmaxf(activated_gate(p, raw_gate(p, row, hv, c), a), kMinGate)
                       : 0.f;
     }
+    const int64_t d_o = token_off(b.d_o, row, p.T, hv);
+    for (int j = lane; j < p.V; j += 32)
+      b.ws.dout[vi * p.V + j] = load_float(b.d_o.data, b.d_o.dtype, d_o + j * b.d_o.stride[3]);
     if (lane == 0)
       b.ws.beta[vi] = p.delta ? activate_beta(p, load_float(p.beta.data, p.beta.dtype,
                                                             token_off(p.beta, row, p.T, hv)))
