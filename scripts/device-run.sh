@@ -6,6 +6,10 @@
 #   sanitizer.log       compute-sanitizer memcheck + racecheck (when that stage runs)
 #   bench_decode.json / .txt / .png   the decode benchmark (bench/device/bench_decode.py)
 #   bench_chunk.json / .txt / .png    the chunkwise forward benchmark (bench/device/bench_chunk.py)
+#   bench_backward.json / .txt  the training-step benchmark, forward + backward (stage
+#                bench-backward: bench/device/bench_backward.py; opt-in)
+#   train_kda.txt  a short KDA training run, FlashDelta vs fla (stage train-example:
+#                examples/train_kda.py; opt-in)
 # A stage that fails is reported and the later ones still run where they can. Every stage
 # has a timeout drawn from one time budget (BUDGET_S) that keeps a minimum for the stages
 # after it, so the whole run ends in time; the benchmark skips the cases it has no time for.
@@ -19,13 +23,20 @@
 #   OUT          output folder (default: ./device-out)
 #   BUDGET_S     time budget of the whole run in seconds (default 450)
 #   STAGES       stages to run, in order (default: "info deps configure build ctest sanitize
-#                pytest bench kernel-bench overhead pytest-all"); e.g.
-#                STAGES="deps configure build bench"
+#                pytest bench bench-chunk kernel-bench overhead pytest-all"); e.g.
+#                STAGES="deps configure build bench". Opt-in stages, never in the default:
+#                  bench-backward  FLA_FLASH_KDA=0 bench/device/bench_backward.py (forward +
+#                                  backward vs fla; fla autotunes every new shape, so a full
+#                                  run may need BUDGET_S=570 or --cases split over calls)
+#                  train-example   examples/train_kda.py --steps 100 (-> train_kda.txt)
+#                e.g. STAGES="deps configure build bench-backward" BUILD_TARGETS=_C
 #   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test binary
 #                (build-device/**/test_cuda_recurrent); 0: skip
 #   SANITIZE_FILTER   --gtest_filter for the sanitizer runs (default: every test)
 #   BENCH_ARGS   extra arguments for bench_decode.py (e.g. "--cases kda_n1,kda_n256")
 #   BENCH_CHUNK_ARGS  extra arguments for bench_chunk.py (e.g. "--no-sweep")
+#   BENCH_BACKWARD_ARGS  extra arguments for bench_backward.py (e.g.
+#                "--cases kda_B8_T4096_H16 --no-accuracy")
 #   BUILD_TARGETS  CMake targets to build (default: all), e.g. "_C" for the Python module alone
 #   JOBS         build parallelism (default: all cores)
 #   CUDA_ARCH    CMAKE_CUDA_ARCHITECTURES (default 90a)
@@ -45,6 +56,7 @@ export SANLOG=$OUT/sanitizer.log
 BUDGET_S=${BUDGET_S:-450}
 STAGES=${STAGES:-"info deps configure build ctest sanitize pytest bench bench-chunk kernel-bench overhead pytest-all"}
 export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-}
+export BENCH_BACKWARD_ARGS=${BENCH_BACKWARD_ARGS:-}
 export JOBS=${JOBS:-$(nproc)}
 export CUDA_ARCH=${CUDA_ARCH:-90a}
 export BUILD_TYPE=${BUILD_TYPE:-Release}
@@ -62,9 +74,11 @@ START=$SECONDS
 
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=150 [sanitize]=150
-                [pytest]=150 [bench]=400 [bench-chunk]=480 [kernel-bench]=60 [overhead]=40 [pytest-all]=150)
+                [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
+                [kernel-bench]=60 [overhead]=40 [pytest-all]=150)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
-                [pytest]=40 [bench]=90 [bench-chunk]=60 [kernel-bench]=10 [overhead]=15 [pytest-all]=0)
+                [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60
+                [kernel-bench]=10 [overhead]=15 [pytest-all]=0)
 
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
@@ -180,7 +194,8 @@ stage_sanitize() {
 }
 
 stage_pytest() {
-  python3 -m pytest -p no:cacheprovider -q -rs tests/python/test_cuda.py
+  python3 -m pytest -p no:cacheprovider -q -rs tests/python/test_cuda.py \
+    tests/python/test_cuda_backward.py
 }
 
 stage_bench() {
@@ -192,6 +207,20 @@ stage_bench() {
 stage_bench-chunk() {
   # shellcheck disable=SC2086
   FLA_FLASH_KDA=0 python3 bench/device/bench_chunk.py --out "$OUT" $BENCH_CHUNK_ARGS
+}
+
+stage_bench-backward() {
+  # Opt-in (not in the default STAGES). The script rewrites its outputs after every case, so
+  # a stage cut short by its timeout still leaves the cases it finished.
+  # shellcheck disable=SC2086
+  FLA_FLASH_KDA=0 python3 bench/device/bench_backward.py --out "$OUT" $BENCH_BACKWARD_ARGS
+}
+
+stage_train-example() {
+  # Opt-in. pipefail: the stage fails when the script does, not when tee succeeds (stages run
+  # in a fresh bash, which does not inherit the option).
+  set -o pipefail
+  python3 examples/train_kda.py --steps 100 | tee "$OUT/train_kda.txt"
 }
 
 stage_kernel-bench() {
@@ -209,7 +238,8 @@ stage_overhead() {
 
 stage_pytest-all() {
   # The rest of the Python suite (CPU tests) under this machine's torch, triton and fla.
-  python3 -m pytest -p no:cacheprovider -q -rs tests/python --ignore=tests/python/test_cuda.py
+  python3 -m pytest -p no:cacheprovider -q -rs tests/python --ignore=tests/python/test_cuda.py \
+    --ignore=tests/python/test_cuda_backward.py
 }
 
 # run_stage NAME: runs stage_NAME with a timeout of min(MAX, time left - the MIN of every

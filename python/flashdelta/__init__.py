@@ -13,6 +13,8 @@ return values. `forward`, `decode` and `backward` are the generic entry points;
 forward calls on the CPU; torch tensors get autograd and torch.compile support through
 torch.library custom ops (flashdelta::forward, flashdelta::backward, flashdelta::decode, and
 the inference-only flashdelta::forward_chunk_states behind return_intermediate_states).
+Gradients come from the fp64 reference backward on the CPU and from the chunkwise CUDA
+backward on CUDA tensors (float32 throughout, deterministic).
 """
 
 try:

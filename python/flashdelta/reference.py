@@ -5,7 +5,8 @@ Every function here returns float64 outputs and states whatever the input dtypes
 - forward / decode: flashdelta.forward / flashdelta.decode on the reference schedule;
 - the fla-named functions (chunk_kda, fused_recurrent_gla, ...) with the same signatures
   as flashdelta's, run on the reference schedule.
-Gradients (torch autograd or flashdelta.backward) always come from the reference backward.
+Gradients (torch autograd or flashdelta.backward) of these CPU calls come from the reference
+backward.
 """
 
 import functools

@@ -72,8 +72,11 @@ Carver layout(cuda::BackwardParams& b, bool varlen) {
   c.add(w.kn, rows * b.H * K);
   c.add(w.gate, rk);
   c.add(w.beta, rows * HV);
-  for (float** p : {&w.gamma, &w.qg, &w.kg, &w.kb, &w.w, &w.dw}) c.add(*p, rk);
-  for (float** p : {&w.dout, &w.vb, &w.u, &w.vn, &w.dvn}) c.add(*p, rv);
+  c.add(w.dout, rv);
+  // The chunks' own intermediates, record-major: a chunk's rows are contiguous.
+  const int64_t record_rows = records * cuda::kBackwardChunk;
+  for (float** p : {&w.gamma, &w.qg, &w.kg, &w.kb, &w.w, &w.dw}) c.add(*p, record_rows * K);
+  for (float** p : {&w.vb, &w.u, &w.vn, &w.dvn}) c.add(*p, record_rows * V);
   for (float** p : {&w.aqk, &w.tm, &w.kdot}) c.add(*p, records * cuda::kBackwardChunk * cuda::kBackwardChunk);
   c.add(w.decay, records * K);
   c.add(w.states, records * K * V);

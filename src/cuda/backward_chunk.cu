@@ -18,13 +18,17 @@ constexpr int kSlice = 32;   // key channels staged per pass of the pairwise sum
 constexpr int kSliceLd = kSlice + 1;
 constexpr int kWarps = kBackwardThreads / 32;
 
-// The chunk's rows of the buffers, for one value head.
+// The chunk's rows of the buffers, for one value head: token-major buffers (inputs and
+// gradients, row r0 + i) and record-major ones (the chunk's own intermediates, row i of
+// record rec, contiguous).
 struct ChunkRows {
   const BackwardParams& b;
-  int64_t r0, hv, h;
+  int64_t r0, rec, hv, h;
   int len;
   __device__ float* k_row(float* buf, int i) const { return head_row(buf, r0 + i, hv, b, b.p.K); }
   __device__ float* v_row(float* buf, int i) const { return head_row(buf, r0 + i, hv, b, b.p.V); }
+  __device__ float* k_rec(float* buf, int i) const { return buf + (rec * kC + i) * b.p.K; }
+  __device__ float* v_rec(float* buf, int i) const { return buf + (rec * kC + i) * b.p.V; }
   __device__ const float* key_head(const float* buf, int i) const {
     return buf + ((r0 + i) * b.H + h) * b.p.K;
   }
@@ -34,11 +38,14 @@ struct ChunkRows {
     return load_float(x.data, x.dtype, row / b.p.T * x.stride[0] + row % b.p.T * x.stride[1] +
                                            hv * x.stride[2] + j * x.stride[3]);
   }
-  // The chunk's rows of a per-value-head buffer as a product operand.
-  __device__ Rows k_rows(const float* buf) const { return {buf + (r0 * b.p.HV + hv) * b.p.K, b.p.HV * b.p.K}; }
-  __device__ Rows v_rows(const float* buf) const { return {buf + (r0 * b.p.HV + hv) * b.p.V, b.p.HV * b.p.V}; }
-  __device__ Cols k_cols(const float* buf) const { return {buf + (r0 * b.p.HV + hv) * b.p.K, b.p.HV * b.p.K}; }
-  __device__ Cols v_cols(const float* buf) const { return {buf + (r0 * b.p.HV + hv) * b.p.V, b.p.HV * b.p.V}; }
+  // Product operands: the chunk's rows of a buffer, or their transpose.
+  __device__ Rows v_rows(const float* buf) const {
+    return {buf + (r0 * b.p.HV + hv) * b.p.V, b.p.HV * b.p.V};
+  }
+  __device__ Rows k_recs(const float* buf) const { return {buf + rec * kC * b.p.K, b.p.K}; }
+  __device__ Rows v_recs(const float* buf) const { return {buf + rec * kC * b.p.V, b.p.V}; }
+  __device__ Cols k_recs_t(const float* buf) const { return {buf + rec * kC * b.p.K, b.p.K}; }
+  __device__ Cols v_recs_t(const float* buf) const { return {buf + rec * kC * b.p.V, b.p.V}; }
 };
 
 // Channels [c0, c0 + kSlice) of the chunk's rows (zeros past len / K).
@@ -54,7 +61,7 @@ __device__ void stage_slice(const ChunkRows& x, int c0, KeySlice& s) {
     const bool ok = i < x.len && c < K;
     s.q[i][cc] = ok ? x.key_head(x.b.ws.qn, i)[c] : 0.f;
     s.k[i][cc] = ok ? x.key_head(x.b.ws.kn, i)[c] : 0.f;
-    s.g[i][cc] = ok ? x.k_row(x.b.ws.gamma, i)[c] : 0.f;
+    s.g[i][cc] = ok ? x.k_rec(x.b.ws.gamma, i)[c] : 0.f;
   }
 }
 
@@ -91,10 +98,10 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
     const int i = idx / kSlice, cc = idx % kSlice, c = c0 + cc;
     if (c >= K) continue;
     const float g = s.g[i][cc], e = expf(g), kv = s.k[i][cc];
-    x.k_row(b.ws.gamma, i)[c] = g;
-    x.k_row(b.ws.qg, i)[c] = s.q[i][cc] * e;
-    x.k_row(b.ws.kg, i)[c] = kv * expf(s.g[len - 1][cc] - g);
-    x.k_row(b.ws.kb, i)[c] = x.beta(i) * kv * e;
+    x.k_rec(b.ws.gamma, i)[c] = g;
+    x.k_rec(b.ws.qg, i)[c] = s.q[i][cc] * e;
+    x.k_rec(b.ws.kg, i)[c] = kv * expf(s.g[len - 1][cc] - g);
+    x.k_rec(b.ws.kb, i)[c] = x.beta(i) * kv * e;
   }
 }
 
@@ -102,14 +109,14 @@ __global__ void __launch_bounds__(kBackwardThreads) records_kernel(const Backwar
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
   ChunkAt at;
   if (!chunk_at(b, rec / b.p.HV, at)) return;
-  const ChunkRows x{b, at.r0, hv, hv / b.p.group, at.len};
+  const ChunkRows x{b, at.r0, rec, hv, hv / b.p.group, at.len};
   const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), len = at.len;
   extern __shared__ __align__(16) unsigned char smem[];
   RecordsShared& sh = *reinterpret_cast<RecordsShared*>(smem);
 
   for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x) {
     const int i = idx / V, j = idx % V;
-    x.v_row(b.ws.vb, i)[j] = x.beta(i) * x.value(b.p.v, i, j);
+    x.v_rec(b.ws.vb, i)[j] = x.beta(i) * x.value(b.p.v, i, j);
   }
 
   // Per key slice: the factors, then A_qk (diagonal included) and the unscaled A_kk
@@ -163,14 +170,14 @@ __global__ void __launch_bounds__(kBackwardThreads) records_kernel(const Backwar
   // w = T (beta k e^Gamma) and u = T (beta v); the linear rule writes u = v (beta is 1).
   const Rows T{&sh.tm[0][0], kLd};
   if (b.p.delta) {
-    staged_product(len, K, len, T, x.k_rows(b.ws.kb), sh.stage,
-                   [&](int m, int n, float acc) { x.k_row(b.ws.w, m)[n] = acc; });
-    staged_product(len, V, len, T, x.v_rows(b.ws.vb), sh.stage,
-                   [&](int m, int n, float acc) { x.v_row(b.ws.u, m)[n] = acc; });
+    staged_product(len, K, len, T, x.k_recs(b.ws.kb), sh.stage,
+                   [&](int m, int n, float acc) { x.k_rec(b.ws.w, m)[n] = acc; });
+    staged_product(len, V, len, T, x.v_recs(b.ws.vb), sh.stage,
+                   [&](int m, int n, float acc) { x.v_rec(b.ws.u, m)[n] = acc; });
   } else {
     __syncthreads();
     for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)
-      x.v_row(b.ws.u, idx / V)[idx % V] = x.v_row(b.ws.vb, idx / V)[idx % V];
+      x.v_rec(b.ws.u, idx / V)[idx % V] = x.v_rec(b.ws.vb, idx / V)[idx % V];
   }
 }
 
@@ -190,7 +197,7 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
   ChunkAt at;
   if (!chunk_at(b, rec / b.p.HV, at)) return;
-  const ChunkRows x{b, at.r0, hv, hv / b.p.group, at.len};
+  const ChunkRows x{b, at.r0, rec, hv, hv / b.p.group, at.len};
   const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), len = at.len;
   const BackwardWorkspace& ws = b.ws;
   const float* S = ws.states + rec * K * V;    // entering the chunk, K x V
@@ -205,30 +212,30 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
     sh.daqk[idx / kC][idx % kC] = 0.f;
     sh.dakk[idx / kC][idx % kC] = 0.f;
   }
-  auto gamma = [&](int i, int c) { return x.k_row(ws.gamma, i)[c]; };
+  auto gamma = [&](int i, int c) { return x.k_rec(ws.gamma, i)[c]; };
   const Rows dO = x.v_rows(ws.dout);
   const Cols S_t{S, V}, dS_t{dS, V};
 
   // d(q e^Gamma) = dO S^T, to q and Gamma.
   staged_product(len, K, V, dO, S_t, sh.stage, [&](int m, int n, float acc) {
     x.k_row(ws.dq, m)[n] = acc * expf(gamma(m, n));
-    x.k_row(ws.dg, m)[n] = acc * x.k_row(ws.qg, m)[n];
+    x.k_row(ws.dg, m)[n] = acc * x.k_rec(ws.qg, m)[n];
   });
   // d(k e^(Gamma_end - Gamma)) = v_new dS^T, to k and Gamma; its Gamma_end part waits in dw.
-  staged_product(len, K, V, x.v_rows(ws.vn), dS_t, sh.stage, [&](int m, int n, float acc) {
+  staged_product(len, K, V, x.v_recs(ws.vn), dS_t, sh.stage, [&](int m, int n, float acc) {
     x.k_row(ws.dk, m)[n] = acc * expf(gamma(len - 1, n) - gamma(m, n));
-    const float t = acc * x.k_row(ws.kg, m)[n];
+    const float t = acc * x.k_rec(ws.kg, m)[n];
     x.k_row(ws.dg, m)[n] -= t;
-    x.k_row(ws.dw, m)[n] = t;
+    x.k_rec(ws.dw, m)[n] = t;
   });
   // d A_qk = tril(dO v_new^T).
-  staged_product(len, len, V, dO, x.v_cols(ws.vn), sh.stage,
+  staged_product(len, len, V, dO, x.v_recs_t(ws.vn), sh.stage,
                  [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });
   // d Gamma_end = e^Gamma_end sum_j dS S + the kg terms: one warp per channel.
   for (int c = warp; c < K; c += kWarps) {
     float s = 0.f, t = 0.f;
     for (int j = lane; j < V; j += 32) s = fmaf(dS[c * V + j], S[c * V + j], s);
-    for (int i = lane; i < len; i += 32) t += x.k_row(ws.dw, i)[c];
+    for (int i = lane; i < len; i += 32) t += x.k_rec(ws.dw, i)[c];
     s = warp_sum(s);
     t = warp_sum(t);
     if (lane == 0) sh.dgamma[c] = decay[c] * s + t;
@@ -237,21 +244,21 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
     // v_new = u - w S: dw = -dv_new S^T (after the d Gamma_end sums read dw).
-    staged_product(len, K, V, x.v_rows(ws.dvn), S_t, sh.stage,
-                   [&](int m, int n, float acc) { x.k_row(ws.dw, m)[n] = -acc; });
+    staged_product(len, K, V, x.v_recs(ws.dvn), S_t, sh.stage,
+                   [&](int m, int n, float acc) { x.k_rec(ws.dw, m)[n] = -acc; });
     // dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
-    staged_product(len, len, V, x.v_rows(ws.dvn), x.v_cols(ws.vb), sh.stage,
+    staged_product(len, len, V, x.v_recs(ws.dvn), x.v_recs_t(ws.vb), sh.stage,
                    [&](int m, int n, float acc) { sh.dt[m][n] = acc; });
-    staged_product(len, len, K, x.k_rows(ws.dw), x.k_cols(ws.kb), sh.stage,
+    staged_product(len, len, K, x.k_recs(ws.dw), x.k_recs_t(ws.kb), sh.stage,
                    [&](int m, int n, float acc) { sh.dt[m][n] += acc; });
     // d(beta v) = T^T dv_new: dv, and beta's share kept in vb.
-    staged_product(len, V, len, T_t, x.v_rows(ws.dvn), sh.stage, [&](int m, int n, float acc) {
+    staged_product(len, V, len, T_t, x.v_recs(ws.dvn), sh.stage, [&](int m, int n, float acc) {
       x.v_row(ws.dv, m)[n] = x.beta(m) * acc;
-      x.v_row(ws.vb, m)[n] = acc * x.value(b.p.v, m, n);
+      x.v_rec(ws.vb, m)[n] = acc * x.value(b.p.v, m, n);
     });
     // d(beta k e^Gamma) = T^T dw: to k and Gamma, and beta's share kept in kb.
-    staged_product(len, K, len, T_t, x.k_rows(ws.dw), sh.stage, [&](int m, int n, float acc) {
-      float* kb = x.k_row(ws.kb, m) + n;
+    staged_product(len, K, len, T_t, x.k_recs(ws.dw), sh.stage, [&](int m, int n, float acc) {
+      float* kb = x.k_rec(ws.kb, m) + n;
       const float e = expf(gamma(m, n)), kv = x.key_head(ws.kn, m)[n];
       x.k_row(ws.dk, m)[n] += x.beta(m) * acc * e;
       x.k_row(ws.dg, m)[n] += acc * *kb;
@@ -269,15 +276,15 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
     // d beta: one warp per row.
     for (int m = warp; m < len; m += kWarps) {
       float s = 0.f;
-      for (int j = lane; j < V; j += 32) s += x.v_row(ws.vb, m)[j];
-      for (int c = lane; c < K; c += 32) s += x.k_row(ws.kb, m)[c];
+      for (int j = lane; j < V; j += 32) s += x.v_rec(ws.vb, m)[j];
+      for (int c = lane; c < K; c += 32) s += x.k_rec(ws.kb, m)[c];
       for (int n = lane; n < len; n += 32) s += sh.dt[m][n];
       s = warp_sum(s);
       if (lane == 0) ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
     }
   } else {
     for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)
-      x.v_row(ws.dv, idx / V)[idx % V] = x.v_row(ws.dvn, idx / V)[idx % V];
+      x.v_row(ws.dv, idx / V)[idx % V] = x.v_rec(ws.dvn, idx / V)[idx % V];
   }
 
   // The pairwise terms of A_qk and A_kk: row sums (their i side) and column sums (j side).

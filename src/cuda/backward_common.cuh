@@ -68,42 +68,52 @@ struct Rows {
   static constexpr bool kContiguousFirst = false;
   const float* p;
   int64_t ld;
-  __device__ __forceinline__ float operator()(int i, int j) const { return p[i * ld + j]; }
+  __device__ __forceinline__ const float* at(int i, int j) const { return p + i * ld + j; }
 };
 struct Cols {
   static constexpr bool kContiguousFirst = true;
   const float* p;
   int64_t ld;
-  __device__ __forceinline__ float operator()(int i, int j) const { return p[j * ld + i]; }
+  __device__ __forceinline__ const float* at(int i, int j) const { return p + j * ld + i; }
 };
 
 // Products have at most kC rows (a chunk's tokens) and 256 columns (K or V); the summed index
-// is staged kStageL values at a time: A as [l][m], B as [l][n], read back four at a time.
+// is staged kStageL values at a time, double-buffered: A as [l][m], B as [l][n], read back
+// four at a time.
 constexpr int kStageL = 16;
 constexpr int kMaxCols = 256;
 struct alignas(16) ProductStage {
-  float a[kStageL][kC + 4];
-  float b[kStageL][kMaxCols + 4];
+  float a[2][kStageL][kC + 4];
+  float b[2][kStageL][kMaxCols + 4];
 };
 
-// Copies A(m, l0 + l) to a[l][m] (m < kC, zeros past M or L), walking the contiguous index
-// fastest so that global reads coalesce.
-template <class Op>
-__device__ void stage_a(const Op& op, int M, int L, int l0, ProductStage& st) {
-  for (int idx = threadIdx.x; idx < kStageL * kC; idx += blockDim.x) {
-    const int l = Op::kContiguousFirst ? idx / kC : idx % kStageL;
-    const int m = Op::kContiguousFirst ? idx % kC : idx / kStageL;
-    st.a[l][m] = m < M && l0 + l < L ? op(m, l0 + l) : 0.f;
-  }
+// One element into shared memory: cp.async from global memory (it lands while the block
+// computes on the other buffer), a plain copy from shared memory, a zero out of range.
+__device__ __forceinline__ void stage_element(float* dst, const float* src, bool ok,
+                                              bool shared_src) {
+  if (!ok)
+    *dst = 0.f;
+  else if (shared_src)
+    *dst = *src;
+  else
+    copy_async<4>(dst, src, 4);
 }
 
-// Copies B(l0 + l, n) to b[l][n] for n < N4 (N rounded up to 4; zeros past N or L).
-template <class Op>
-__device__ void stage_b(const Op& op, int N, int N4, int L, int l0, ProductStage& st) {
+// Queues A(m, l0 + l) into a[l][m] (m < kC) and B(l0 + l, n) into b[l][n] (n < N4), walking
+// the contiguous index fastest so that global reads coalesce.
+template <class A, class Bm>
+__device__ void stage_slices(const A& a, const Bm& bm, int M, int N, int N4, int L, int l0,
+                             bool a_shared, bool b_shared, float (*sa)[kC + 4],
+                             float (*sb)[kMaxCols + 4]) {
+  for (int idx = threadIdx.x; idx < kStageL * kC; idx += blockDim.x) {
+    const int l = A::kContiguousFirst ? idx / kC : idx % kStageL;
+    const int m = A::kContiguousFirst ? idx % kC : idx / kStageL;
+    stage_element(&sa[l][m], a.at(m, l0 + l), m < M && l0 + l < L, a_shared);
+  }
   for (int idx = threadIdx.x; idx < kStageL * N4; idx += blockDim.x) {
-    const int l = Op::kContiguousFirst ? idx % kStageL : idx / N4;
-    const int n = Op::kContiguousFirst ? idx / kStageL : idx % N4;
-    st.b[l][n] = n < N && l0 + l < L ? op(l0 + l, n) : 0.f;
+    const int l = Bm::kContiguousFirst ? idx % kStageL : idx / N4;
+    const int n = Bm::kContiguousFirst ? idx / kStageL : idx % N4;
+    stage_element(&sb[l][n], bm.at(l0 + l, n), n < N && l0 + l < L, b_shared);
   }
 }
 
@@ -111,32 +121,44 @@ __device__ void stage_b(const Op& op, int N, int N4, int L, int l0, ProductStage
 // epi(m, n, value). Each output belongs to one thread (a 4 x 4 block; more blocks than
 // threads take further passes over the operands, which keeps 16 accumulators per thread) and
 // is summed in order of l: deterministic, and epi may read-modify-write any array at (m, n).
-// Starts and ends with a block barrier, so operands written just before and arrays the
-// epilogue writes are safe to use around it.
+// Slice s + 1 is in flight while slice s is multiplied. Starts and ends with a block
+// barrier, so operands written just before and arrays the epilogue writes are safe to use
+// around it.
 template <class A, class Bm, class Epi>
 __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm, ProductStage& st,
                                const Epi& epi) {
   const int N4 = (N + 3) / 4 * 4, tiles_n = N4 / 4, tiles = (M + 3) / 4 * tiles_n;
+  const int slices = (L + kStageL - 1) / kStageL;
+  const bool a_shared = __isShared(a.p), b_shared = __isShared(bm.p);
+  __syncthreads();
   for (int first = 0; first < tiles; first += kBackwardThreads) {
     const int tile = first + threadIdx.x;
     const int m0 = tile / tiles_n * 4, n0 = tile % tiles_n * 4;
     float acc[4][4] = {};
-    for (int l0 = 0; l0 < L; l0 += kStageL) {
+    stage_slices(a, bm, M, N, N4, L, 0, a_shared, b_shared, st.a[0], st.b[0]);
+    commit_async();
+    for (int s = 0; s < slices; ++s) {
+      if (s + 1 < slices)
+        stage_slices(a, bm, M, N, N4, L, (s + 1) * kStageL, a_shared, b_shared,
+                     st.a[(s + 1) & 1], st.b[(s + 1) & 1]);
+      commit_async();
+      wait_async<1>();
       __syncthreads();
-      stage_a(a, M, L, l0, st);
-      stage_b(bm, N, N4, L, l0, st);
-      __syncthreads();
-      if (tile >= tiles) continue;
+      if (tile < tiles) {
+        const float(*sa)[kC + 4] = st.a[s & 1];
+        const float(*sb)[kMaxCols + 4] = st.b[s & 1];
 #pragma unroll 4
-      for (int l = 0; l < kStageL; ++l) {
-        const float4 av = *reinterpret_cast<const float4*>(&st.a[l][m0]);
-        const float4 bv = *reinterpret_cast<const float4*>(&st.b[l][n0]);
-        const float ar[4] = {av.x, av.y, av.z, av.w}, br[4] = {bv.x, bv.y, bv.z, bv.w};
+        for (int l = 0; l < kStageL; ++l) {
+          const float4 av = *reinterpret_cast<const float4*>(&sa[l][m0]);
+          const float4 bv = *reinterpret_cast<const float4*>(&sb[l][n0]);
+          const float ar[4] = {av.x, av.y, av.z, av.w}, br[4] = {bv.x, bv.y, bv.z, bv.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+          for (int i = 0; i < 4; ++i)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], br[j], acc[i][j]);
+            for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], br[j], acc[i][j]);
+        }
       }
+      __syncthreads();
     }
     if (tile < tiles) {
 #pragma unroll
@@ -146,6 +168,7 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm, Pr
           if (m0 + i < M && n0 + j < N) epi(m0 + i, n0 + j, acc[i][j]);
     }
   }
+  wait_async<0>();
   __syncthreads();
 }
 

@@ -35,14 +35,16 @@ struct HeadParam {
 };
 
 // Buffers are float32 and dense. Token rows are r = batch * T + t; "per value head" arrays
-// are [B * T, HV, width], "per key head" [B * T, H, K]; records (chunk * HV + hv) hold
-// C x C tiles, K-vectors or K x V states.
+// are [B * T, HV, width], "per key head" [B * T, H, K]. Records (chunk * HV + hv) hold
+// C x C tiles, K-vectors, K x V states, or C rows of width K or V ("per record row": row i
+// of the chunk, contiguous, so that a chunk's slab is one block of memory).
 struct BackwardWorkspace {
   int64_t* chunk_start = nullptr;  // [N + 1], cu_seqlens only
   float *qn, *kn;                  // per key head: scale q / |q|, k / |k| (or as given)
   float *gate, *beta;              // per value head: log gate (K wide), beta
-  float *gamma, *qg, *kg, *kb, *w, *dw;  // per value head, K wide
-  float *dout, *vb, *u, *vn, *dvn;  // per value head, V wide (dout: d_o in float32)
+  float* dout;                     // per value head: d_o in float32
+  float *gamma, *qg, *kg, *kb, *w, *dw;  // per record row, K wide
+  float *vb, *u, *vn, *dvn;        // per record row, V wide
   float *aqk, *tm, *kdot;          // per record, C x C
   float* decay;                    // per record, K
   float *states, *dstates;         // per record, K x V (K-first)

@@ -5,8 +5,9 @@
 //   dv_new = A_qk^T dO + kg dS'        dS = (q e^Gamma)^T dO + e^(Gamma_end) dS' - w^T dv_new
 // keeping dS' (the gradient of the state leaving each chunk) and dv_new.
 // The chunk's K-wide rows (w, kg, q e^Gamma) pass through shared memory kSlab channels at a
-// time, loaded by the whole block in coalesced rows; thread (warp, lane) owns column `lane`
-// and rows (or channels) warp, warp + 8, ...
+// time, loaded by the whole block in coalesced rows with cp.async, the next slab in flight
+// while the block works on the current one; thread (warp, lane) owns column `lane` and rows
+// (or channels) warp, warp + 8, ...
 #include <cuda_runtime.h>
 
 #include "cuda/backward_common.cuh"
@@ -25,8 +26,10 @@ struct alignas(16) ScanShared {
   float a[kC][kCols];            // v_new (states) or dO (dstates)
   float d[kC][kCols];            // dv_new (dstates)
   float aqk[kC][kC + 1];         // A_qk of the chunk (dstates)
-  float slab[2][kC][kSlab + 1];  // K-wide rows, channels c0 .. c0 + kSlab
+  float slab[2][2][kC][kSlab + 1];  // [buffer][operand]: K-wide rows, channels c0 ..
 };
+
+using Slab = float[2][kC][kSlab + 1];  // the two operands of one buffer
 
 // The block's sequence, value head and columns, and the chunk geometry of the sequence.
 struct ScanTile {
@@ -66,23 +69,63 @@ __device__ void store_tile(const ScanShared& sh, const ScanTile& t, int64_t K, i
   }
 }
 
-// Stages rows [0, len) of the block's value head in a V-wide buffer, columns j0 .. j0 + 31.
+// Queues rows [0, len) of columns j0 .. j0 + 31 of a V-wide buffer into dst (cp.async; zeros
+// past len or V): token-major (row r0 + i of the block's value head) or record-major (row i
+// of record rec).
 __device__ void stage_columns(const BackwardParams& b, const ScanTile& t, const float* buf,
                               int64_t r0, int len, float (*dst)[kCols]) {
   for (int idx = threadIdx.x; idx < kC * kCols; idx += blockDim.x) {
     const int i = idx / kCols, j = idx % kCols;
-    dst[i][j] = i < len && j < t.cols ? buf[((r0 + i) * b.p.HV + t.hv) * b.p.V + t.j0 + j] : 0.f;
+    if (i < len && j < t.cols)
+      copy_async<4>(&dst[i][j], buf + ((r0 + i) * b.p.HV + t.hv) * b.p.V + t.j0 + j, 4);
+    else
+      dst[i][j] = 0.f;
+  }
+}
+__device__ void stage_record_columns(const BackwardParams& b, const ScanTile& t, const float* buf,
+                                     int64_t rec, int len, float (*dst)[kCols]) {
+  for (int idx = threadIdx.x; idx < kC * kCols; idx += blockDim.x) {
+    const int i = idx / kCols, j = idx % kCols;
+    if (i < len && j < t.cols)
+      copy_async<4>(&dst[i][j], buf + (rec * kC + i) * b.p.V + t.j0 + j, 4);
+    else
+      dst[i][j] = 0.f;
   }
 }
 
-// Stages channels [c0, c0 + kSlab) of rows [0, len) of a K-wide buffer into slab `which`.
-__device__ void stage_slab(const BackwardParams& b, const ScanTile& t, const float* buf,
-                           int64_t r0, int len, int c0, ScanShared& sh, int which) {
+// Queues channels [c0, c0 + kSlab) of rows [0, len) of record rec of a K-wide buffer.
+__device__ void stage_slab(const BackwardParams& b, const float* buf, int64_t rec, int len,
+                           int c0, float (*dst)[kSlab + 1]) {
   const int64_t K = b.p.K;
   for (int idx = threadIdx.x; idx < kC * kSlab; idx += blockDim.x) {
     const int i = idx / kSlab, cc = idx % kSlab;
-    sh.slab[which][i][cc] =
-        i < len && c0 + cc < K ? buf[((r0 + i) * b.p.HV + t.hv) * K + c0 + cc] : 0.f;
+    if (i < len && c0 + cc < K)
+      copy_async<4>(&dst[i][cc], buf + (rec * kC + i) * K + c0 + cc, 4);
+    else
+      dst[i][cc] = 0.f;
+  }
+}
+
+// Walks the K channels kSlab at a time: body(c0, slab) sees channels c0 .. of `first` in
+// slab[0] (and of `second` in slab[1], when given) while the next slab is in flight. Copies
+// queued before the call land with the first slab. Ends with a block barrier.
+template <class Body>
+__device__ void over_slabs(const BackwardParams& b, const float* first, const float* second,
+                           int64_t rec, int len, ScanShared& sh, const Body& body) {
+  const int K = static_cast<int>(b.p.K), slabs = (K + kSlab - 1) / kSlab;
+  auto issue = [&](int s) {
+    stage_slab(b, first, rec, len, s * kSlab, sh.slab[s & 1][0]);
+    if (second) stage_slab(b, second, rec, len, s * kSlab, sh.slab[s & 1][1]);
+  };
+  issue(0);
+  commit_async();
+  for (int s = 0; s < slabs; ++s) {
+    if (s + 1 < slabs) issue(s + 1);
+    commit_async();
+    wait_async<1>();
+    __syncthreads();
+    body(s * kSlab, sh.slab[s & 1]);
+    __syncthreads();
   }
 }
 
@@ -99,7 +142,7 @@ __device__ void load_tile(const BackwardParams& b, const ScanTile& t, const Stat
 __global__ void __launch_bounds__(kBackwardThreads) states_kernel(const BackwardParams b) {
   const ScanTile t(b);
   const int K = static_cast<int>(b.p.K);
-  const int64_t V = b.p.V, HV = b.p.HV;
+  const int64_t V = b.p.V;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   extern __shared__ __align__(16) unsigned char smem[];
   ScanShared& sh = *reinterpret_cast<ScanShared*>(smem);
@@ -107,55 +150,52 @@ __global__ void __launch_bounds__(kBackwardThreads) states_kernel(const Backward
   for (int64_t ci = 0; ci < t.chunks.count; ++ci) {
     const int len = t.len(ci);
     if (len == 0) break;  // a malformed device table promised more chunks than tokens
-    const int64_t rec = t.record(b, ci), r0 = t.row0(b, ci);
+    const int64_t rec = t.record(b, ci);
     __syncthreads();
     store_tile(sh, t, K, V, b.ws.states + rec * K * V);
     // v_new = u - w S.
-    stage_columns(b, t, b.ws.u, r0, len, sh.a);
+    stage_record_columns(b, t, b.ws.u, rec, len, sh.a);
+    float acc[kRowsPerThread] = {};
     if (b.p.delta) {
-      float acc[kRowsPerThread] = {};
-      for (int c0 = 0; c0 < K; c0 += kSlab) {
-        __syncthreads();
-        stage_slab(b, t, b.ws.w, r0, len, c0, sh, 0);
-        __syncthreads();
+      over_slabs(b, b.ws.w, nullptr, rec, len, sh, [&](int c0, const Slab& slab) {
 #pragma unroll
         for (int e = 0; e < kRowsPerThread; ++e) {
           const int i = warp + e * kWarps;
 #pragma unroll 8
           for (int cc = 0; cc < kSlab; ++cc)
-            acc[e] = fmaf(sh.slab[0][i][cc], sh.s[c0 + cc][lane], acc[e]);
+            acc[e] = fmaf(slab[0][i][cc], sh.s[c0 + cc][lane], acc[e]);
         }
-      }
-#pragma unroll
-      for (int e = 0; e < kRowsPerThread; ++e) sh.a[warp + e * kWarps][lane] -= acc[e];
+      });
+    } else {
+      commit_async();
+      wait_async<0>();
+      __syncthreads();
     }
-    __syncthreads();
+#pragma unroll
     for (int e = 0; e < kRowsPerThread; ++e) {
       const int i = warp + e * kWarps;
-      if (i < len && lane < t.cols) b.ws.vn[((r0 + i) * HV + t.hv) * V + t.j0 + lane] = sh.a[i][lane];
+      sh.a[i][lane] -= acc[e];
+      if (i < len && lane < t.cols) b.ws.vn[(rec * kC + i) * V + t.j0 + lane] = sh.a[i][lane];
     }
-    // S' = e^(Gamma_end) S + kg^T v_new.
+    // S' = e^(Gamma_end) S + kg^T v_new (over_slabs' first barrier publishes v_new).
     const float* decay = b.ws.decay + rec * K;
-    for (int c0 = 0; c0 < K; c0 += kSlab) {
-      __syncthreads();
-      stage_slab(b, t, b.ws.kg, r0, len, c0, sh, 0);
-      __syncthreads();
+    over_slabs(b, b.ws.kg, nullptr, rec, len, sh, [&](int c0, const Slab& slab) {
 #pragma unroll
       for (int e = 0; e < kSlabChannelsPerThread; ++e) {
         const int cc = warp + e * kWarps, c = c0 + cc;
         if (c >= K) continue;
-        float acc = decay[c] * sh.s[c][lane];
-        for (int i = 0; i < len; ++i) acc = fmaf(sh.slab[0][i][cc], sh.a[i][lane], acc);
-        sh.s[c][lane] = acc;
+        float v = decay[c] * sh.s[c][lane];
+        for (int i = 0; i < len; ++i) v = fmaf(slab[0][i][cc], sh.a[i][lane], v);
+        sh.s[c][lane] = v;
       }
-    }
+    });
   }
 }
 
 __global__ void __launch_bounds__(kBackwardThreads) dstates_kernel(const BackwardParams b) {
   const ScanTile t(b);
   const int K = static_cast<int>(b.p.K);
-  const int64_t V = b.p.V, HV = b.p.HV;
+  const int64_t V = b.p.V;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   extern __shared__ __align__(16) unsigned char smem[];
   ScanShared& sh = *reinterpret_cast<ScanShared*>(smem);
@@ -169,54 +209,48 @@ __global__ void __launch_bounds__(kBackwardThreads) dstates_kernel(const Backwar
     stage_columns(b, t, b.ws.dout, r0, len, sh.a);
     const float* aqk = b.ws.aqk + rec * kC * kC;
     for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x)
-      sh.aqk[idx / kC][idx % kC] = aqk[idx];
-    __syncthreads();
-    // dv_new = A_qk^T dO + kg dS'.
-    float acc[kRowsPerThread];
+      copy_async<4>(&sh.aqk[idx / kC][idx % kC], aqk + idx, 4);
+    // dv_new = A_qk^T dO + kg dS' (dO and A_qk land with the first kg slab).
+    float acc[kRowsPerThread] = {};
+    over_slabs(b, b.ws.kg, nullptr, rec, len, sh, [&](int c0, const Slab& slab) {
+      if (c0 == 0) {
 #pragma unroll
-    for (int e = 0; e < kRowsPerThread; ++e) {
-      const int i = warp + e * kWarps;
-      float v = 0.f;
-      for (int r = i; r < len; ++r) v = fmaf(sh.aqk[r][i], sh.a[r][lane], v);
-      acc[e] = v;
-    }
-    for (int c0 = 0; c0 < K; c0 += kSlab) {
-      __syncthreads();
-      stage_slab(b, t, b.ws.kg, r0, len, c0, sh, 0);
-      __syncthreads();
+        for (int e = 0; e < kRowsPerThread; ++e) {
+          const int i = warp + e * kWarps;
+          for (int r = i; r < len; ++r) acc[e] = fmaf(sh.aqk[r][i], sh.a[r][lane], acc[e]);
+        }
+      }
 #pragma unroll
       for (int e = 0; e < kRowsPerThread; ++e) {
         const int i = warp + e * kWarps;
 #pragma unroll 8
         for (int cc = 0; cc < kSlab; ++cc)
-          acc[e] = fmaf(sh.slab[0][i][cc], sh.s[c0 + cc][lane], acc[e]);
+          acc[e] = fmaf(slab[0][i][cc], sh.s[c0 + cc][lane], acc[e]);
       }
-    }
+    });
 #pragma unroll
     for (int e = 0; e < kRowsPerThread; ++e) {
       const int i = warp + e * kWarps;
       sh.d[i][lane] = i < len ? acc[e] : 0.f;
-      if (i < len && lane < t.cols) b.ws.dvn[((r0 + i) * HV + t.hv) * V + t.j0 + lane] = acc[e];
+      if (i < len && lane < t.cols) b.ws.dvn[(rec * kC + i) * V + t.j0 + lane] = acc[e];
     }
-    // dS = (q e^Gamma)^T dO + e^(Gamma_end) dS' - w^T dv_new.
+    // dS = (q e^Gamma)^T dO + e^(Gamma_end) dS' - w^T dv_new (over_slabs' first barrier
+    // publishes dv_new).
     const float* decay = b.ws.decay + rec * K;
-    for (int c0 = 0; c0 < K; c0 += kSlab) {
-      __syncthreads();
-      stage_slab(b, t, b.ws.qg, r0, len, c0, sh, 0);
-      if (b.p.delta) stage_slab(b, t, b.ws.w, r0, len, c0, sh, 1);
-      __syncthreads();
+    over_slabs(b, b.ws.qg, b.p.delta ? b.ws.w : nullptr, rec, len, sh,
+               [&](int c0, const Slab& slab) {
 #pragma unroll
-      for (int e = 0; e < kSlabChannelsPerThread; ++e) {
-        const int cc = warp + e * kWarps, c = c0 + cc;
-        if (c >= K) continue;
-        float v = decay[c] * sh.s[c][lane];
-        for (int i = 0; i < len; ++i) {
-          v = fmaf(sh.slab[0][i][cc], sh.a[i][lane], v);
-          if (b.p.delta) v = fmaf(-sh.slab[1][i][cc], sh.d[i][lane], v);
-        }
-        sh.s[c][lane] = v;
-      }
-    }
+                 for (int e = 0; e < kSlabChannelsPerThread; ++e) {
+                   const int cc = warp + e * kWarps, c = c0 + cc;
+                   if (c >= K) continue;
+                   float v = decay[c] * sh.s[c][lane];
+                   for (int i = 0; i < len; ++i) {
+                     v = fmaf(slab[0][i][cc], sh.a[i][lane], v);
+                     if (b.p.delta) v = fmaf(-slab[1][i][cc], sh.d[i][lane], v);
+                   }
+                   sh.s[c][lane] = v;
+                 }
+               });
   }
   __syncthreads();
   if (!b.d_initial.data) return;
