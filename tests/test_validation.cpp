@@ -437,5 +437,29 @@ TEST(BackwardValidation, GradientShapeAndPresence) {
   }
 }
 
+// The backward's workspace query validates as backward does and needs nothing on the CPU.
+TEST(BackwardValidation, WorkspaceBytes) {
+  CaseConfig cfg = kda();
+  cfg.dtype = DType::f64;
+  const Case c = make_case(cfg);
+  HostTensor d_o = c.make_output(DType::f64);
+  BackwardArgs a;
+  a.q = c.q.view;
+  a.k = c.k.view;
+  a.v = c.v.view;
+  a.g = c.g.view;
+  a.beta = c.beta.view;
+  a.d_o = d_o.view;
+  EXPECT_EQ(backward_workspace_bytes(a, c.options, Schedule::reference), 0u);
+  EXPECT_EQ(backward_workspace_bytes(a, c.options), 0u);
+  a.d_o = TensorView{};
+  try {
+    backward_workspace_bytes(a, c.options);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'d_o'"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace flashdelta::testing
