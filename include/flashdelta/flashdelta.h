@@ -127,10 +127,12 @@ void decode(const DecodeArgs& args, const Options& options,
 // raw gate (through the activation); dbeta with respect to the raw beta (through the
 // sigmoid); d_initial_state, dA_log, ddt_bias. Gradient dtypes are any float dtype; states
 // and their gradients any float dtype too.
-// Schedules: the fp64 reference on the CPU; the chunkwise kernels on CUDA (sm_80 and later),
-// which recompute the forward's per-chunk states instead of keeping them and compute in
-// float32 throughout. Deterministic: no floating-point atomics, so the gradients are bitwise
-// identical from run to run.
+// Schedules: Schedule::reference on the CPU (the default); Schedule::chunk on CUDA (sm_80
+// and later, ~107 KB of shared memory per block), which recomputes the forward's per-chunk
+// states instead of keeping them and computes in float32 throughout. Deterministic: no
+// floating-point atomics, so the gradients are bitwise identical from run to run (unless a
+// malformed device cu_seqlens makes sequences overlap: their gradients are then undefined,
+// though nothing outside the tensors is ever accessed).
 struct BackwardArgs {
   TensorView q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias;
   TensorView d_o;
@@ -146,7 +148,7 @@ struct BackwardArgs {
 // Bytes of workspace backward(args, options, schedule) uses: 0 on the CPU. Validates args
 // as backward does (throws Error), reads no tensor data.
 size_t backward_workspace_bytes(const BackwardArgs& args, const Options& options,
-                                Schedule schedule = Schedule::chunk);
+                                Schedule schedule = Schedule::reference);
 
 void backward(const BackwardArgs& args, const Options& options,
               Schedule schedule = Schedule::reference);

@@ -15,8 +15,8 @@ the dispatcher and runs the op's body directly (`direct`): the torch.library dis
 tens of microseconds per call, more than a whole decode step on a GPU. Anything else goes
 through the ops, which behave the same.
 
-Gradients run the library's backward, which on the CPU is the fp64 reference backward
-(exact, not fast) until a faster one exists; CUDA tensors have no backward yet.
+Gradients run the library's backward: on the CPU the fp64 reference backward (exact, not
+fast), on CUDA tensors the chunkwise CUDA backward.
 """
 
 import atexit

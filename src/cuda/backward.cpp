@@ -4,6 +4,7 @@
 // synchronising.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -77,7 +78,8 @@ Carver layout(cuda::BackwardParams& b, bool varlen) {
   const int64_t record_rows = records * cuda::kBackwardChunk;
   for (float** p : {&w.gamma, &w.qg, &w.kg, &w.kb, &w.w, &w.dw}) c.add(*p, record_rows * K);
   for (float** p : {&w.vb, &w.u, &w.vn, &w.dvn}) c.add(*p, record_rows * V);
-  for (float** p : {&w.aqk, &w.tm, &w.kdot}) c.add(*p, records * cuda::kBackwardChunk * cuda::kBackwardChunk);
+  const int64_t tile = cuda::kBackwardChunk * cuda::kBackwardChunk;
+  for (float** p : {&w.aqk, &w.tm, &w.kdot}) c.add(*p, records * tile);
   c.add(w.decay, records * K);
   c.add(w.states, records * K * V);
   c.add(w.dstates, records * K * V);
@@ -126,6 +128,24 @@ void check_launch(const char* what) {
                                         " kernel launch failed: " + cudaGetErrorString(err));
 }
 
+// Throws Error(unsupported) when the GPU lacks the per-block shared memory of the per-chunk
+// and scan kernels (about 107 KB: Hopper and A100 have it, GPUs with 99 KB per block do
+// not); called before anything is launched.
+void require_shared_memory() {
+  const int64_t needed = std::max(cuda::backward_chunk_shared_bytes(),
+                                  cuda::backward_scan_shared_bytes());
+  int device = 0, available = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess)
+    throw Error(ErrorCode::runtime, "the CUDA chunk backward: no usable CUDA device");
+  if (available < needed)
+    throw Error(ErrorCode::unsupported,
+                "argument 'q': the CUDA chunk backward needs " + std::to_string(needed) +
+                    " bytes of shared memory per block; this GPU offers " +
+                    std::to_string(available));
+}
+
 }  // namespace
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
@@ -142,10 +162,15 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   if (a.workspace != nullptr || a.workspace_bytes > 0)
     check_caller_workspace(a.workspace, a.workspace_bytes, bytes);
   require_sm80("the CUDA chunk backward");
-  if (b.max_chunks * p.HV > INT_MAX || p.N * p.HV * ((p.V + 31) / 32) > INT_MAX)
+  require_shared_memory();
+  const int64_t records = b.max_chunks * p.HV, scan_tiles = p.N * p.HV * ((p.V + 31) / 32),
+                param_blocks = p.HV * (p.K + 1);
+  if (records > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX)
     throw Error(ErrorCode::unsupported,
-                "argument 'q': the CUDA chunk backward runs at most 2^31 - 1 blocks, got " +
-                    std::to_string(b.max_chunks * p.HV) + " chunk records");
+                "argument 'q': the CUDA chunk backward runs at most 2^31 - 1 blocks per kernel, "
+                "got " + std::to_string(records) + " chunk records, " +
+                    std::to_string(scan_tiles) + " scan tiles and " +
+                    std::to_string(param_blocks) + " gate-parameter sums");
 
   const StreamWorkspace memory("CUDA chunk backward", bytes, a.workspace, a.workspace_bytes,
                                a.stream);

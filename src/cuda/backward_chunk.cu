@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/backward_common.cuh"
+#include "cuda/transforms.cuh"
 
 namespace flashdelta::detail::cuda {
 namespace {
@@ -236,8 +237,8 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
     float s = 0.f, t = 0.f;
     for (int j = lane; j < V; j += 32) s = fmaf(dS[c * V + j], S[c * V + j], s);
     for (int i = lane; i < len; i += 32) t += x.k_rec(ws.dw, i)[c];
-    s = warp_sum(s);
-    t = warp_sum(t);
+    s = lane_sum<1, 16>(s);
+    t = lane_sum<1, 16>(t);
     if (lane == 0) sh.dgamma[c] = decay[c] * s + t;
   }
 
@@ -279,7 +280,7 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
       for (int j = lane; j < V; j += 32) s += x.v_rec(ws.vb, m)[j];
       for (int c = lane; c < K; c += 32) s += x.k_rec(ws.kb, m)[c];
       for (int n = lane; n < len; n += 32) s += sh.dt[m][n];
-      s = warp_sum(s);
+      s = lane_sum<1, 16>(s);
       if (lane == 0) ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
     }
   } else {
@@ -324,7 +325,10 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
     for (int top = kC; top > 0; top -= kRun) {
       float col[kRun];
 #pragma unroll
-      for (int i = 0; i < kRun; ++i) col[i] = top - kRun + i < len ? x.k_row(ws.dg, top - kRun + i)[c] : 0.f;
+      for (int i = 0; i < kRun; ++i) {
+        const int row = top - kRun + i;
+        col[i] = row < len ? x.k_row(ws.dg, row)[c] : 0.f;
+      }
 #pragma unroll
       for (int i = kRun - 1; i >= 0; --i) {
         run += col[i];
@@ -334,23 +338,27 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
   }
 }
 
-// Both kernels keep more than the 48 KB of static shared memory: opt in once per process.
+// One block per record; both kernels keep more than the 48 KB of static shared memory.
 template <class Shared>
-void launch_records_kernel(void (*kernel)(BackwardParams), const BackwardParams& b, void* stream) {
+void launch_per_record(void (*kernel)(BackwardParams), const BackwardParams& b, void* stream) {
   const unsigned blocks = static_cast<unsigned>(b.max_chunks * b.p.HV);
   if (blocks == 0) return;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(Shared));
+  set_shared_bytes(kernel, sizeof(Shared));
   kernel<<<blocks, kBackwardThreads, sizeof(Shared), static_cast<cudaStream_t>(stream)>>>(b);
 }
 
 }  // namespace
 
+int64_t backward_chunk_shared_bytes() {
+  return sizeof(GradsShared) > sizeof(RecordsShared) ? sizeof(GradsShared) : sizeof(RecordsShared);
+}
+
 void launch_backward_records(const BackwardParams& b, void* stream) {
-  launch_records_kernel<RecordsShared>(records_kernel, b, stream);
+  launch_per_record<RecordsShared>(records_kernel, b, stream);
 }
 
 void launch_backward_grads(const BackwardParams& b, void* stream) {
-  launch_records_kernel<GradsShared>(grads_kernel, b, stream);
+  launch_per_record<GradsShared>(grads_kernel, b, stream);
 }
 
 }  // namespace flashdelta::detail::cuda

@@ -172,11 +172,12 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm, Pr
   __syncthreads();
 }
 
-// Sum over the 32 lanes of a warp (every lane gets it), in a fixed order.
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
+// Opts a kernel in to `bytes` of dynamic shared memory (past the 48 KB default); the host
+// checked the device offers it (cuda/backward.cpp) before anything was launched.
+template <class Kernel>
+void set_shared_bytes(Kernel kernel, size_t bytes) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       static_cast<int>(bytes));
 }
 
 // Element (i, j) of a state tensor given on the host side (K-first or V-first, any float).

@@ -40,16 +40,18 @@ struct HeadParam {
 // of the chunk, contiguous, so that a chunk's slab is one block of memory).
 struct BackwardWorkspace {
   int64_t* chunk_start = nullptr;  // [N + 1], cu_seqlens only
-  float *qn, *kn;                  // per key head: scale q / |q|, k / |k| (or as given)
-  float *gate, *beta;              // per value head: log gate (K wide), beta
-  float* dout;                     // per value head: d_o in float32
-  float *gamma, *qg, *kg, *kb, *w, *dw;  // per record row, K wide
-  float *vb, *u, *vn, *dvn;        // per record row, V wide
-  float *aqk, *tm, *kdot;          // per record, C x C
-  float* decay;                    // per record, K
-  float *states, *dstates;         // per record, K x V (K-first)
-  float *dq, *dk, *dg, *dv, *dbeta;  // gradients of the transformed inputs, per value head
-  float* dA_log_part;              // per value head and token
+  float *qn = nullptr, *kn = nullptr;      // per key head: scale q / |q|, k / |k| (or as given)
+  float *gate = nullptr, *beta = nullptr;  // per value head: log gate (K wide), beta
+  float* dout = nullptr;                   // per value head: d_o in float32
+  // Per record row, K wide.
+  float *gamma = nullptr, *qg = nullptr, *kg = nullptr, *kb = nullptr, *w = nullptr, *dw = nullptr;
+  float *vb = nullptr, *u = nullptr, *vn = nullptr, *dvn = nullptr;  // per record row, V wide
+  float *aqk = nullptr, *tm = nullptr, *kdot = nullptr;  // per record, C x C
+  float* decay = nullptr;                                // per record, K
+  float *states = nullptr, *dstates = nullptr;           // per record, K x V (K-first)
+  // Gradients of the transformed inputs, per value head.
+  float *dq = nullptr, *dk = nullptr, *dg = nullptr, *dv = nullptr, *dbeta = nullptr;
+  float* dA_log_part = nullptr;  // per value head and token
 };
 
 struct BackwardParams {
@@ -67,6 +69,11 @@ struct BackwardParams {
   HeadParam dA_log, ddt_bias;
   BackwardWorkspace ws;
 };
+
+// Dynamic shared memory per block of the per-chunk and the scan kernels (the host checks the
+// device offers it before launching anything).
+int64_t backward_chunk_shared_bytes();
+int64_t backward_scan_shared_bytes();
 
 void launch_backward_inputs(const BackwardParams& b, void* stream);
 void launch_backward_records(const BackwardParams& b, void* stream);

@@ -70,24 +70,13 @@ __device__ void store_tile(const ScanShared& sh, const ScanTile& t, int64_t K, i
 }
 
 // Queues rows [0, len) of columns j0 .. j0 + 31 of a V-wide buffer into dst (cp.async; zeros
-// past len or V): token-major (row r0 + i of the block's value head) or record-major (row i
-// of record rec).
-__device__ void stage_columns(const BackwardParams& b, const ScanTile& t, const float* buf,
-                              int64_t r0, int len, float (*dst)[kCols]) {
+// past len or V): row i at rows + i * row_stride (token-major or record-major buffers).
+__device__ void stage_columns(const ScanTile& t, const float* rows, int64_t row_stride, int len,
+                              float (*dst)[kCols]) {
   for (int idx = threadIdx.x; idx < kC * kCols; idx += blockDim.x) {
     const int i = idx / kCols, j = idx % kCols;
     if (i < len && j < t.cols)
-      copy_async<4>(&dst[i][j], buf + ((r0 + i) * b.p.HV + t.hv) * b.p.V + t.j0 + j, 4);
-    else
-      dst[i][j] = 0.f;
-  }
-}
-__device__ void stage_record_columns(const BackwardParams& b, const ScanTile& t, const float* buf,
-                                     int64_t rec, int len, float (*dst)[kCols]) {
-  for (int idx = threadIdx.x; idx < kC * kCols; idx += blockDim.x) {
-    const int i = idx / kCols, j = idx % kCols;
-    if (i < len && j < t.cols)
-      copy_async<4>(&dst[i][j], buf + (rec * kC + i) * b.p.V + t.j0 + j, 4);
+      copy_async<4>(&dst[i][j], rows + i * row_stride + t.j0 + j, 4);
     else
       dst[i][j] = 0.f;
   }
@@ -130,12 +119,17 @@ __device__ void over_slabs(const BackwardParams& b, const float* first, const fl
 }
 
 // Loads the block's tile of a state given by the caller (any layout and float dtype; zeros
-// when absent).
+// when absent). Rows K .. up to the next multiple of kSlab are zeroed too: the slab products
+// read them (times zero-filled slab entries, which leftover NaN bits would still poison),
+// and no update ever writes them.
 __device__ void load_tile(const BackwardParams& b, const ScanTile& t, const StateTensor& s,
                           DType dtype, ScanShared& sh) {
-  for (int idx = threadIdx.x; idx < b.p.K * kCols; idx += blockDim.x) {
+  const int64_t K = b.p.K, rows = (K + kSlab - 1) / kSlab * kSlab;
+  for (int idx = threadIdx.x; idx < rows * kCols; idx += blockDim.x) {
     const int c = idx / kCols, j = idx % kCols;
-    sh.s[c][j] = s.data && j < t.cols ? load_state_elem(s, dtype, t.n, t.hv, c, t.j0 + j) : 0.f;
+    sh.s[c][j] = s.data && c < K && j < t.cols
+                     ? load_state_elem(s, dtype, t.n, t.hv, c, t.j0 + j)
+                     : 0.f;
   }
 }
 
@@ -149,12 +143,12 @@ __global__ void __launch_bounds__(kBackwardThreads) states_kernel(const Backward
   load_tile(b, t, b.p.state_in, b.state_in_dtype, sh);
   for (int64_t ci = 0; ci < t.chunks.count; ++ci) {
     const int len = t.len(ci);
-    if (len == 0) break;  // a malformed device table promised more chunks than tokens
+    if (len == 0) continue;  // defensive: the table counts chunks from the same lengths
     const int64_t rec = t.record(b, ci);
     __syncthreads();
     store_tile(sh, t, K, V, b.ws.states + rec * K * V);
     // v_new = u - w S.
-    stage_record_columns(b, t, b.ws.u, rec, len, sh.a);
+    stage_columns(t, b.ws.u + rec * kC * V, V, len, sh.a);
     float acc[kRowsPerThread] = {};
     if (b.p.delta) {
       over_slabs(b, b.ws.w, nullptr, rec, len, sh, [&](int c0, const Slab& slab) {
@@ -202,11 +196,11 @@ __global__ void __launch_bounds__(kBackwardThreads) dstates_kernel(const Backwar
   load_tile(b, t, b.d_final, b.d_final_dtype, sh);
   for (int64_t ci = t.chunks.count - 1; ci >= 0; --ci) {
     const int len = t.len(ci);
-    if (len == 0) continue;
+    if (len == 0) continue;  // defensive, as in states_kernel
     const int64_t rec = t.record(b, ci), r0 = t.row0(b, ci);
     __syncthreads();
     store_tile(sh, t, K, V, b.ws.dstates + rec * K * V);
-    stage_columns(b, t, b.ws.dout, r0, len, sh.a);
+    stage_columns(t, b.ws.dout + (r0 * b.p.HV + t.hv) * V, b.p.HV * V, len, sh.a);
     const float* aqk = b.ws.aqk + rec * kC * kC;
     for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x)
       copy_async<4>(&sh.aqk[idx / kC][idx % kC], aqk + idx, 4);
@@ -268,11 +262,13 @@ __global__ void __launch_bounds__(kBackwardThreads) dstates_kernel(const Backwar
 void launch_scan(void (*kernel)(BackwardParams), const BackwardParams& b, void* stream) {
   const unsigned blocks = static_cast<unsigned>(b.p.N * b.p.HV * ((b.p.V + kCols - 1) / kCols));
   if (blocks == 0) return;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(ScanShared));
+  set_shared_bytes(kernel, sizeof(ScanShared));
   kernel<<<blocks, kBackwardThreads, sizeof(ScanShared), static_cast<cudaStream_t>(stream)>>>(b);
 }
 
 }  // namespace
+
+int64_t backward_scan_shared_bytes() { return sizeof(ScanShared); }
 
 void launch_backward_states(const BackwardParams& b, void* stream) {
   launch_scan(states_kernel, b, stream);

@@ -1,6 +1,7 @@
 // The per-token stages of the CUDA backward (cuda/backward_params.h): the fused input
-// transforms forward and d_o in float32 (inputs), the transforms' derivatives with the GVA sums (outputs), and the
-// fixed-order sums of the gate parameters' gradients over all tokens (params).
+// transforms forward and d_o in float32 (inputs), the transforms' derivatives with the GVA
+// sums (outputs), and the fixed-order sums of the gate parameters' gradients over all tokens
+// (params).
 #include <cuda_runtime.h>
 
 #include "cuda/backward_common.cuh"

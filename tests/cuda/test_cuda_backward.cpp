@@ -139,10 +139,14 @@ std::vector<CaseConfig> backward_grid() {
   };
   const StateLayout kf = StateLayout::k_first, vf = StateLayout::v_first;
   const Shape shapes[] = {
-      {2, 1, 64, 64, 2, 4, kf, DType::bf16, true},     {1, 64, 128, 128, 1, 2, vf, DType::bf16, true},
-      {2, 65, 64, 64, 1, 4, kf, DType::f16, true},     {1, 130, 60, 100, 2, 4, vf, DType::f32, true},
-      {2, 47, 17, 33, 1, 2, kf, DType::f32, false},    {1, 150, 256, 256, 1, 1, kf, DType::bf16, true},
-      {2, 100, 100, 60, 2, 2, kf, DType::f64, true},   {1, 200, 128, 128, 2, 8, kf, DType::bf16, true},
+      {2, 1, 64, 64, 2, 4, kf, DType::bf16, true},
+      {1, 64, 128, 128, 1, 2, vf, DType::bf16, true},
+      {2, 65, 64, 64, 1, 4, kf, DType::f16, true},
+      {1, 130, 60, 100, 2, 4, vf, DType::f32, true},
+      {2, 47, 17, 33, 1, 2, kf, DType::f32, false},
+      {1, 150, 256, 256, 1, 1, kf, DType::bf16, true},
+      {2, 100, 100, 60, 2, 2, kf, DType::f64, true},
+      {1, 200, 128, 128, 2, 8, kf, DType::bf16, true},
   };
   std::vector<CaseConfig> grid;
   uint64_t seed = 7000;
