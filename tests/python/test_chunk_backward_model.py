@@ -1,5 +1,6 @@
 """bench/model/chunk_backward.py, the written-out chunkwise KDA backward that the CUDA
-backward follows, against torch.autograd of the token-by-token recurrence (float64, CPU)."""
+backward follows, against torch.autograd of the token-by-token recurrence (float64, CPU);
+and bench/model/backward_rounding.py's exact path against it."""
 import importlib.util
 import os
 
@@ -20,3 +21,28 @@ _spec.loader.exec_module(model)
 def test_chunk_backward_matches_autograd(T, seed):
     errors = model.max_relative_errors(T=T, K=12, V=20, seed=seed)
     assert max(errors.values()) < 1e-10, errors
+
+
+def _load(name):
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "model", name + ".py")
+    spec = importlib.util.spec_from_file_location(name + "_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rounding_model_without_roundings_is_the_chunk_backward():
+    """bench/model/backward_rounding.py (numpy, every head, factorised pairwise sums) with no
+    rounding gives chunk_backward's gradients, so its error figures measure roundings only."""
+    rounding = _load("backward_rounding")
+    x = rounding.training_inputs(150, 1, 16, 24)
+    gen = torch.Generator().manual_seed(3)
+    d_o = torch.randn(150, 1, 24, generator=gen, dtype=torch.float64)
+    d_final = torch.randn(1, 16, 24, generator=gen, dtype=torch.float64)
+    got = rounding.backward(x, d_o.numpy(), d_final.numpy(), {})
+    inputs = [torch.from_numpy(x[n][:, 0]) for n in ("q", "k", "v", "g", "beta")]
+    want = model.chunk_backward(*inputs, torch.from_numpy(x["h0"][0]), d_o[:, 0], d_final[0])
+    for name, w in zip(rounding.GRADS, want):
+        g = got[name][0] if name == "dh0" else got[name][:, 0]
+        err = abs(g - w.numpy()).max() / abs(w.numpy()).max()
+        assert err < 1e-12, (name, err)

@@ -1,0 +1,175 @@
+"""How accurate would a tensor-core CUDA backward be? A numpy model of its roundings.
+
+bench/NOTES.md (j) plans the fast backward on bfloat16 tensor-core operands: the forward's
+bf16 records (q e^G, k e^(G_C - G), w, u, A_qk), the states and state gradients as mma
+operands (S, dS'), v_new and dv_new as operands, the per-chunk gradient products (T, beta v,
+beta k e^G, dT, dT T^T, dA) and the pairwise A-side sums in the forward's factorised form
+(a reference point per 16-row block, q / k times e^(G - ref) or e^(ref - G) as operands).
+This model runs the chunkwise backward of bench/model/chunk_backward.py in float64 with any
+subset of those roundings (names in ROUNDINGS) and reports max |got - exact| / max |exact|
+for each gradient of the transformed inputs (q, k, v, g, beta, h0), the measure
+bench/device/bench_backward.py reports for fla (3.3e-3 .. 5.8e-3 on its training inputs)
+and for the float32 kernels (2.1e-3 .. 3.0e-3, from bf16-rounded inputs). Two input sets:
+the training form of bench_backward.py (precomputed gate logsigmoid(randn + 4)) and the
+prefill form of bench_chunk.py (gate activation with lower bound -5). Needs numpy only.
+
+    python3 bench/model/backward_rounding.py [--T 512] [--heads 2]
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from chunk_rounding import BLOCK, CHUNK, bf16, inputs as prefill_inputs, tf32  # noqa: E402
+
+ROUNDINGS = ["records", "S_op", "vn_op", "dS_op", "dvn_op", "wy_ops", "dA_ops", "pair_ops"]
+GRADS = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+
+
+def training_inputs(T, H, K, V, seed=0):
+    """bench_backward.py's inputs: bf16 q, k, v, gate logsigmoid(randn + 4), beta sigmoid."""
+    rng = np.random.default_rng(seed)
+    q, k = bf16(rng.standard_normal((T, H, K))), bf16(rng.standard_normal((T, H, K)))
+    v = bf16(rng.standard_normal((T, H, V)))
+    g = bf16(-np.logaddexp(0, -(rng.standard_normal((T, H, K)) + 4)))
+    beta = bf16(1 / (1 + np.exp(-rng.standard_normal((T, H)))))
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) * K ** -0.5
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, h0=rng.standard_normal((H, K, V)) * 0.1)
+
+
+def block_refs(G):
+    """Per 16-row block, the midpoint of G over the block (as the forward's prepare kernel)."""
+    C = G.shape[0]
+    refs = np.empty_like(G)
+    for i0 in range(0, C, BLOCK):
+        refs[i0:i0 + BLOCK] = G[min(i0 + BLOCK // 2, C - 1)]
+    return refs
+
+
+def row_pairs(M, right, G, rnd):
+    """sum_{j <= i} M[i, j] right[j] e^(G_i - G_j), factorised around row i's block
+    reference; only columns up to the block's end take part (later ones are masked, and their
+    factors e^(ref - G_j) could overflow), as in the forward's prepare kernel."""
+    r = block_refs(G)
+    out = np.zeros_like(right)
+    for i0 in range(0, M.shape[0], BLOCK):
+        blk, end, ref = slice(i0, i0 + BLOCK), i0 + BLOCK, r[i0]
+        out[blk] = np.exp(G[blk] - ref) * (rnd("pair_ops", M[blk, :end]) @
+                                           rnd("pair_ops", right[:end] * np.exp(ref - G[:end])))
+    return out
+
+
+def col_pairs(M, left, G, rnd):
+    """sum_{i >= j} M[i, j] left[i] e^(G_i - G_j), factorised around column j's block
+    reference; only rows from the block's start take part."""
+    r = block_refs(G)
+    out = np.zeros_like(left)
+    for j0 in range(0, M.shape[1], BLOCK):
+        blk, ref = slice(j0, j0 + BLOCK), r[j0]
+        out[blk] = np.exp(ref - G[blk]) * (rnd("pair_ops", M[j0:, blk]).T @
+                                           rnd("pair_ops", left[j0:] * np.exp(G[j0:] - ref)))
+    return out
+
+
+def backward(x, d_o, d_final, precision):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) of <d_o, o> + <d_final, S_T> for every head,
+    by the chunk algorithm with the named roundings applied."""
+    def rnd(name, value):
+        return precision[name](value) if name in precision else value
+
+    T, H, K = x["q"].shape
+    grads = {n: np.zeros_like(x[s]) for n, s in
+             zip(GRADS, ["q", "k", "v", "g", "beta", "h0"])}
+    for h in range(H):
+        chunks, S = [], x["h0"][h].copy()
+        for c0 in range(0, T, CHUNK):  # forward: records and the chunk-entry states
+            rows = slice(c0, c0 + CHUNK)
+            q, k, v = x["q"][rows, h], x["k"][rows, h], x["v"][rows, h]
+            b, G = x["beta"][rows, h], np.cumsum(x["g"][rows, h], axis=0)
+            C, E, gC = q.shape[0], np.exp(G), G[-1]
+            Aqk = np.tril((q * E) @ (k / E).T)
+            Kd = np.tril((k * E) @ (k / E).T, -1)
+            Tm = np.linalg.inv(np.eye(C) + b[:, None] * Kd)
+            kb, vb = b[:, None] * k * E, b[:, None] * v
+            rec = dict(qg=rnd("records", q * E), kg=rnd("records", k * np.exp(gC - G)),
+                       w=rnd("records", Tm @ kb), u=rnd("records", Tm @ vb),
+                       Aqk=rnd("records", Aqk))
+            vn = rec["u"] - rec["w"] @ rnd("S_op", S)
+            chunks.append(dict(rows=rows, q=q, k=k, v=v, b=b, G=G, E=E, gC=gC, Kd=Kd, Tm=Tm,
+                               kb=kb, vb=vb, S=S, vn=vn, **rec))
+            S = np.exp(gC)[:, None] * S + rec["kg"].T @ rnd("vn_op", vn)
+        dS = d_final[h].copy()
+        for c in reversed(chunks):  # backward
+            dO, S, vn = d_o[c["rows"], h], c["S"], c["vn"]
+            dS_op = rnd("dS_op", dS)
+            dvn = c["Aqk"].T @ dO + c["kg"] @ dS_op
+            dvn_op = rnd("dvn_op", dvn)
+            dS_prev = c["qg"].T @ dO + np.exp(c["gC"])[:, None] * dS - c["w"].T @ dvn_op
+            S_op, vn_op = rnd("S_op", S), rnd("vn_op", vn)
+            dLq = dO @ S_op.T
+            dAqk = np.tril(dO @ vn_op.T)
+            dkg = vn_op @ dS_op.T
+            dgC = np.exp(c["gC"]) * (dS * S).sum(1) + (dkg * c["kg"]).sum(0)
+            dw = -dvn_op @ S_op.T
+            op = lambda m: rnd("wy_ops", m)  # noqa: E731
+            dT = op(dvn) @ op(c["vb"]).T + op(dw) @ op(c["kb"]).T
+            dvb, dkb = op(c["Tm"]).T @ op(dvn), op(c["Tm"]).T @ op(dw)
+            X = rnd("dA_ops", dT) @ rnd("dA_ops", c["Tm"]).T
+            dAkk = np.tril(-rnd("dA_ops", c["Tm"]).T @ rnd("dA_ops", X), -1)
+            q, k, b, G, E = c["q"], c["k"], c["b"], c["G"], c["E"]
+            dAkb = b[:, None] * dAkk
+            p1, p2 = row_pairs(dAqk, k, G, rnd), row_pairs(dAkb, k, G, rnd)
+            q1, q2 = col_pairs(dAqk, q, G, rnd), col_pairs(dAkb, k, G, rnd)
+            kfac = np.exp(c["gC"] - G)
+            dq = dLq * E + p1
+            dk = dkg * kfac + b[:, None] * dkb * E + p2 + q1 + q2
+            dG = dLq * q * E - dkg * k * kfac + dkb * c["kb"] + q * p1 + k * p2 - k * (q1 + q2)
+            dG[-1] += dgC
+            rows = c["rows"]
+            grads["dq"][rows, h], grads["dk"][rows, h] = dq, dk
+            grads["dv"][rows, h] = b[:, None] * dvb
+            grads["dbeta"][rows, h] = (dvb * c["v"]).sum(1) + (dkb * k * E).sum(1) + \
+                (dAkk * c["Kd"]).sum(1)
+            grads["dg"][rows, h] = np.flip(np.cumsum(np.flip(dG, 0), 0), 0)
+            dS = dS_prev
+        grads["dh0"][h] = dS
+    return grads
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--T", type=int, default=512)
+    p.add_argument("--heads", type=int, default=2)
+    a = p.parse_args()
+    every = {name: bf16 for name in ROUNDINGS}
+    for label, make in (("training inputs (bench_backward.py)", training_inputs),
+                        ("prefill inputs (bench_chunk.py, lower bound -5)", prefill_inputs)):
+        x = make(a.T, a.heads, 128, 128)
+        rng = np.random.default_rng(1)
+        d_o = bf16(rng.standard_normal(x["v"].shape))
+        d_final = rng.standard_normal(x["h0"].shape)
+        exact = backward(x, d_o, d_final, {})
+
+        def errs(precision):
+            got = backward(x, d_o, d_final, precision)
+            return [np.abs(got[n] - exact[n]).max() / np.abs(exact[n]).max() for n in GRADS]
+
+        def line(name, precision):
+            print(f"  {name:34s} " + " ".join(f"{e:8.1e}" for e in errs(precision)))
+
+        print(f"{label}, T={a.T}, {a.heads} heads, K=V=128: max |got - exact| / max |exact|")
+        print(f"  {'':34s} " + " ".join(f"{n:>8s}" for n in GRADS))
+        line("every bf16 rounding of the plan", every)
+        for name in ROUNDINGS:
+            line(f"only {name}", {name: bf16})
+        line("pair_ops in tf32, the rest bf16", dict(every, pair_ops=tf32))
+        line("records in tf32, the rest bf16", dict(every, records=tf32))
+        line("records, vn_op, dS_op in tf32", dict(every, records=tf32, vn_op=tf32, dS_op=tf32))
+        line("all in tf32", {name: tf32 for name in ROUNDINGS})
+
+
+if __name__ == "__main__":
+    main()
