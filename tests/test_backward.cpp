@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "grad_inputs.h"
 #include "test_util.h"
 
 namespace flashdelta::testing {
@@ -18,30 +19,10 @@ constexpr double kGradTolerance = 1e-6;
 // Central-difference step: truncation error ~ h^2, rounding ~ 1e-16 |L| / h.
 constexpr double kStep = 1e-5;
 
-// A differentiable input: its tensor in Case and its fields in BackwardArgs.
-struct Input {
-  const char* name;
-  HostTensor Case::*tensor;
-  TensorView BackwardArgs::*value;
-  TensorView BackwardArgs::*grad;
-};
-
-constexpr Input kInputs[] = {
-    {"q", &Case::q, &BackwardArgs::q, &BackwardArgs::dq},
-    {"k", &Case::k, &BackwardArgs::k, &BackwardArgs::dk},
-    {"v", &Case::v, &BackwardArgs::v, &BackwardArgs::dv},
-    {"g", &Case::g, &BackwardArgs::g, &BackwardArgs::dg},
-    {"beta", &Case::beta, &BackwardArgs::beta, &BackwardArgs::dbeta},
-    {"initial_state", &Case::initial_state, &BackwardArgs::initial_state,
-     &BackwardArgs::d_initial_state},
-    {"A_log", &Case::A_log, &BackwardArgs::A_log, &BackwardArgs::dA_log},
-    {"dt_bias", &Case::dt_bias, &BackwardArgs::dt_bias, &BackwardArgs::ddt_bias},
-};
-
 size_t input_index(const std::string& name) {
-  for (size_t i = 0; i < std::size(kInputs); ++i)
-    if (name == kInputs[i].name) return i;
-  return std::size(kInputs);
+  for (size_t i = 0; i < std::size(kGradInputs); ++i)
+    if (name == kGradInputs[i].name) return i;
+  return std::size(kGradInputs);
 }
 
 HostTensor converted(const HostTensor& t, DType dtype) {
@@ -132,18 +113,18 @@ GradCase make_grad_case(const GradConfig& gc, DType dtype = DType::f64) {
 
 // Gradient outputs, one per present input, in `dtype`.
 struct Grads {
-  HostTensor t[std::size(kInputs)];
+  HostTensor t[std::size(kGradInputs)];
 };
 
 Grads run_backward(const GradCase& gc, DType dtype = DType::f64, int num_threads = 0) {
   Grads g;
   BackwardArgs a = gc.args();
-  for (size_t i = 0; i < std::size(kInputs); ++i) {
-    const TensorView& in = a.*kInputs[i].value;
+  for (size_t i = 0; i < std::size(kGradInputs); ++i) {
+    const TensorView& in = a.*kGradInputs[i].value;
     if (!in.present()) continue;
-    g.t[i] = converted(gc.c.*kInputs[i].tensor, dtype);
+    g.t[i] = converted(gc.c.*kGradInputs[i].tensor, dtype);
     g.t[i].fill(std::numeric_limits<double>::quiet_NaN());  // every element must be written
-    a.*kInputs[i].grad = g.t[i].view;
+    a.*kGradInputs[i].grad = g.t[i].view;
   }
   Options o = gc.c.options;
   o.num_threads = num_threads;
@@ -180,13 +161,13 @@ TEST_P(FiniteDifference, EveryGradientMatches) {
   const Grads grads = run_backward(gc);
   const BackwardArgs a = gc.args();
   int checked = 0;
-  for (size_t i = 0; i < std::size(kInputs); ++i) {
-    if (!(a.*kInputs[i].value).present()) continue;
+  for (size_t i = 0; i < std::size(kGradInputs); ++i) {
+    if (!(a.*kGradInputs[i].value).present()) continue;
     const std::vector<double> analytic = grads.t[i].to_double();
-    const std::vector<double> fd = finite_difference(gc, kInputs[i].tensor);
+    const std::vector<double> fd = finite_difference(gc, kGradInputs[i].tensor);
     const double err = rel_error(analytic, fd);
     EXPECT_LT(err, kGradTolerance)
-        << "d" << kInputs[i].name << ": relative error " << err << " > tolerance " << kGradTolerance
+        << "d" << kGradInputs[i].name << ": relative error " << err << " > tolerance " << kGradTolerance
         << " (max abs diff " << max_abs_diff(analytic, fd) << ")";
     ++checked;
   }
@@ -313,9 +294,9 @@ TEST(Backward, DirectionalDerivativeOnLongSequence) {
     const Grads grads = run_backward(gc);
     const BackwardArgs a = gc.args();
     std::mt19937_64 rng(7);
-    for (size_t i = 0; i < std::size(kInputs); ++i) {
-      if (!(a.*kInputs[i].value).present()) continue;
-      HostTensor& x = gc.c.*kInputs[i].tensor;
+    for (size_t i = 0; i < std::size(kGradInputs); ++i) {
+      if (!(a.*kGradInputs[i].value).present()) continue;
+      HostTensor& x = gc.c.*kGradInputs[i].tensor;
       const std::vector<double> x0 = x.to_double(), grad = grads.t[i].to_double();
       const std::vector<double> u = random_normal(rng, x.numel());
       double analytic = 0;
@@ -330,7 +311,7 @@ TEST(Backward, DirectionalDerivativeOnLongSequence) {
       x.set(x0);
       const double err = std::fabs(analytic - fd) / std::max(std::fabs(fd), 1e-30);
       EXPECT_LT(err, kGradTolerance)
-          << mechanism_name(m) << " d" << kInputs[i].name << ": analytic " << analytic
+          << mechanism_name(m) << " d" << kGradInputs[i].name << ": analytic " << analytic
           << ", finite difference " << fd << ", relative error " << err;
     }
   }
@@ -347,16 +328,16 @@ TEST(Backward, EachGradientAloneMatchesAll) {
   const GradCase gc = make_grad_case(all_options_config());
   const Grads all = run_backward(gc);
   const BackwardArgs base = gc.args();
-  for (size_t i = 0; i < std::size(kInputs); ++i) {
-    if (!(base.*kInputs[i].value).present()) continue;
+  for (size_t i = 0; i < std::size(kGradInputs); ++i) {
+    if (!(base.*kGradInputs[i].value).present()) continue;
     const std::vector<double> expect = all.t[i].to_double();
-    for (double x : expect) ASSERT_TRUE(std::isfinite(x)) << "d" << kInputs[i].name;
-    HostTensor alone = converted(gc.c.*kInputs[i].tensor, DType::f64);
+    for (double x : expect) ASSERT_TRUE(std::isfinite(x)) << "d" << kGradInputs[i].name;
+    HostTensor alone = converted(gc.c.*kGradInputs[i].tensor, DType::f64);
     alone.fill(std::numeric_limits<double>::quiet_NaN());
     BackwardArgs a = base;
-    a.*kInputs[i].grad = alone.view;
+    a.*kGradInputs[i].grad = alone.view;
     backward(a, gc.c.options, Schedule::reference);
-    EXPECT_EQ(alone.to_double(), expect) << "d" << kInputs[i].name;
+    EXPECT_EQ(alone.to_double(), expect) << "d" << kGradInputs[i].name;
   }
 }
 
@@ -397,8 +378,8 @@ TEST(Backward, EmptySequencePassesStateGradientThrough) {
 TEST(Backward, DeterministicAcrossThreadCounts) {
   const GradCase gc = make_grad_case(all_options_config());
   const Grads one = run_backward(gc, DType::f64, 1), two = run_backward(gc, DType::f64, 2);
-  for (size_t i = 0; i < std::size(kInputs); ++i)
-    EXPECT_EQ(one.t[i].to_double(), two.t[i].to_double()) << "d" << kInputs[i].name;
+  for (size_t i = 0; i < std::size(kGradInputs); ++i)
+    EXPECT_EQ(one.t[i].to_double(), two.t[i].to_double()) << "d" << kGradInputs[i].name;
 }
 
 // Relative error of a gradient stored in `dtype`: its unit roundoff (exact for f64).
@@ -419,7 +400,7 @@ TEST(Backward, ReducedPrecisionInputsAndOutputs) {
     GradCase low = make_grad_case(all_options_config(), in_dtype);
     low.W_o = converted(low.W_o, in_dtype);  // d_o too
     GradCase exact = low;
-    for (const Input& in : kInputs)
+    for (const GradInput& in : kGradInputs)
       if ((low.c.*in.tensor).view.present())
         exact.c.*in.tensor = converted(low.c.*in.tensor, DType::f64);
     exact.W_o = converted(low.W_o, DType::f64);
@@ -427,13 +408,13 @@ TEST(Backward, ReducedPrecisionInputsAndOutputs) {
     for (DType out_dtype : {DType::f64, DType::f32, DType::bf16, DType::f16}) {
       const Grads g = run_backward(low, out_dtype);
       const double tol = rounding_tolerance(out_dtype);
-      for (size_t i = 0; i < std::size(kInputs); ++i) {
+      for (size_t i = 0; i < std::size(kGradInputs); ++i) {
         if (!g.t[i].view.present()) continue;
         const std::vector<double> got = g.t[i].to_double(), want = ref.t[i].to_double();
-        for (double x : got) ASSERT_TRUE(std::isfinite(x)) << "d" << kInputs[i].name;
+        for (double x : got) ASSERT_TRUE(std::isfinite(x)) << "d" << kGradInputs[i].name;
         const double err = rel_error(got, want);
         EXPECT_LE(err, tol) << dtype_name(in_dtype) << " inputs, " << dtype_name(out_dtype) << " d"
-                            << kInputs[i].name << ": relative error " << err;
+                            << kGradInputs[i].name << ": relative error " << err;
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/backward_params.h"
@@ -187,20 +188,16 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     cuda::launch_chunk_table(table, a.stream);
     check_launch("chunk table");
   }
-  cuda::launch_backward_inputs(b, a.stream);
-  check_launch("inputs");
-  cuda::launch_backward_records(b, a.stream);
-  check_launch("records");
-  cuda::launch_backward_states(b, a.stream);
-  check_launch("states");
-  cuda::launch_backward_dstates(b, a.stream);
-  check_launch("dstates");
-  cuda::launch_backward_grads(b, a.stream);
-  check_launch("grads");
-  cuda::launch_backward_outputs(b, a.stream);
-  check_launch("outputs");
-  cuda::launch_backward_params(b, a.stream);
-  check_launch("params");
+  using Launch = void (*)(const cuda::BackwardParams&, void*);
+  const std::pair<Launch, const char*> stages[] = {
+      {cuda::launch_backward_inputs, "inputs"},   {cuda::launch_backward_records, "records"},
+      {cuda::launch_backward_states, "states"},   {cuda::launch_backward_dstates, "dstates"},
+      {cuda::launch_backward_grads, "grads"},     {cuda::launch_backward_outputs, "outputs"},
+      {cuda::launch_backward_params, "params"}};
+  for (const auto& [launch, name] : stages) {
+    launch(b, a.stream);
+    check_launch(name);
+  }
 }
 
 }  // namespace flashdelta::detail

@@ -13,31 +13,13 @@
 
 #include "cuda/device_mirror.h"
 #include "cuda/forward_check.h"
+#include "grad_inputs.h"
 #include "test_util.h"
 
 namespace flashdelta::testing {
 namespace {
 
-// Every gradient with its input, by name.
-struct GradSlot {
-  const char* name;
-  HostTensor Case::*input;
-  TensorView BackwardArgs::*value;
-  TensorView BackwardArgs::*grad;
-};
-
-constexpr GradSlot kSlots[] = {
-    {"q", &Case::q, &BackwardArgs::q, &BackwardArgs::dq},
-    {"k", &Case::k, &BackwardArgs::k, &BackwardArgs::dk},
-    {"v", &Case::v, &BackwardArgs::v, &BackwardArgs::dv},
-    {"g", &Case::g, &BackwardArgs::g, &BackwardArgs::dg},
-    {"beta", &Case::beta, &BackwardArgs::beta, &BackwardArgs::dbeta},
-    {"initial_state", &Case::initial_state, &BackwardArgs::initial_state,
-     &BackwardArgs::d_initial_state},
-    {"A_log", &Case::A_log, &BackwardArgs::A_log, &BackwardArgs::dA_log},
-    {"dt_bias", &Case::dt_bias, &BackwardArgs::dt_bias, &BackwardArgs::ddt_bias},
-};
-constexpr size_t kNumSlots = std::size(kSlots);
+constexpr size_t kNumSlots = std::size(kGradInputs);
 
 // A case and the gradients flowing in: d_o and (optionally) d_final_state, float32.
 struct BackwardCase {
@@ -77,11 +59,11 @@ struct Gradients {
 Gradients allocate_gradients(const BackwardCase& b, BackwardArgs& a, DType dtype) {
   Gradients g;
   for (size_t i = 0; i < kNumSlots; ++i) {
-    if (!(a.*kSlots[i].value).present()) continue;
-    const TensorView& in = (b.c.*kSlots[i].input).view;
+    if (!(a.*kGradInputs[i].value).present()) continue;
+    const TensorView& in = (b.c.*kGradInputs[i].tensor).view;
     g.t[i] = HostTensor(dtype, std::vector<int64_t>(in.shape.begin(), in.shape.begin() + in.rank));
     g.t[i].fill(std::numeric_limits<double>::quiet_NaN());
-    a.*kSlots[i].grad = g.t[i].view;
+    a.*kGradInputs[i].grad = g.t[i].view;
   }
   return g;
 }
@@ -108,7 +90,7 @@ Gradients cuda_gradients(const BackwardCase& b, DType dtype = DType::f32) {
     d.*f = mirror.upload(host.*f);
   backward(d, b.c.options, Schedule::chunk);
   check_cuda(cudaDeviceSynchronize(), "backward");
-  for (size_t i = 0; i < kNumSlots; ++i) mirror.download(d.*kSlots[i].grad, host.*kSlots[i].grad);
+  for (size_t i = 0; i < kNumSlots; ++i) mirror.download(d.*kGradInputs[i].grad, host.*kGradInputs[i].grad);
   return g;
 }
 
@@ -126,7 +108,7 @@ void expect_gradients_match(const BackwardCase& b, const std::string& what,
   for (size_t i = 0; i < kNumSlots; ++i) {
     if (ref.t[i].bytes.empty() || !ref.t[i].view.present()) continue;
     EXPECT_LT(rel_error(gpu.values(i), ref.values(i)), tol)
-        << what << ": d" << kSlots[i].name << " relative error";
+        << what << ": d" << kGradInputs[i].name << " relative error";
   }
 }
 
@@ -230,7 +212,7 @@ TEST(CudaBackward, BitwiseDeterministic) {
   const BackwardCase b = make_backward_case(c);
   const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
   for (size_t i = 0; i < kNumSlots; ++i)
-    EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kSlots[i].name << " differs";
+    EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kGradInputs[i].name << " differs";
 }
 
 TEST(CudaBackward, RunsTheChunkScheduleOnly) {
