@@ -76,8 +76,10 @@ def direct(tensors, grad=False):
 
 
 def check_decode_grad(named_tensors):
-    """NotImplementedError naming the first CUDA input that requires grad (grad mode on):
-    decode updates its state pool in place and has no autograd formula."""
+    """NotImplementedError naming the first CUDA input that requires grad (grad mode on), for
+    decode calls through the custom op (tracing, modes, tensor subclasses): decode updates
+    its state pool in place and has no autograd formula. The eager direct call (`direct`)
+    reads such inputs as values instead, on either device."""
     if not torch.is_grad_enabled():
         return
     for name, t in named_tensors:

@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "cuda/backward_params.h"
 #include "cuda/chunk_params.h"
@@ -19,40 +18,6 @@
 
 namespace flashdelta::detail {
 namespace {
-
-static_assert(cuda::kBackwardChunk == cuda::kChunk, "the backward numbers chunks as the forward");
-
-// Regions of the workspace: a list of (pointer to set, bytes), carved in order.
-class Carver {
- public:
-  template <class T>
-  void add(T*& ptr, int64_t elements) {
-    slots_.push_back({reinterpret_cast<void**>(&ptr), elements * static_cast<int64_t>(sizeof(T))});
-  }
-  int64_t total() const { return prefix(slots_.size()); }
-  // Bytes of the first `count` regions, alignment included.
-  int64_t prefix(size_t count) const {
-    int64_t t = 0;
-    for (size_t i = 0; i < count && i < slots_.size(); ++i) t += aligned(slots_[i].bytes);
-    return t;
-  }
-  void carve(char* base) const {
-    for (const Slot& s : slots_) {
-      *s.ptr = s.bytes > 0 ? base : nullptr;
-      base += aligned(s.bytes);
-    }
-  }
-
- private:
-  struct Slot {
-    void** ptr;
-    int64_t bytes;
-  };
-  static int64_t aligned(int64_t b) {
-    return (b + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
-  }
-  std::vector<Slot> slots_;
-};
 
 // The gradient buffers come first: they must read as zero where no chunk writes (token rows
 // outside every sequence of a varlen batch).
@@ -76,10 +41,10 @@ Carver layout(cuda::BackwardParams& b, bool varlen) {
   c.add(w.beta, rows * HV);
   c.add(w.dout, rv);
   // The chunks' own intermediates, record-major: a chunk's rows are contiguous.
-  const int64_t record_rows = records * cuda::kBackwardChunk;
+  const int64_t record_rows = records * cuda::kChunk;
   for (float** p : {&w.gamma, &w.qg, &w.kg, &w.kb, &w.w, &w.dw}) c.add(*p, record_rows * K);
   for (float** p : {&w.vb, &w.u, &w.vn, &w.dvn}) c.add(*p, record_rows * V);
-  const int64_t tile = cuda::kBackwardChunk * cuda::kBackwardChunk;
+  const int64_t tile = cuda::kChunk * cuda::kChunk;
   for (float** p : {&w.aqk, &w.tm, &w.kdot}) c.add(*p, records * tile);
   c.add(w.decay, records * K);
   c.add(w.states, records * K * V);
@@ -120,13 +85,6 @@ cuda::BackwardParams backward_params(const Problem& p, const BackwardArgs& a) {
   b.dA_log = head_param(a.dA_log, 1);
   b.ddt_bias = head_param(a.ddt_bias, p.gate == GateKind::vector ? p.K : 1);
   return b;
-}
-
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    throw Error(ErrorCode::runtime, std::string("CUDA backward ") + what +
-                                        " kernel launch failed: " + cudaGetErrorString(err));
 }
 
 // Throws Error(unsupported) when the GPU lacks the per-block shared memory of the per-chunk
@@ -186,7 +144,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     table.max_chunks = b.max_chunks;
     table.ws.chunk_start = b.ws.chunk_start;
     cuda::launch_chunk_table(table, a.stream);
-    check_launch("chunk table");
+    check_kernel_launch("CUDA backward chunk table");
   }
   using Launch = void (*)(const cuda::BackwardParams&, void*);
   const std::pair<Launch, const char*> stages[] = {
@@ -196,7 +154,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
       {cuda::launch_backward_params, "params"}};
   for (const auto& [launch, name] : stages) {
     launch(b, a.stream);
-    check_launch(name);
+    check_kernel_launch((std::string("CUDA backward ") + name).c_str());
   }
 }
 

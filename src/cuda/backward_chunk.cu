@@ -26,8 +26,12 @@ struct ChunkRows {
   const BackwardParams& b;
   int64_t r0, rec, hv, h;
   int len;
-  __device__ float* k_row(float* buf, int i) const { return head_row(buf, r0 + i, hv, b, b.p.K); }
-  __device__ float* v_row(float* buf, int i) const { return head_row(buf, r0 + i, hv, b, b.p.V); }
+  __device__ float* k_row(float* buf, int i) const {
+    return buf + ((r0 + i) * b.p.HV + hv) * b.p.K;
+  }
+  __device__ float* v_row(float* buf, int i) const {
+    return buf + ((r0 + i) * b.p.HV + hv) * b.p.V;
+  }
   __device__ float* k_rec(float* buf, int i) const { return buf + (rec * kC + i) * b.p.K; }
   __device__ float* v_rec(float* buf, int i) const { return buf + (rec * kC + i) * b.p.V; }
   __device__ const float* key_head(const float* buf, int i) const {
@@ -35,9 +39,7 @@ struct ChunkRows {
   }
   __device__ float beta(int i) const { return b.ws.beta[(r0 + i) * b.p.HV + hv]; }
   __device__ float value(const TokenTensor& x, int i, int j) const {
-    const int64_t row = r0 + i;
-    return load_float(x.data, x.dtype, row / b.p.T * x.stride[0] + row % b.p.T * x.stride[1] +
-                                           hv * x.stride[2] + j * x.stride[3]);
+    return load_float(x.data, x.dtype, token_row_offset(x, r0 + i, b.p.T, hv) + j * x.stride[3]);
   }
   // Product operands: the chunk's rows of a buffer, or their transpose.
   __device__ Rows v_rows(const float* buf) const {
@@ -108,10 +110,11 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
 
 __global__ void __launch_bounds__(kBackwardThreads) records_kernel(const BackwardParams b) {
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
-  ChunkAt at;
-  if (!chunk_at(b, rec / b.p.HV, at)) return;
-  const ChunkRows x{b, at.r0, rec, hv, hv / b.p.group, at.len};
-  const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), len = at.len;
+  ChunkRef ref;
+  int64_t r0 = 0;
+  if (!chunk_at(b, rec / b.p.HV, ref, r0)) return;
+  const ChunkRows x{b, r0, rec, hv, hv / b.p.group, ref.len};
+  const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), len = ref.len;
   extern __shared__ __align__(16) unsigned char smem[];
   RecordsShared& sh = *reinterpret_cast<RecordsShared*>(smem);
 
@@ -196,10 +199,11 @@ struct GradsShared {
 
 __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardParams b) {
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
-  ChunkAt at;
-  if (!chunk_at(b, rec / b.p.HV, at)) return;
-  const ChunkRows x{b, at.r0, rec, hv, hv / b.p.group, at.len};
-  const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), len = at.len;
+  ChunkRef ref;
+  int64_t r0 = 0;
+  if (!chunk_at(b, rec / b.p.HV, ref, r0)) return;
+  const ChunkRows x{b, r0, rec, hv, hv / b.p.group, ref.len};
+  const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), len = ref.len;
   const BackwardWorkspace& ws = b.ws;
   const float* S = ws.states + rec * K * V;    // entering the chunk, K x V
   const float* dS = ws.dstates + rec * K * V;  // gradient of the state leaving it

@@ -4,62 +4,27 @@
 #pragma once
 
 #include "cuda/backward_params.h"
+#include "cuda/chunk_index.cuh"
 #include "cuda/device_io.cuh"
 #include "cuda/sequence.cuh"
 
 namespace flashdelta::detail::cuda {
 namespace {
 
-constexpr int kC = kBackwardChunk;
+constexpr int kC = kChunk;  // tokens per chunk, as in the forward
 constexpr int kBackwardThreads = 256;
 
-// Chunks [first, first + count) belong to sequence n (the forward's numbering).
-struct BackwardChunks {
-  int64_t first, count;
-};
-
-__device__ BackwardChunks chunks_of(const BackwardParams& b, int64_t n) {
-  if (!b.ws.chunk_start) return {n * b.chunks_per_row, b.chunks_per_row};
-  return {b.ws.chunk_start[n], b.ws.chunk_start[n + 1] - b.ws.chunk_start[n]};
+// The forward's chunk numbering (cuda/chunk_index.cuh) from the backward's parameters.
+__device__ ChunkRange chunks_of(const BackwardParams& b, int64_t n) {
+  return chunk_range(b.ws.chunk_start, b.chunks_per_row, n);
 }
 
-// One chunk: its sequence, its first token row r0 = batch * T + t0 + local start, and length.
-struct ChunkAt {
-  Sequence seq;
-  int64_t t;   // first token within the sequence
-  int64_t r0;  // first token row of the buffers
-  int len;
-};
-
-// False for grid slots past the last chunk (with cu_seqlens the grid is an upper bound).
-__device__ bool chunk_at(const BackwardParams& b, int64_t chunk, ChunkAt& at) {
-  int64_t n = 0, local = 0;
-  if (!b.ws.chunk_start) {
-    n = chunk / b.chunks_per_row;
-    local = chunk % b.chunks_per_row;
-  } else {
-    const int64_t* start = b.ws.chunk_start;
-    if (chunk >= start[b.p.N]) return false;
-    int64_t lo = 0, hi = b.p.N;  // the last n with start[n] <= chunk
-    while (hi - lo > 1) {
-      const int64_t mid = (lo + hi) / 2;
-      if (start[mid] <= chunk) lo = mid; else hi = mid;
-    }
-    n = lo;
-    local = chunk - start[n];
-  }
-  at.seq = sequence_of(b.p, n);
-  at.t = local * kC;
-  at.r0 = at.seq.batch * b.p.T + at.seq.t0 + at.t;
-  const int64_t left = at.seq.len - at.t;
-  at.len = static_cast<int>(left < kC ? left : kC);
-  return at.len > 0;
-}
-
-// Row `row` of a per-value-head buffer of width `width` (K or V) at value head hv.
-__device__ __forceinline__ float* head_row(float* buf, int64_t row, int64_t hv,
-                                           const BackwardParams& b, int64_t width) {
-  return buf + (row * b.p.HV + hv) * width;
+// Chunk `chunk`, and the buffer row of its first token (batch * T + t0 + t). False for grid
+// slots past the last chunk, and for an empty chunk (a malformed device table's).
+__device__ bool chunk_at(const BackwardParams& b, int64_t chunk, ChunkRef& ref, int64_t& r0) {
+  if (!locate_chunk(b.p, b.ws.chunk_start, b.chunks_per_row, chunk, ref)) return false;
+  r0 = ref.seq.batch * b.p.T + ref.seq.t0 + ref.t;
+  return ref.len > 0;
 }
 
 // Operands of staged_product: element (i, j) of a float32 matrix in global or shared memory.
@@ -180,11 +145,16 @@ void set_shared_bytes(Kernel kernel, size_t bytes) {
                        static_cast<int>(bytes));
 }
 
-// Element (i, j) of a state tensor given on the host side (K-first or V-first, any float).
-__device__ __forceinline__ float load_state_elem(const StateTensor& s, DType dt, int64_t n,
-                                                 int64_t hv, int64_t i, int64_t j) {
-  return load_float(s.data, dt, n * s.slot_stride + hv * s.head_stride + i * s.key_stride +
-                                    j * s.value_stride);
+// Element offset of head `head` at buffer row `row` (batch * T + t) of a token tensor.
+__device__ __forceinline__ int64_t token_row_offset(const TokenTensor& x, int64_t row, int64_t T,
+                                                    int64_t head) {
+  return row / T * x.stride[0] + row % T * x.stride[1] + head * x.stride[2];
+}
+
+// Element offset of (slot n, head hv, key i, value j) of a state tensor (either layout).
+__device__ __forceinline__ int64_t state_offset(const StateTensor& s, int64_t n, int64_t hv,
+                                                int64_t i, int64_t j) {
+  return n * s.slot_stride + hv * s.head_stride + i * s.key_stride + j * s.value_stride;
 }
 
 }  // namespace

@@ -20,11 +20,10 @@
 
 #include <cstdint>
 
+#include "cuda/chunk_params.h"
 #include "cuda/recurrent_params.h"
 
 namespace flashdelta::detail::cuda {
-
-inline constexpr int kBackwardChunk = 64;
 
 // A rank-1 or rank-2 per-head parameter (A_log [HV], dt_bias [HV, W] or [HV * W]) or its
 // gradient: element (hv, i) at hv * head_stride + i * key_stride.

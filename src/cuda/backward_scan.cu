@@ -36,7 +36,7 @@ struct ScanTile {
   int64_t n, hv, j0;
   int cols;
   Sequence seq;
-  BackwardChunks chunks;
+  ChunkRange chunks;
 
   __device__ explicit ScanTile(const BackwardParams& b) {
     const int64_t tiles = (b.p.V + kCols - 1) / kCols;
@@ -128,7 +128,7 @@ __device__ void load_tile(const BackwardParams& b, const ScanTile& t, const Stat
   for (int idx = threadIdx.x; idx < rows * kCols; idx += blockDim.x) {
     const int c = idx / kCols, j = idx % kCols;
     sh.s[c][j] = s.data && c < K && j < t.cols
-                     ? load_state_elem(s, dtype, t.n, t.hv, c, t.j0 + j)
+                     ? load_float(s.data, dtype, state_offset(s, t.n, t.hv, c, t.j0 + j))
                      : 0.f;
   }
 }
@@ -252,10 +252,7 @@ __global__ void __launch_bounds__(kBackwardThreads) dstates_kernel(const Backwar
   for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
     const int c = idx / kCols, j = idx % kCols;
     if (j < t.cols)
-      store_float(o.data, b.d_initial_dtype,
-                  t.n * o.slot_stride + t.hv * o.head_stride + c * o.key_stride +
-                      (t.j0 + j) * o.value_stride,
-                  sh.s[c][j]);
+      store_float(o.data, b.d_initial_dtype, state_offset(o, t.n, t.hv, c, t.j0 + j), sh.s[c][j]);
   }
 }
 

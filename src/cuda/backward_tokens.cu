@@ -15,11 +15,6 @@ namespace {
 constexpr float kMinGate = -128.f;
 constexpr int kWarps = kBackwardThreads / 32;
 
-__device__ __forceinline__ int64_t token_off(const TokenTensor& x, int64_t row, int64_t T,
-                                             int64_t head) {
-  return row / T * x.stride[0] + row % T * x.stride[1] + head * x.stride[2];
-}
-
 __device__ __forceinline__ float sigmoid_exact(float x) { return 1.f / (1.f + expf(-x)); }
 
 // exp(A_log[hv]) or 1 without A_log.
@@ -30,7 +25,7 @@ __device__ __forceinline__ float gate_scale(const RecurrentParams& p, int64_t hv
 // The raw gate pre-activation of channel i (dt_bias added when the gate is activated here).
 __device__ __forceinline__ float raw_gate(const RecurrentParams& p, int64_t row, int64_t hv,
                                           int i) {
-  const int64_t off = token_off(p.g, row, p.T, hv) +
+  const int64_t off = token_row_offset(p.g, row, p.T, hv) +
                       (p.gate == GateForm::vector ? i * p.g.stride[3] : 0);
   float x = load_float(p.g.data, p.g.dtype, off);
   if (p.gate_in_kernel && p.dt_bias)
@@ -47,7 +42,7 @@ __device__ __forceinline__ float activated_gate(const RecurrentParams& p, float 
 __device__ void transform_key_row(const RecurrentParams& p, const TokenTensor& x, float scale,
                                   int64_t row, int64_t h, float* out) {
   const int lane = threadIdx.x % 32;
-  const int64_t base = token_off(x, row, p.T, h);
+  const int64_t base = token_row_offset(x, row, p.T, h);
   float v[8], ss = 0.f;
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
@@ -86,12 +81,12 @@ __global__ void __launch_bounds__(kBackwardThreads) inputs_kernel(const Backward
                       ? fmaxf(activated_gate(p, raw_gate(p, row, hv, c), a), kMinGate)
                       : 0.f;
     }
-    const int64_t d_o = token_off(b.d_o, row, p.T, hv);
+    const int64_t d_o = token_row_offset(b.d_o, row, p.T, hv);
     for (int j = lane; j < p.V; j += 32)
       b.ws.dout[vi * p.V + j] = load_float(b.d_o.data, b.d_o.dtype, d_o + j * b.d_o.stride[3]);
     if (lane == 0)
       b.ws.beta[vi] = p.delta ? activate_beta(p, load_float(p.beta.data, p.beta.dtype,
-                                                            token_off(p.beta, row, p.T, hv)))
+                                                            token_row_offset(p.beta, row, p.T, hv)))
                               : 1.f;
   }
 }
@@ -102,7 +97,7 @@ __device__ void key_grad_row(const BackwardParams& b, const TokenTensor& x, cons
   const RecurrentParams& p = b.p;
   const int lane = threadIdx.x % 32;
   float y[8], xs[8], ss = 0.f;
-  const int64_t base = token_off(x, row, p.T, h);
+  const int64_t base = token_row_offset(x, row, p.T, h);
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
     const int c = lane + 32 * e;
@@ -125,7 +120,7 @@ __device__ void key_grad_row(const BackwardParams& b, const TokenTensor& x, cons
 #pragma unroll
     for (int e = 0; e < 8; ++e) y[e] = (y[e] - xs[e] * inv * dot) * inv;
   }
-  const int64_t out = token_off(dx, row, p.T, h);
+  const int64_t out = token_row_offset(dx, row, p.T, h);
 #pragma unroll
   for (int e = 0; e < 8; ++e)
     if (lane + 32 * e < p.K) store_float(const_cast<void*>(dx.data), dx.dtype,
@@ -154,7 +149,7 @@ __device__ void value_grad_row(const BackwardParams& b, int64_t row, int64_t hv)
   const int lane = threadIdx.x % 32;
   const int64_t vi = row * p.HV + hv;
   if (b.dv.data) {
-    const int64_t out = token_off(b.dv, row, p.T, hv);
+    const int64_t out = token_row_offset(b.dv, row, p.T, hv);
     for (int j = lane; j < p.V; j += 32)
       store_float(const_cast<void*>(b.dv.data), b.dv.dtype, out + j * b.dv.stride[3],
                   b.ws.dv[vi * p.V + j]);
@@ -162,11 +157,12 @@ __device__ void value_grad_row(const BackwardParams& b, int64_t row, int64_t hv)
   if (b.dbeta.data && lane == 0) {
     float d = b.ws.dbeta[vi];
     if (p.beta_sigmoid) {
-      const float raw = load_float(p.beta.data, p.beta.dtype, token_off(p.beta, row, p.T, hv));
+      const int64_t at = token_row_offset(p.beta, row, p.T, hv);
+      const float raw = load_float(p.beta.data, p.beta.dtype, at);
       d *= p.beta_factor * sigmoid_exact(raw) * sigmoid_exact(-raw);
     }
-    store_float(const_cast<void*>(b.dbeta.data), b.dbeta.dtype, token_off(b.dbeta, row, p.T, hv),
-                d);
+    store_float(const_cast<void*>(b.dbeta.data), b.dbeta.dtype,
+                token_row_offset(b.dbeta, row, p.T, hv), d);
   }
   if (p.gate == GateForm::none) return;
   float* dgate = b.ws.dg + vi * p.K;
@@ -189,7 +185,7 @@ __device__ void value_grad_row(const BackwardParams& b, int64_t row, int64_t hv)
     dgate[c] = d * s.raw;  // kept for ddt_bias (params)
     if (b.dg.data)
       store_float(const_cast<void*>(b.dg.data), b.dg.dtype,
-                  token_off(b.dg, row, p.T, hv) + (width == 1 ? 0 : c * b.dg.stride[3]),
+                  token_row_offset(b.dg, row, p.T, hv) + (width == 1 ? 0 : c * b.dg.stride[3]),
                   d * s.raw);
   }
   dA = lane_sum<1, 16>(dA);

@@ -19,48 +19,20 @@ namespace {
 // The chunk table numbers the chunk states too (ForwardArgs::chunk_states).
 static_assert(cuda::kChunk == kChunkStateTokens);
 
-int64_t aligned(int64_t bytes) {
-  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
-}
-
-// The workspace regions in order: chunk table, qg, kg, w, u, aqk, decay.
-struct Layout {
-  int64_t sizes[7];
-  int64_t total() const {
-    int64_t t = 0;
-    for (const int64_t s : sizes) t += aligned(s);
-    return t;
-  }
-};
-
-Layout layout_of(const cuda::ChunkParams& c, bool varlen) {
-  const int64_t records = c.max_chunks * c.p.HV, rows = records * cuda::kChunk, b16 = 2;
-  return {{varlen ? (c.p.N + 1) * 8 : 0, rows * c.KP * b16, rows * c.KP * b16,
-           c.p.delta ? rows * c.KP * b16 : 0, rows * c.VP * b16, rows * cuda::kChunk * b16,
-           records * c.KP * 4}};
-}
-
-void carve(cuda::ChunkParams& c, const Layout& l, char* base) {
-  char* at[7];
-  for (int i = 0; i < 7; ++i) {
-    at[i] = base;
-    base += aligned(l.sizes[i]);
-  }
+// The workspace regions in order: chunk table (cu_seqlens only), qg, kg, w (delta rule only),
+// u, aqk, decay.
+Carver layout_of(cuda::ChunkParams& c, bool varlen) {
+  const int64_t records = c.max_chunks * c.p.HV, rows = records * cuda::kChunk;
   cuda::ChunkWorkspace& w = c.ws;
-  w.chunk_start = l.sizes[0] ? reinterpret_cast<int64_t*>(at[0]) : nullptr;
-  w.qg = reinterpret_cast<uint16_t*>(at[1]);
-  w.kg = reinterpret_cast<uint16_t*>(at[2]);
-  w.w = reinterpret_cast<uint16_t*>(at[3]);
-  w.u = reinterpret_cast<uint16_t*>(at[4]);
-  w.aqk = reinterpret_cast<uint16_t*>(at[5]);
-  w.decay = reinterpret_cast<float*>(at[6]);
-}
-
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    throw Error(ErrorCode::runtime,
-                std::string("CUDA chunk ") + what + " kernel launch failed: " + cudaGetErrorString(err));
+  Carver r;
+  r.add(w.chunk_start, varlen ? c.p.N + 1 : 0);
+  r.add(w.qg, rows * c.KP);
+  r.add(w.kg, rows * c.KP);
+  r.add(w.w, c.p.delta ? rows * c.KP : 0);
+  r.add(w.u, rows * c.VP);
+  r.add(w.aqk, rows * cuda::kChunk);
+  r.add(w.decay, records * c.KP);
+  return r;
 }
 
 // The kernels' arguments for a problem, without the workspace pointers.
@@ -84,7 +56,8 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
 }  // namespace
 
 int64_t cuda_chunk_workspace_bytes(const Problem& p) {
-  return layout_of(chunk_params(p, ForwardIO{}), p.cu_seqlens.present()).total();
+  cuda::ChunkParams c = chunk_params(p, ForwardIO{});
+  return layout_of(c, p.cu_seqlens.present()).total();
 }
 
 void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, void* workspace,
@@ -93,7 +66,7 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
   require_f32_state(io.final_state.t, "final_state");
   cuda::ChunkParams c = chunk_params(p, io);
   const bool varlen = p.cu_seqlens.present();
-  const Layout layout = layout_of(c, varlen);
+  const Carver layout = layout_of(c, varlen);
   const int64_t bytes = layout.total();
   const bool caller_memory = workspace != nullptr || workspace_bytes > 0;
   // The caller's workspace is checked before anything else (no GPU is needed to fail here).
@@ -109,17 +82,17 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
                     std::to_string(state_blocks) + " state tiles");
 
   const StreamWorkspace memory("CUDA chunk schedule", bytes, workspace, workspace_bytes, stream);
-  if (bytes > 0) carve(c, layout, memory.data());
+  if (bytes > 0) layout.carve(memory.data());
   if (varlen) {
     cuda::launch_chunk_table(c, stream);
-    check_launch("table");
+    check_kernel_launch("CUDA chunk table");
   }
   if (c.max_chunks > 0) {
     cuda::launch_chunk_prepare(c, stream);
-    check_launch("prepare");
+    check_kernel_launch("CUDA chunk prepare");
   }
   cuda::launch_chunk_state(c, stream);
-  check_launch("state");
+  check_kernel_launch("CUDA chunk state");
 }
 
 }  // namespace flashdelta::detail

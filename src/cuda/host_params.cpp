@@ -88,6 +88,13 @@ void require_f32_state(const TensorView& s, const char* name) {
                                             dtype_name(s.dtype));
 }
 
+void check_kernel_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw Error(ErrorCode::runtime,
+                std::string(what) + " kernel launch failed: " + cudaGetErrorString(err));
+}
+
 void require_sm80(const char* what) {
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||

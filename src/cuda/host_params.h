@@ -18,5 +18,7 @@ void require_f32_state(const TensorView& s, const char* name);
 // Throws Error(unsupported) unless the current device is sm_80 or later (tensor cores with
 // bfloat16, cp.async); `what` names the schedule.
 void require_sm80(const char* what);
+// Throws Error(runtime) when the last kernel launch failed; `what` names the kernel.
+void check_kernel_launch(const char* what);
 
 }  // namespace flashdelta::detail

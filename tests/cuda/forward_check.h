@@ -60,6 +60,26 @@ inline CaseConfig gate_form_case(Mechanism m, int form, int64_t T, uint64_t seed
   return c;
 }
 
+// One shape of a test grid; mechanism_grid crosses the shapes with every mechanism, seeds
+// counting up from `seed` in that order.
+struct GridShape {
+  int64_t B, T, K, V, H, HV;
+  StateLayout layout;
+  DType dtype;
+  bool initial_state;
+};
+
+inline std::vector<CaseConfig> mechanism_grid(const std::vector<GridShape>& shapes,
+                                              uint64_t seed) {
+  std::vector<CaseConfig> grid;
+  for (const Mechanism m : kAllMechanisms)
+    for (const GridShape& s : shapes)
+      grid.push_back({.mechanism = m, .B = s.B, .T = s.T, .H = s.H, .HV = s.HV, .K = s.K,
+                      .V = s.V, .dtype = s.dtype, .initial_state = s.initial_state,
+                      .layout = s.layout, .seed = seed++});
+  return grid;
+}
+
 inline std::string describe(const CaseConfig& c) {
   std::string s = std::string(mechanism_name(c.mechanism)) + "_T" + std::to_string(c.T) + "_K" +
                   std::to_string(c.K) + "_V" + std::to_string(c.V) + "_H" + std::to_string(c.H) +

@@ -90,7 +90,7 @@ Gradients cuda_gradients(const BackwardCase& b, DType dtype = DType::f32) {
     d.*f = mirror.upload(host.*f);
   backward(d, b.c.options, Schedule::chunk);
   check_cuda(cudaDeviceSynchronize(), "backward");
-  for (size_t i = 0; i < kNumSlots; ++i) mirror.download(d.*kGradInputs[i].grad, host.*kGradInputs[i].grad);
+  for (const GradInput& in : kGradInputs) mirror.download(d.*in.grad, host.*in.grad);
   return g;
 }
 
@@ -113,14 +113,8 @@ void expect_gradients_match(const BackwardCase& b, const std::string& what,
 }
 
 std::vector<CaseConfig> backward_grid() {
-  struct Shape {
-    int64_t B, T, K, V, H, HV;
-    StateLayout layout;
-    DType dtype;
-    bool initial_state;
-  };
   const StateLayout kf = StateLayout::k_first, vf = StateLayout::v_first;
-  const Shape shapes[] = {
+  return mechanism_grid({
       {2, 1, 64, 64, 2, 4, kf, DType::bf16, true},
       {1, 64, 128, 128, 1, 2, vf, DType::bf16, true},
       {2, 65, 64, 64, 1, 4, kf, DType::f16, true},
@@ -129,15 +123,7 @@ std::vector<CaseConfig> backward_grid() {
       {1, 150, 256, 256, 1, 1, kf, DType::bf16, true},
       {2, 100, 100, 60, 2, 2, kf, DType::f64, true},
       {1, 200, 128, 128, 2, 8, kf, DType::bf16, true},
-  };
-  std::vector<CaseConfig> grid;
-  uint64_t seed = 7000;
-  for (const Mechanism m : kAllMechanisms)
-    for (const Shape& s : shapes)
-      grid.push_back({.mechanism = m, .B = s.B, .T = s.T, .H = s.H, .HV = s.HV, .K = s.K,
-                      .V = s.V, .dtype = s.dtype, .initial_state = s.initial_state,
-                      .layout = s.layout, .seed = seed++});
-  return grid;
+  }, 7000);
 }
 
 class CudaBackwardGrid : public ::testing::TestWithParam<CaseConfig> {};

@@ -21,28 +21,18 @@ namespace {
 constexpr Schedule kChunk = Schedule::chunk;
 
 std::vector<CaseConfig> chunk_grid() {
-  struct Shape {
-    int64_t B, T, K, V, H, HV;
-    StateLayout layout;
-    DType dtype;
-    bool initial_state;
-  };
   const StateLayout kf = StateLayout::k_first, vf = StateLayout::v_first;
-  const Shape shapes[] = {
-      {2, 1, 128, 128, 2, 4, kf, DType::bf16, true},   {1, 64, 128, 128, 1, 2, vf, DType::bf16, true},
-      {2, 65, 64, 64, 1, 4, kf, DType::f16, true},     {1, 130, 60, 100, 2, 4, vf, DType::f32, true},
-      {2, 47, 17, 33, 1, 2, kf, DType::f32, false},    {1, 200, 256, 256, 1, 1, kf, DType::bf16, true},
-      {1, 129, 256, 200, 1, 2, vf, DType::f32, true},  {2, 100, 100, 60, 2, 2, kf, DType::f64, true},
+  return mechanism_grid({
+      {2, 1, 128, 128, 2, 4, kf, DType::bf16, true},
+      {1, 64, 128, 128, 1, 2, vf, DType::bf16, true},
+      {2, 65, 64, 64, 1, 4, kf, DType::f16, true},
+      {1, 130, 60, 100, 2, 4, vf, DType::f32, true},
+      {2, 47, 17, 33, 1, 2, kf, DType::f32, false},
+      {1, 200, 256, 256, 1, 1, kf, DType::bf16, true},
+      {1, 129, 256, 200, 1, 2, vf, DType::f32, true},
+      {2, 100, 100, 60, 2, 2, kf, DType::f64, true},
       {1, 300, 128, 128, 2, 8, kf, DType::bf16, true},
-  };
-  std::vector<CaseConfig> grid;
-  uint64_t seed = 5000;
-  for (const Mechanism m : kAllMechanisms)
-    for (const Shape& s : shapes)
-      grid.push_back({.mechanism = m, .B = s.B, .T = s.T, .H = s.H, .HV = s.HV, .K = s.K,
-                      .V = s.V, .dtype = s.dtype, .initial_state = s.initial_state,
-                      .layout = s.layout, .seed = seed++});
-  return grid;
+  }, 5000);
 }
 
 class CudaChunkGrid : public ::testing::TestWithParam<CaseConfig> {};

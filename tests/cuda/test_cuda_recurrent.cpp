@@ -20,30 +20,21 @@ namespace {
 // sizes (partial vector runs, unaligned strides: the scalar path), GVA, both layouts and
 // every input dtype.
 std::vector<CaseConfig> forward_grid() {
-  struct Shape {
-    int64_t T, K, V, H, HV;
-    StateLayout layout;
-    DType dtype;
-    bool initial_state;
-  };
   const StateLayout kf = StateLayout::k_first, vf = StateLayout::v_first;
-  const Shape shapes[] = {
-      {1, 128, 128, 2, 4, kf, DType::f32, true},   {1, 128, 128, 2, 2, vf, DType::bf16, true},
-      {2, 64, 64, 1, 4, kf, DType::f16, true},     {4, 60, 100, 2, 4, vf, DType::f32, true},
-      {8, 17, 33, 1, 2, kf, DType::f32, false},    {8, 17, 33, 1, 2, vf, DType::f32, true},
-      {15, 256, 256, 1, 1, kf, DType::f32, true},  {16, 256, 200, 1, 2, vf, DType::bf16, true},
-      {17, 100, 60, 2, 2, kf, DType::f64, true},   {65, 16, 16, 2, 8, vf, DType::f32, true},
-      {1000, 32, 48, 1, 1, kf, DType::f32, true},  {3, 1, 1, 1, 1, kf, DType::f32, true},
-  };
-  std::vector<CaseConfig> grid;
-  uint64_t seed = 100;
-  for (const Mechanism m : kAllMechanisms)
-    for (const Shape& s : shapes) {
-      grid.push_back({.mechanism = m, .B = 2, .T = s.T, .H = s.H, .HV = s.HV, .K = s.K,
-                      .V = s.V, .dtype = s.dtype, .initial_state = s.initial_state,
-                      .layout = s.layout, .seed = seed++});
-    }
-  return grid;
+  return mechanism_grid({
+      {2, 1, 128, 128, 2, 4, kf, DType::f32, true},
+      {2, 1, 128, 128, 2, 2, vf, DType::bf16, true},
+      {2, 2, 64, 64, 1, 4, kf, DType::f16, true},
+      {2, 4, 60, 100, 2, 4, vf, DType::f32, true},
+      {2, 8, 17, 33, 1, 2, kf, DType::f32, false},
+      {2, 8, 17, 33, 1, 2, vf, DType::f32, true},
+      {2, 15, 256, 256, 1, 1, kf, DType::f32, true},
+      {2, 16, 256, 200, 1, 2, vf, DType::bf16, true},
+      {2, 17, 100, 60, 2, 2, kf, DType::f64, true},
+      {2, 65, 16, 16, 2, 8, vf, DType::f32, true},
+      {2, 1000, 32, 48, 1, 1, kf, DType::f32, true},
+      {2, 3, 1, 1, 1, 1, kf, DType::f32, true},
+  }, 100);
 }
 
 class CudaRecurrentGrid : public ::testing::TestWithParam<CaseConfig> {};
