@@ -128,8 +128,10 @@ void decode(const DecodeArgs& args, const Options& options,
 // sigmoid); d_initial_state, dA_log, ddt_bias. Gradient dtypes are any float dtype; states
 // and their gradients any float dtype too.
 // Schedules: Schedule::reference on the CPU (the default); Schedule::chunk on CUDA (sm_80
-// and later, ~107 KB of shared memory per block), which recomputes the forward's per-chunk
-// states instead of keeping them and computes in float32 throughout. Deterministic: no
+// and later, ~104 KB of shared memory per block), which recomputes the forward's per-chunk
+// states instead of keeping them, multiplies on the tensor cores with tf32 operands and
+// float32 sums, and runs in passes over slices of the heads when that keeps its workspace
+// within three times the float32 size of q, k, v and g. Deterministic: no
 // floating-point atomics, so the gradients are bitwise identical from run to run (unless a
 // malformed device cu_seqlens makes sequences overlap: their gradients are then undefined,
 // though nothing outside the tensors is ever accessed).

@@ -1,7 +1,8 @@
 // Host side of the CUDA chunkwise backward: sizes and carves the float32 workspace
 // (cuda/backward_params.h), the caller's or one from the stream-ordered allocator
 // (cuda/workspace.h), and launches the stages in order on the caller's stream without
-// synchronising.
+// synchronising, in passes over slices of the heads when one pass would need too much
+// workspace (heads_per_pass).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -105,45 +106,15 @@ void require_shared_memory() {
                     std::to_string(available));
 }
 
-}  // namespace
-
-int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
-  cuda::BackwardParams b = backward_params(p, BackwardArgs{});
-  return layout(b, p.cu_seqlens.present()).total();
-}
-
-void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
-  cuda::BackwardParams b = backward_params(p, a);
-  const bool varlen = p.cu_seqlens.present();
-  const Carver regions = layout(b, varlen);
-  const int64_t bytes = regions.total();
-  // The caller's workspace is checked before anything else (no GPU is needed to fail here).
-  if (a.workspace != nullptr || a.workspace_bytes > 0)
-    check_caller_workspace(a.workspace, a.workspace_bytes, bytes);
-  require_sm80("the CUDA chunk backward");
-  require_shared_memory();
-  const int64_t records = b.max_chunks * p.HV, scan_tiles = p.N * p.HV * ((p.V + 31) / 32),
-                param_blocks = p.HV * (p.K + 1);
-  if (records > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX)
-    throw Error(ErrorCode::unsupported,
-                "argument 'q': the CUDA chunk backward runs at most 2^31 - 1 blocks per kernel, "
-                "got " + std::to_string(records) + " chunk records, " +
-                    std::to_string(scan_tiles) + " scan tiles and " +
-                    std::to_string(param_blocks) + " gate-parameter sums");
-
-  const StreamWorkspace memory("CUDA chunk backward", bytes, a.workspace, a.workspace_bytes,
-                               a.stream);
-  if (bytes > 0) {
-    regions.carve(memory.data());
-    cudaMemsetAsync(memory.data(), 0, static_cast<size_t>(regions.prefix(kZeroedRegions)),
-                    static_cast<cudaStream_t>(a.stream));
-  }
+// The stages of one pass, in order on the stream (the chunk table first with cu_seqlens: it
+// lives in the pass's workspace).
+void run_stages(const cuda::BackwardParams& b, bool varlen, void* stream) {
   if (varlen) {
     cuda::ChunkParams table;
     table.p = b.p;
     table.max_chunks = b.max_chunks;
     table.ws.chunk_start = b.ws.chunk_start;
-    cuda::launch_chunk_table(table, a.stream);
+    cuda::launch_chunk_table(table, stream);
     check_kernel_launch("CUDA backward chunk table");
   }
   using Launch = void (*)(const cuda::BackwardParams&, void*);
@@ -153,8 +124,124 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
       {cuda::launch_backward_grads, "grads"},     {cuda::launch_backward_outputs, "outputs"},
       {cuda::launch_backward_params, "params"}};
   for (const auto& [launch, name] : stages) {
-    launch(b, a.stream);
+    launch(b, stream);
     check_kernel_launch((std::string("CUDA backward ") + name).c_str());
+  }
+}
+
+// A slice of `count` heads starting at `first` along dimension `dim` of t; a head spans
+// `width` entries of that dimension (dt_bias given flat as [HV * K]).
+TensorView head_slice(TensorView t, int dim, int64_t first, int64_t count, int64_t width = 1) {
+  if (!t.present() || dim >= t.rank) return t;
+  t.data = static_cast<char*>(t.data) + first * width * t.stride[dim] * dtype_size(t.dtype);
+  t.shape[dim] = count * width;
+  return t;
+}
+
+// The problem and arguments restricted to key heads [h0, h0 + count) and their value heads:
+// the same backward on a slice of the heads, every view moved to the slice's first head.
+std::pair<Problem, BackwardArgs> head_pass(const Problem& p, const BackwardArgs& a, int64_t h0,
+                                           int64_t count) {
+  const int64_t hv0 = h0 * p.group, hvs = count * p.group;
+  const int64_t param_width = p.gate == GateKind::vector ? p.K : 1;
+  auto key = [&](const TensorView& t) { return head_slice(t, 2, h0, count); };
+  auto value = [&](const TensorView& t) { return head_slice(t, 2, hv0, hvs); };
+  auto state = [&](const TensorView& t) { return head_slice(t, 1, hv0, hvs); };
+  auto param = [&](const TensorView& t) {
+    return head_slice(t, 0, hv0, hvs, t.rank == 1 ? param_width : 1);
+  };
+  Problem ps = p;
+  ps.H = count;
+  ps.HV = hvs;
+  ps.in.q = key(p.in.q);
+  ps.in.k = key(p.in.k);
+  ps.in.v = value(p.in.v);
+  ps.in.g = value(p.in.g);
+  ps.in.beta = value(p.in.beta);
+  ps.in.A_log = head_slice(p.in.A_log, 0, hv0, hvs);
+  ps.in.dt_bias = param(p.in.dt_bias);
+  BackwardArgs as = a;
+  as.initial_state = state(a.initial_state);
+  as.d_o = value(a.d_o);
+  as.d_final_state = state(a.d_final_state);
+  as.dq = key(a.dq);
+  as.dk = key(a.dk);
+  as.dv = value(a.dv);
+  as.dg = value(a.dg);
+  as.dbeta = value(a.dbeta);
+  as.d_initial_state = state(a.d_initial_state);
+  as.dA_log = head_slice(a.dA_log, 0, hv0, hvs);
+  as.ddt_bias = param(a.ddt_bias);
+  return {ps, as};
+}
+
+int64_t workspace_bytes(const Problem& p, int64_t heads) {
+  Problem ps = p;
+  ps.H = heads;
+  ps.HV = heads * p.group;
+  cuda::BackwardParams b = backward_params(ps, BackwardArgs{});
+  return layout(b, p.cu_seqlens.present()).total();
+}
+
+// Float32 bytes of q, k, v and g: the scale the workspace is held to.
+int64_t input_bytes(const Problem& p) {
+  return int64_t{4} * p.B * p.T * (2 * p.H * p.K + p.HV * (p.K + p.V));
+}
+
+// Key heads per pass. The float32 workspace grows linearly with the heads (about 12 KB per
+// token and value head at K = V = 128), so the backward runs over slices of whole key-head
+// groups one after another on the stream, reusing one workspace: as few, equal passes as
+// keep it within three times the float32 size of q, k, v and g (fla keeps about 3.7 times
+// that for the same shape). Fewer heads per pass means fewer blocks in the sequential scans.
+int64_t heads_per_pass(const Problem& p) {
+  const int64_t budget = 3 * input_bytes(p), whole = workspace_bytes(p, p.H);
+  if (p.H <= 1 || whole <= budget) return p.H;
+  const int64_t fit = std::max<int64_t>(1, static_cast<int64_t>(
+                                                static_cast<double>(p.H) * budget / whole));
+  const int64_t passes = (p.H + fit - 1) / fit;
+  return (p.H + passes - 1) / passes;
+}
+
+}  // namespace
+
+int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
+  return workspace_bytes(p, heads_per_pass(p));
+}
+
+void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
+  const bool varlen = p.cu_seqlens.present();
+  const int64_t pass_heads = heads_per_pass(p);
+  const int64_t bytes = workspace_bytes(p, pass_heads);
+  // The caller's workspace is checked before anything else (no GPU is needed to fail here).
+  if (a.workspace != nullptr || a.workspace_bytes > 0)
+    check_caller_workspace(a.workspace, a.workspace_bytes, bytes);
+  require_sm80("the CUDA chunk backward");
+  require_shared_memory();
+  {
+    const cuda::BackwardParams b = backward_params(p, a);
+    const int64_t records = b.max_chunks * pass_heads * p.group,
+                  scan_tiles = p.N * pass_heads * p.group * ((p.V + 31) / 32),
+                  param_blocks = pass_heads * p.group * (p.K + 1);
+    if (records > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX)
+      throw Error(ErrorCode::unsupported,
+                  "argument 'q': the CUDA chunk backward runs at most 2^31 - 1 blocks per "
+                  "kernel, got " + std::to_string(records) + " chunk records, " +
+                      std::to_string(scan_tiles) + " scan tiles and " +
+                      std::to_string(param_blocks) + " gate-parameter sums");
+  }
+
+  const StreamWorkspace memory("CUDA chunk backward", bytes, a.workspace, a.workspace_bytes,
+                               a.stream);
+  for (int64_t h0 = 0; h0 < p.H; h0 += pass_heads) {
+    const auto [ps, as] = head_pass(p, a, h0, std::min(pass_heads, p.H - h0));
+    cuda::BackwardParams b = backward_params(ps, as);
+    const Carver regions = layout(b, varlen);
+    if (regions.total() > 0) {
+      regions.carve(memory.data());
+      cudaMemsetAsync(memory.data(), 0, static_cast<size_t>(regions.prefix(kZeroedRegions)),
+                      static_cast<cudaStream_t>(a.stream));
+    }
+    run_stages(b, varlen, a.stream);
   }
 }
 

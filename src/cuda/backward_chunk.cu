@@ -71,7 +71,7 @@ __device__ void stage_slice(const ChunkRows& x, int c0, KeySlice& s) {
 struct RecordsShared {
   KeySlice slice;
   float akk[kC][kLd], tm[kC][kLd];
-  ProductStage stage;
+  ProductStage<16> stage;
 };
 
 // Gamma (the cumulative log gate) of one key slice, the gate factors of q and k, beta k e^Gamma
@@ -108,7 +108,7 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
   }
 }
 
-__global__ void __launch_bounds__(kBackwardThreads) records_kernel(const BackwardParams b) {
+__global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const BackwardParams b) {
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
   ChunkRef ref;
   int64_t r0 = 0;
@@ -118,9 +118,25 @@ __global__ void __launch_bounds__(kBackwardThreads) records_kernel(const Backwar
   extern __shared__ __align__(16) unsigned char smem[];
   RecordsShared& sh = *reinterpret_cast<RecordsShared*>(smem);
 
-  for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x) {
-    const int i = idx / V, j = idx % V;
-    x.v_rec(b.ws.vb, i)[j] = x.beta(i) * x.value(b.p.v, i, j);
+  // beta v, a warp per row: the row's loads are issued together before any store.
+  {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    constexpr int kPerLane = kMaxCols / 32;
+    for (int i = warp; i < len; i += kWarps) {
+      const TokenTensor& v = b.p.v;
+      const int64_t row = token_row_offset(v, r0 + i, b.p.T, hv);
+      float val[kPerLane];
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        const int j = lane + 32 * e;
+        val[e] = j < V ? load_float(v.data, v.dtype, row + j * v.stride[3]) : 0.f;
+      }
+      const float beta = x.beta(i);
+      float* out = x.v_rec(b.ws.vb, i);
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e)
+        if (lane + 32 * e < V) out[lane + 32 * e] = beta * val[e];
+    }
   }
 
   // Per key slice: the factors, then A_qk (diagonal included) and the unscaled A_kk
@@ -137,7 +153,7 @@ __global__ void __launch_bounds__(kBackwardThreads) records_kernel(const Backwar
       const int pair = threadIdx.x + e * kBackwardThreads, i = pair / kC, j = pair % kC;
       if (j > i || i >= len) continue;
       for (int cc = 0; cc < kSlice; ++cc) {
-        const float f = expf(s.g[i][cc] - s.g[j][cc]) * s.k[j][cc];
+        const float f = __expf(s.g[i][cc] - s.g[j][cc]) * s.k[j][cc];
         aq[e] = fmaf(s.q[i][cc], f, aq[e]);
         kd[e] = fmaf(s.k[i][cc], f, kd[e]);
       }
@@ -192,12 +208,12 @@ struct GradsShared {
   float x[kC][kLd];     // d T T^T
   float dgamma[kMaxCols];  // d Gamma_end per channel
   union {
-    ProductStage stage;  // the products
+    ProductStage<16> stage;  // the products
     KeySlice slice;      // the pairwise sums
   };
 };
 
-__global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardParams b) {
+__global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const BackwardParams b) {
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
   ChunkRef ref;
   int64_t r0 = 0;
@@ -306,12 +322,12 @@ __global__ void __launch_bounds__(kBackwardThreads) grads_kernel(const BackwardP
       const float gi = s.g[i][cc], qi = s.q[i][cc], ki = s.k[i][cc];
       float p1 = 0.f, p2 = 0.f, q1 = 0.f, q2 = 0.f;
       for (int j = 0; j <= i; ++j) {
-        const float f = expf(gi - s.g[j][cc]) * s.k[j][cc];
+        const float f = __expf(gi - s.g[j][cc]) * s.k[j][cc];
         p1 = fmaf(sh.daqk[i][j], f, p1);
         p2 = fmaf(sh.dakk[i][j], f, p2);
       }
       for (int r = i; r < len; ++r) {
-        const float f = expf(s.g[r][cc] - gi);
+        const float f = __expf(s.g[r][cc] - gi);
         q1 = fmaf(sh.daqk[r][i] * s.q[r][cc], f, q1);
         q2 = fmaf(sh.dakk[r][i] * s.k[r][cc], f, q2);
       }

@@ -1,11 +1,12 @@
 // Device helpers of the CUDA backward's stages (cuda/backward_params.h): where a chunk lies,
-// how the float32 buffers are indexed, and the block-wide tile product every per-chunk stage
-// is written in.
+// how the float32 buffers are indexed, and the block-wide tile product (tensor cores, tf32)
+// every stage is written in.
 #pragma once
 
 #include "cuda/backward_params.h"
 #include "cuda/chunk_index.cuh"
 #include "cuda/device_io.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/sequence.cuh"
 
 namespace flashdelta::detail::cuda {
@@ -42,14 +43,20 @@ struct Cols {
   __device__ __forceinline__ const float* at(int i, int j) const { return p + j * ld + i; }
 };
 
-// Products have at most kC rows (a chunk's tokens) and 256 columns (K or V); the summed index
-// is staged kStageL values at a time, double-buffered: A as [l][m], B as [l][n], read back
-// four at a time.
-constexpr int kStageL = 16;
+// Products have at most kC rows (a chunk's tokens) and kMaxCols columns (K or V), taken
+// kPassCols columns per pass; the summed index l is staged kL values at a time,
+// double-buffered. Each operand is staged with its contiguous index last, so that global
+// memory is read in 16-byte pieces: A(m, l) as [m][l] when contiguous in l, else [l][m];
+// B(l, n) as [l][n] when contiguous in n, else [n][l]. Row lengths of 4 mod 32 floats
+// ([.][l]) or 8 mod 32 ([l][.]) put the 32 elements of a tf32 fragment in distinct banks.
 constexpr int kMaxCols = 256;
+constexpr int kPassCols = 128;
+template <int kL>
 struct alignas(16) ProductStage {
-  float a[2][kStageL][kC + 4];
-  float b[2][kStageL][kMaxCols + 4];
+  static_assert(kL % 8 == 0, "whole tf32 k-steps");
+  static constexpr int kLdA = kC + 8, kLdB = kPassCols + 8, kLdL = kL + 4;
+  float a[2][kL * kLdA > kC * kLdL ? kL * kLdA : kC * kLdL];
+  float b[2][kL * kLdB > kPassCols * kLdL ? kL * kLdB : kPassCols * kLdL];
 };
 
 // One element into shared memory: cp.async from global memory (it lands while the block
@@ -64,73 +71,106 @@ __device__ __forceinline__ void stage_element(float* dst, const float* src, bool
     copy_async<4>(dst, src, 4);
 }
 
-// Queues A(m, l0 + l) into a[l][m] (m < kC) and B(l0 + l, n) into b[l][n] (n < N4), walking
-// the contiguous index fastest so that global reads coalesce.
-template <class A, class Bm>
-__device__ void stage_slices(const A& a, const Bm& bm, int M, int N, int N4, int L, int l0,
-                             bool a_shared, bool b_shared, float (*sa)[kC + 4],
-                             float (*sb)[kMaxCols + 4]) {
-  for (int idx = threadIdx.x; idx < kStageL * kC; idx += blockDim.x) {
-    const int l = A::kContiguousFirst ? idx / kC : idx % kStageL;
-    const int m = A::kContiguousFirst ? idx % kC : idx / kStageL;
-    stage_element(&sa[l][m], a.at(m, l0 + l), m < M && l0 + l < L, a_shared);
-  }
-  for (int idx = threadIdx.x; idx < kStageL * N4; idx += blockDim.x) {
-    const int l = Bm::kContiguousFirst ? idx % kStageL : idx / N4;
-    const int n = Bm::kContiguousFirst ? idx / kStageL : idx % N4;
-    stage_element(&sb[l][n], bm.at(l0 + l, n), n < N && l0 + l < L, b_shared);
+// Stages X(o, l0 + l) for o < extent (a multiple of 8), l < kL, zeros past O and L: at
+// dst[o * ld + l] when X is contiguous in l (kContigL), else at dst[l * ld + o]. Four
+// elements along the contiguous index at a time: one 16-byte copy when all are in range and
+// aligned, else one by one. at(o, l) is the element's address.
+template <int kL, bool kContigL, class At>
+__device__ void stage_operand(const At& at, int O, int extent, int L, int l0, bool shared,
+                              float* dst, int ld) {
+  constexpr int kQuadsL = kL / 4;
+  const int quads = kContigL ? kQuadsL : extent / 4, lines = kContigL ? extent : kL;
+  for (int idx = threadIdx.x; idx < lines * quads; idx += blockDim.x) {
+    const int line = idx / quads, q = idx % quads * 4;
+    const int o = kContigL ? line : q, l = l0 + (kContigL ? q : line);
+    float* d = dst + line * ld + q;
+    const float* src = at(o, l);
+    const bool full = kContigL ? o < O && l + 3 < L : o + 3 < O && l < L;
+    if (full && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+      if (shared)
+        *reinterpret_cast<float4*>(d) = *reinterpret_cast<const float4*>(src);
+      else
+        copy_async<16>(d, src, 16);
+      continue;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int oe = kContigL ? o : o + e, le = kContigL ? l + e : l;
+      stage_element(d + e, at(oe, le), oe < O && le < L, shared);
+    }
   }
 }
 
 // out(m, n) = sum over l < L of a(m, l) b(l, n) for m < M <= kC, n < N <= kMaxCols, handed to
-// epi(m, n, value). Each output belongs to one thread (a 4 x 4 block; more blocks than
-// threads take further passes over the operands, which keeps 16 accumulators per thread) and
-// is summed in order of l: deterministic, and epi may read-modify-write any array at (m, n).
+// epi(m, n, value), on the tensor cores: tf32 operands (rounded to nearest), float32
+// accumulators. In each pass warp w owns rows 16 (w % 4) .. + 15 and every other 8-column
+// tile starting at w / 4. Each output belongs to one lane and is summed in a fixed order:
+// deterministic, and epi may read-modify-write any array at (m, n) that is not an operand.
 // Slice s + 1 is in flight while slice s is multiplied. Starts and ends with a block
 // barrier, so operands written just before and arrays the epilogue writes are safe to use
 // around it.
-template <class A, class Bm, class Epi>
-__device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm, ProductStage& st,
-                               const Epi& epi) {
-  const int N4 = (N + 3) / 4 * 4, tiles_n = N4 / 4, tiles = (M + 3) / 4 * tiles_n;
-  const int slices = (L + kStageL - 1) / kStageL;
+template <int kL, class A, class Bm, class Epi>
+__device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
+                               ProductStage<kL>& st, const Epi& epi) {
+  using Stage = ProductStage<kL>;
+  constexpr bool kALast = !A::kContiguousFirst;  // A staged [m][l]
+  constexpr bool kBLast = Bm::kContiguousFirst;  // B staged [n][l]
+  constexpr int kLdA = kALast ? Stage::kLdL : Stage::kLdA;
+  constexpr int kLdB = kBLast ? Stage::kLdL : Stage::kLdB;
+  constexpr int kRowTiles = kC / 16;
+  constexpr int kColGroups = kBackwardThreads / 32 / kRowTiles;
+  constexpr int kTilesPerWarp = kPassCols / 8 / kColGroups;
+  const int slices = (L + kL - 1) / kL;
   const bool a_shared = __isShared(a.p), b_shared = __isShared(bm.p);
-  __syncthreads();
-  for (int first = 0; first < tiles; first += kBackwardThreads) {
-    const int tile = first + threadIdx.x;
-    const int m0 = tile / tiles_n * 4, n0 = tile % tiles_n * 4;
-    float acc[4][4] = {};
-    stage_slices(a, bm, M, N, N4, L, 0, a_shared, b_shared, st.a[0], st.b[0]);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int m0 = warp % kRowTiles * 16, first_tile = warp / kRowTiles;
+  const bool rows = m0 < M;
+  auto at_a = [&](int m, int l) { return a.at(m, l); };
+  for (int n0 = 0; n0 < N; n0 += kPassCols) {
+    const int N8 = (min(N - n0, kPassCols) + 7) / 8 * 8;
+    auto at_b = [&](int n, int l) { return bm.at(l, n0 + n); };
+    auto stage = [&](int s) {
+      stage_operand<kL, kALast>(at_a, M, kC, L, s * kL, a_shared, st.a[s & 1], kLdA);
+      stage_operand<kL, kBLast>(at_b, N - n0, N8, L, s * kL, b_shared, st.b[s & 1], kLdB);
+    };
+    Acc acc[kTilesPerWarp];
+    __syncthreads();
+    stage(0);
     commit_async();
     for (int s = 0; s < slices; ++s) {
-      if (s + 1 < slices)
-        stage_slices(a, bm, M, N, N4, L, (s + 1) * kStageL, a_shared, b_shared,
-                     st.a[(s + 1) & 1], st.b[(s + 1) & 1]);
+      if (s + 1 < slices) stage(s + 1);
       commit_async();
       wait_async<1>();
       __syncthreads();
-      if (tile < tiles) {
-        const float(*sa)[kC + 4] = st.a[s & 1];
-        const float(*sb)[kMaxCols + 4] = st.b[s & 1];
-#pragma unroll 4
-        for (int l = 0; l < kStageL; ++l) {
-          const float4 av = *reinterpret_cast<const float4*>(&sa[l][m0]);
-          const float4 bv = *reinterpret_cast<const float4*>(&sb[l][n0]);
-          const float ar[4] = {av.x, av.y, av.z, av.w}, br[4] = {bv.x, bv.y, bv.z, bv.w};
+      if (rows) {
+        const float* sa = st.a[s & 1];
+        const float* sb = st.b[s & 1];
+        auto ea = [&](int m, int k) { return to_tf32(kALast ? sa[m * kLdA + k] : sa[k * kLdA + m]); };
+        auto eb = [&](int k, int n) { return to_tf32(kBLast ? sb[n * kLdB + k] : sb[k * kLdB + n]); };
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
+        for (int k0 = 0; k0 < kL; k0 += 8) {
+          const uint32_t af[4] = {ea(m0 + g, k0 + c), ea(m0 + g + 8, k0 + c),
+                                  ea(m0 + g, k0 + c + 4), ea(m0 + g + 8, k0 + c + 4)};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], br[j], acc[i][j]);
+          for (int e = 0; e < kTilesPerWarp; ++e) {
+            const int n = (first_tile + kColGroups * e) * 8;
+            if (n < N8) mma_tf32(acc[e], af, eb(k0 + c, n + g), eb(k0 + c + 4, n + g));
+          }
         }
       }
       __syncthreads();
     }
-    if (tile < tiles) {
+    if (rows) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int e = 0; e < kTilesPerWarp; ++e) {
+        const int nt = (first_tile + kColGroups * e) * 8;
+        if (nt >= N8) continue;
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (m0 + i < M && n0 + j < N) epi(m0 + i, n0 + j, acc[i][j]);
+        for (int r = 0; r < 4; ++r) {
+          const int m = m0 + acc_row(r), n = n0 + nt + acc_col(r);
+          if (m < M && n < N) epi(m, n, acc[e].d[r]);
+        }
+      }
     }
   }
   wait_async<0>();

@@ -1,5 +1,5 @@
 // Warp-level tensor-core products for the chunkwise kernels: mma.sync m16n8k16 with bfloat16
-// operands and float32 accumulators, and ldmatrix loads of the operand fragments from shared
+// operands (m16n8k8 with tf32 operands for the backward) and float32 accumulators, and ldmatrix loads of the operand fragments from shared
 // memory. Needs sm_80 or later (the host refuses older GPUs before launching).
 //
 // Fragments (PTX ISA, "Matrix fragments for mma.m16n8k16"), lane l, g = l / 4, c = l % 4:
@@ -33,6 +33,37 @@ __device__ __forceinline__ void mma_bf16(Acc& acc, const uint32_t (&a)[4], uint3
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(acc.d[0]), "+f"(acc.d[1]), "+f"(acc.d[2]), "+f"(acc.d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
+// float32 rounded to nearest tf32 (10-bit mantissa): the tf32 mma reads only the top 19 bits
+// of each operand, and truncating them instead would bias long sums.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#else
+  r = 0;
+  (void)x;
+  __trap();
+#endif
+  return r;
+}
+
+// mma.sync m16n8k8 with tf32 operands (PTX ISA, "Matrix fragments for mma.m16n8k8", .tf32),
+// lane l, g = l / 4, c = l % 4:
+//   A 16x8: a[0] = (row g, col c), a[1] = row g + 8, a[2] = col c + 4, a[3] = both
+//   B 8x8:  b0 = (row c, col g), b1 = row c + 4;  C as for m16n8k16.
+__device__ __forceinline__ void mma_tf32(Acc& acc, const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(acc.d[0]), "+f"(acc.d[1]), "+f"(acc.d[2]), "+f"(acc.d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

@@ -75,10 +75,8 @@ Gradients reference_gradients(const BackwardCase& b) {
   return g;
 }
 
-Gradients cuda_gradients(const BackwardCase& b, DType dtype = DType::f32) {
-  BackwardArgs host = b.args();
-  Gradients g = allocate_gradients(b, host, dtype);
-  DeviceMirror mirror;
+// The arguments with every tensor copied to the GPU (mirror keeps the copies).
+BackwardArgs upload_args(const BackwardArgs& host, DeviceMirror& mirror) {
   BackwardArgs d = host;
   for (TensorView BackwardArgs::*f :
        {&BackwardArgs::q, &BackwardArgs::k, &BackwardArgs::v, &BackwardArgs::g,
@@ -88,15 +86,28 @@ Gradients cuda_gradients(const BackwardCase& b, DType dtype = DType::f32) {
         &BackwardArgs::dg, &BackwardArgs::dbeta, &BackwardArgs::d_initial_state,
         &BackwardArgs::dA_log, &BackwardArgs::ddt_bias})
     d.*f = mirror.upload(host.*f);
+  return d;
+}
+
+Gradients cuda_gradients(const BackwardCase& b, DType dtype = DType::f32) {
+  BackwardArgs host = b.args();
+  Gradients g = allocate_gradients(b, host, dtype);
+  DeviceMirror mirror;
+  const BackwardArgs d = upload_args(host, mirror);
   backward(d, b.c.options, Schedule::chunk);
   check_cuda(cudaDeviceSynchronize(), "backward");
   for (const GradInput& in : kGradInputs) mirror.download(d.*in.grad, host.*in.grad);
   return g;
 }
 
-// float32 throughout on the GPU against float64: the error grows with the chunk's products
-// (sums of 64-256 terms) and the states' accumulation over chunks.
+// tf32 products (11 significant bits, rounded to nearest) with float32 sums against float64:
+// bench/model/backward_rounding.py puts every-product-tf32 at ~5e-4 of the largest gradient;
+// the error grows with the chunk's products (sums of 64-256 terms) and the states'
+// accumulation over chunks.
 constexpr double kTolerance = 2e-3;
+// dA_log and dt_bias's gradient sum every token's and channel's gate gradient, terms of both
+// signs: the sum is smaller than its terms, so its relative error is larger.
+constexpr double kParamTolerance = 5e-3;
 // Gradients stored in bfloat16 round to 8 significant bits.
 constexpr double kBf16Tolerance = 1.6e-2;
 
@@ -104,9 +115,13 @@ void expect_gradients_match(const BackwardCase& b, const std::string& what,
                             DType grad_dtype = DType::f32) {
   const Gradients ref = reference_gradients(b);
   const Gradients gpu = cuda_gradients(b, grad_dtype);
-  const double tol = grad_dtype == DType::bf16 ? kBf16Tolerance : kTolerance;
   for (size_t i = 0; i < kNumSlots; ++i) {
     if (ref.t[i].bytes.empty() || !ref.t[i].view.present()) continue;
+    const bool param = kGradInputs[i].value == &BackwardArgs::A_log ||
+                       kGradInputs[i].value == &BackwardArgs::dt_bias;
+    const double tol = grad_dtype == DType::bf16 ? kBf16Tolerance
+                       : param                   ? kParamTolerance
+                                                 : kTolerance;
     EXPECT_LT(rel_error(gpu.values(i), ref.values(i)), tol)
         << what << ": d" << kGradInputs[i].name << " relative error";
   }
@@ -179,6 +194,28 @@ TEST(CudaBackward, StrongAndInfiniteGatesAndBetaZeroOne) {
     const CaseConfig c{.T = 100, .K = 64, .V = 64, .beta_value = beta, .seed = seed++};
     expect_gradients_match(make_backward_case(c), "beta " + std::to_string(beta));
   }
+}
+
+// With several key heads the backward runs in passes over slices of the heads, reusing one
+// workspace that stays within three times the float32 size of q, k, v and g; the gradients
+// are those of one pass (GVA and the gate parameters sliced with their heads).
+TEST(CudaBackward, HeadPassesKeepTheWorkspaceWithinThreeTimesTheInputs) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig cases[] = {
+      {.B = 2, .T = 1024, .H = 8, .HV = 8, .K = 128, .V = 128, .dtype = DType::bf16,
+       .seed = 7600},
+      {.B = 1, .T = 700, .H = 4, .HV = 8, .K = 64, .V = 96, .dtype = DType::bf16,
+       .qk_l2norm = true, .gate_in_kernel = true, .lower_bound = -5.0, .seed = 7601}};
+  for (const CaseConfig& c : cases) {
+    const BackwardCase b = make_backward_case(c);
+    DeviceMirror mirror;
+    const BackwardArgs d = upload_args(b.args(), mirror);
+    const double inputs = 4.0 * c.B * c.T * (2 * c.H * c.K + c.HV * (c.K + c.V));
+    EXPECT_LE(static_cast<double>(backward_workspace_bytes(d, b.c.options, Schedule::chunk)),
+              3 * inputs)
+        << describe(c);
+  }
+  expect_gradients_match(make_backward_case(cases[1]), "passes over GVA heads");
 }
 
 TEST(CudaBackward, WithoutFinalStateGradientAndInBfloat16) {
