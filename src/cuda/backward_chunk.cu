@@ -8,6 +8,7 @@
 // slices of the pairwise sums): a thread never waits on a chain of its own global loads.
 #include <cuda_runtime.h>
 
+#include "cuda/backward_blocks.cuh"
 #include "cuda/backward_common.cuh"
 #include "cuda/transforms.cuh"
 
@@ -15,9 +16,10 @@ namespace flashdelta::detail::cuda {
 namespace {
 
 constexpr int kLd = kC + 1;  // C x C tiles in shared memory, padded against bank conflicts
-constexpr int kSlice = 32;   // key channels staged per pass of the pairwise sums
-constexpr int kSliceLd = kSlice + 1;
 constexpr int kWarps = kBackwardThreads / 32;
+// Key channels staged per pass of the pairwise sums: records keeps its cumulative sums
+// long; grads needs room for its tables.
+constexpr int kRecordSlice = 32, kGradSlice = 16;
 
 // The chunk's rows of the buffers, for one value head: token-major buffers (inputs and
 // gradients, row r0 + i) and record-major ones (the chunk's own intermediates, row i of
@@ -51,16 +53,18 @@ struct ChunkRows {
   __device__ Cols v_recs_t(const float* buf) const { return {buf + rec * kC * b.p.V, b.p.V}; }
 };
 
-// Channels [c0, c0 + kSlice) of the chunk's rows (zeros past len / K).
+// Channels [c0, c0 + kW) of the chunk's rows (zeros past len / K).
+template <int kW>
 struct KeySlice {
-  float q[kC][kSliceLd], k[kC][kSliceLd], g[kC][kSliceLd];
+  float q[kC][kW + 1], k[kC][kW + 1], g[kC][kW + 1];
 };
 
 // Stages q, k (normalised, q scaled) and Gamma of a key slice.
-__device__ void stage_slice(const ChunkRows& x, int c0, KeySlice& s) {
+template <int kW>
+__device__ void stage_slice(const ChunkRows& x, int c0, KeySlice<kW>& s) {
   const int64_t K = x.b.p.K;
-  for (int idx = threadIdx.x; idx < kC * kSlice; idx += blockDim.x) {
-    const int i = idx / kSlice, cc = idx % kSlice, c = c0 + cc;
+  for (int idx = threadIdx.x; idx < kC * kW; idx += blockDim.x) {
+    const int i = idx / kW, cc = idx % kW, c = c0 + cc;
     const bool ok = i < x.len && c < K;
     s.q[i][cc] = ok ? x.key_head(x.b.ws.qn, i)[c] : 0.f;
     s.k[i][cc] = ok ? x.key_head(x.b.ws.kn, i)[c] : 0.f;
@@ -68,16 +72,23 @@ __device__ void stage_slice(const ChunkRows& x, int c0, KeySlice& s) {
   }
 }
 
+// Records' tables: the slice's channel is the products' summed index (row length 4 mod 32).
+using RecordTables = BlockTables<kRecordSlice, kRecordSlice + 4>;
+
 struct RecordsShared {
-  KeySlice slice;
+  KeySlice<kRecordSlice> slice;
   float akk[kC][kLd], tm[kC][kLd];
-  ProductStage<16> stage;
+  union {
+    RecordTables tables;     // the pairwise sums
+    ProductStage<16> stage;  // w and u
+  };
 };
 
 // Gamma (the cumulative log gate) of one key slice, the gate factors of q and k, beta k e^Gamma
 // and the chunk's decay, written to the buffers; leaves q, k and Gamma of the slice staged.
 __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64_t rec, int c0,
-                              KeySlice& s) {
+                              KeySlice<kRecordSlice>& s) {
+  constexpr int kSlice = kRecordSlice;
   const int64_t K = b.p.K;
   const int len = x.len;
   for (int idx = threadIdx.x; idx < kC * kSlice; idx += blockDim.x) {
@@ -139,35 +150,89 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
     }
   }
 
-  // Per key slice: the factors, then A_qk (diagonal included) and the unscaled A_kk
-  // products, pairwise.
-  constexpr int kPairs = kC * kC / kBackwardThreads;
-  float aq[kPairs] = {}, kd[kPairs] = {};
-  for (int c0 = 0; c0 < K; c0 += kSlice) {
+  // Per key slice: the factors, then A_qk (diagonal included) and the unscaled A_kk products
+  // (cuda/backward_blocks.cuh): pairs inside a 16-row block one by one, the blocks below the
+  // diagonal on the tensor cores as (q or k rows) x (column table)^T, 12 tiles of 16 x 8
+  // each, three per warp, summed over the slices in registers.
+  constexpr int kDiagonalSlots = (kDiagonalPairs + kBackwardThreads - 1) / kBackwardThreads;
+  constexpr int kOffTiles = kColumnRows / 8, kOffJobs = 2 * kOffTiles;
+  constexpr int kJobsPerWarp = kOffJobs / kWarps;
+  const int warp = threadIdx.x / 32;
+  // Job e of this warp: rows of q (which 0: A_qk) or k (1: the A_kk products) in block I,
+  // columns n0 .. n0 + 7.
+  auto job = [&](int e, int& which, int& I, int& n0) {
+    const int idx = warp + kWarps * e, t = idx % kOffTiles;
+    which = idx / kOffTiles;
+    I = t < 2 ? 1 : t < 6 ? 2 : 3;
+    n0 = 8 * (t - column_base(I) / 8);
+  };
+  float aq[kDiagonalSlots] = {}, kd[kDiagonalSlots] = {};
+  Acc off[kJobsPerWarp];
+  for (int c0 = 0; c0 < K; c0 += kRecordSlice) {
     __syncthreads();
     slice_factors(b, x, rec, c0, sh.slice);
     __syncthreads();
-    const KeySlice& s = sh.slice;
+    const KeySlice<kRecordSlice>& s = sh.slice;
+    fill_block_tables(s, len, sh.tables);
 #pragma unroll
-    for (int e = 0; e < kPairs; ++e) {
-      const int pair = threadIdx.x + e * kBackwardThreads, i = pair / kC, j = pair % kC;
-      if (j > i || i >= len) continue;
-      for (int cc = 0; cc < kSlice; ++cc) {
+    for (int e = 0; e < kDiagonalSlots; ++e) {
+      const int p = threadIdx.x + e * kBackwardThreads;
+      int i = 0, j = 0;
+      if (p < kDiagonalPairs) diagonal_pair(p, i, j);
+      if (p >= kDiagonalPairs || i >= len) continue;
+      for (int cc = 0; cc < kRecordSlice; ++cc) {
         const float f = __expf(s.g[i][cc] - s.g[j][cc]) * s.k[j][cc];
         aq[e] = fmaf(s.q[i][cc], f, aq[e]);
         kd[e] = fmaf(s.k[i][cc], f, kd[e]);
       }
     }
+    __syncthreads();
+    const RecordTables& t = sh.tables;
+#pragma unroll
+    for (int e = 0; e < kJobsPerWarp; ++e) {
+      int which, I, n0;
+      job(e, which, I, n0);
+      if (kBlock * I >= len) continue;
+      const int m0 = kBlock * (I - 1), c1 = column_base(I) + n0;
+      tile_product(
+          off[e], kRecordSlice / 8, [&](int m, int k) { return t.rows[which][m0 + m][k]; },
+          [&](int k, int n) { return t.cols[c1 + n][k]; });
+    }
   }
   float* aqk = b.ws.aqk + rec * kC * kC;
   float* kdot = b.ws.kdot + rec * kC * kC;
+  // Every entry once: the diagonal blocks' pairs, the tiles below them, zeros above.
+  auto put = [&](int which, int i, int j, float v) {
+    const bool row = i < len, strict = j < i && row;
+    if (which == 0) {
+      aqk[i * kC + j] = row ? v : 0.f;
+    } else {
+      kdot[i * kC + j] = strict ? v : 0.f;
+      sh.akk[i][j] = strict ? x.beta(i) * v : 0.f;
+    }
+  };
 #pragma unroll
-  for (int e = 0; e < kPairs; ++e) {
-    const int pair = threadIdx.x + e * kBackwardThreads, i = pair / kC, j = pair % kC;
-    const bool strict = j < i && i < len;
-    aqk[pair] = aq[e];
-    kdot[pair] = strict ? kd[e] : 0.f;
-    sh.akk[i][j] = strict ? x.beta(i) * kd[e] : 0.f;
+  for (int e = 0; e < kDiagonalSlots; ++e) {
+    const int p = threadIdx.x + e * kBackwardThreads;
+    if (p >= kDiagonalPairs) continue;
+    int i, j;
+    diagonal_pair(p, i, j);
+    put(0, i, j, aq[e]);
+    put(1, i, j, kd[e]);
+  }
+#pragma unroll
+  for (int e = 0; e < kJobsPerWarp; ++e) {
+    int which, I, n0;
+    job(e, which, I, n0);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) put(which, kBlock * I + acc_row(r), n0 + acc_col(r), off[e].d[r]);
+  }
+  for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) {
+    const int i = idx / kC, j = idx % kC;
+    if (j <= i) continue;
+    aqk[idx] = 0.f;
+    kdot[idx] = 0.f;
+    sh.akk[i][j] = 0.f;
   }
   __syncthreads();
 
@@ -201,15 +266,26 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   }
 }
 
+// Grads' tables: the slice's channel is the products' column index (row length 8 mod 32).
+using GradTables = BlockTables<kGradSlice, kGradSlice + 8>;
+
 struct GradsShared {
   float daqk[kC][kLd];  // d A_qk (lower, diagonal included)
   float dakk[kC][kLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
-  float dt[kC][kLd];    // d T, then d A_kk * unscaled products (for d beta)
-  float x[kC][kLd];     // d T T^T
   float dgamma[kMaxCols];  // d Gamma_end per channel
   union {
-    ProductStage<16> stage;  // the products
-    KeySlice slice;      // the pairwise sums
+    struct {
+      float dt[kC][kLd];  // d T, then d A_kk * unscaled products (for d beta)
+      float x[kC][kLd];   // d T T^T
+      ProductStage<16> stage;
+    } products;
+    // The pairwise sums of a key slice: sums of d A_qk k e^.. (p1) and d A_kk k e^.. (p2)
+    // over j <= i, and of both column terms over r >= i (q12), per row and channel.
+    struct {
+      KeySlice<kGradSlice> slice;
+      GradTables tables;
+      float p1[kC][kGradSlice + 1], p2[kC][kGradSlice + 1], q12[kC][kGradSlice + 1];
+    } pairs;
   };
 };
 
@@ -238,19 +314,19 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   const Cols S_t{S, V}, dS_t{dS, V};
 
   // d(q e^Gamma) = dO S^T, to q and Gamma.
-  staged_product(len, K, V, dO, S_t, sh.stage, [&](int m, int n, float acc) {
+  staged_product(len, K, V, dO, S_t, sh.products.stage, [&](int m, int n, float acc) {
     x.k_row(ws.dq, m)[n] = acc * expf(gamma(m, n));
     x.k_row(ws.dg, m)[n] = acc * x.k_rec(ws.qg, m)[n];
   });
   // d(k e^(Gamma_end - Gamma)) = v_new dS^T, to k and Gamma; its Gamma_end part waits in dw.
-  staged_product(len, K, V, x.v_recs(ws.vn), dS_t, sh.stage, [&](int m, int n, float acc) {
+  staged_product(len, K, V, x.v_recs(ws.vn), dS_t, sh.products.stage, [&](int m, int n, float acc) {
     x.k_row(ws.dk, m)[n] = acc * expf(gamma(len - 1, n) - gamma(m, n));
     const float t = acc * x.k_rec(ws.kg, m)[n];
     x.k_row(ws.dg, m)[n] -= t;
     x.k_rec(ws.dw, m)[n] = t;
   });
   // d A_qk = tril(dO v_new^T).
-  staged_product(len, len, V, dO, x.v_recs_t(ws.vn), sh.stage,
+  staged_product(len, len, V, dO, x.v_recs_t(ws.vn), sh.products.stage,
                  [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });
   // d Gamma_end = e^Gamma_end sum_j dS S + the kg terms: one warp per channel.
   for (int c = warp; c < K; c += kWarps) {
@@ -265,20 +341,20 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
     // v_new = u - w S: dw = -dv_new S^T (after the d Gamma_end sums read dw).
-    staged_product(len, K, V, x.v_recs(ws.dvn), S_t, sh.stage,
+    staged_product(len, K, V, x.v_recs(ws.dvn), S_t, sh.products.stage,
                    [&](int m, int n, float acc) { x.k_rec(ws.dw, m)[n] = -acc; });
     // dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
-    staged_product(len, len, V, x.v_recs(ws.dvn), x.v_recs_t(ws.vb), sh.stage,
-                   [&](int m, int n, float acc) { sh.dt[m][n] = acc; });
-    staged_product(len, len, K, x.k_recs(ws.dw), x.k_recs_t(ws.kb), sh.stage,
-                   [&](int m, int n, float acc) { sh.dt[m][n] += acc; });
+    staged_product(len, len, V, x.v_recs(ws.dvn), x.v_recs_t(ws.vb), sh.products.stage,
+                   [&](int m, int n, float acc) { sh.products.dt[m][n] = acc; });
+    staged_product(len, len, K, x.k_recs(ws.dw), x.k_recs_t(ws.kb), sh.products.stage,
+                   [&](int m, int n, float acc) { sh.products.dt[m][n] += acc; });
     // d(beta v) = T^T dv_new: dv, and beta's share kept in vb.
-    staged_product(len, V, len, T_t, x.v_recs(ws.dvn), sh.stage, [&](int m, int n, float acc) {
+    staged_product(len, V, len, T_t, x.v_recs(ws.dvn), sh.products.stage, [&](int m, int n, float acc) {
       x.v_row(ws.dv, m)[n] = x.beta(m) * acc;
       x.v_rec(ws.vb, m)[n] = acc * x.value(b.p.v, m, n);
     });
     // d(beta k e^Gamma) = T^T dw: to k and Gamma, and beta's share kept in kb.
-    staged_product(len, K, len, T_t, x.k_recs(ws.dw), sh.stage, [&](int m, int n, float acc) {
+    staged_product(len, K, len, T_t, x.k_recs(ws.dw), sh.products.stage, [&](int m, int n, float acc) {
       float* kb = x.k_rec(ws.kb, m) + n;
       const float e = expf(gamma(m, n)), kv = x.key_head(ws.kn, m)[n];
       x.k_row(ws.dk, m)[n] += x.beta(m) * acc * e;
@@ -286,20 +362,20 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
       *kb = acc * kv * e;
     });
     // d A_kk = -T^T dT T^T (strictly lower).
-    staged_product(len, len, len, Rows{&sh.dt[0][0], kLd}, T_t, sh.stage,
-                   [&](int m, int n, float acc) { sh.x[m][n] = acc; });
-    staged_product(len, len, len, T_t, Rows{&sh.x[0][0], kLd}, sh.stage,
+    staged_product(len, len, len, Rows{&sh.products.dt[0][0], kLd}, T_t, sh.products.stage,
+                   [&](int m, int n, float acc) { sh.products.x[m][n] = acc; });
+    staged_product(len, len, len, T_t, Rows{&sh.products.x[0][0], kLd}, sh.products.stage,
                    [&](int m, int n, float acc) {
                      const float d = n < m ? -acc : 0.f;
                      sh.dakk[m][n] = x.beta(m) * d;
-                     sh.dt[m][n] = d * kdot[m * kC + n];
+                     sh.products.dt[m][n] = d * kdot[m * kC + n];
                    });
     // d beta: one warp per row.
     for (int m = warp; m < len; m += kWarps) {
       float s = 0.f;
       for (int j = lane; j < V; j += 32) s += x.v_rec(ws.vb, m)[j];
       for (int c = lane; c < K; c += 32) s += x.k_rec(ws.kb, m)[c];
-      for (int n = lane; n < len; n += 32) s += sh.dt[m][n];
+      for (int n = lane; n < len; n += 32) s += sh.products.dt[m][n];
       s = lane_sum<1, 16>(s);
       if (lane == 0) ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
     }
@@ -308,32 +384,90 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
       x.v_row(ws.dv, idx / V)[idx % V] = x.v_rec(ws.dvn, idx / V)[idx % V];
   }
 
-  // The pairwise terms of A_qk and A_kk: row sums (their i side) and column sums (j side).
-  const int cc = threadIdx.x % kSlice, rg = threadIdx.x / kSlice;
-  constexpr int kRowGroups = kBackwardThreads / kSlice;
-  for (int c0 = 0; c0 < K; c0 += kSlice) {
+  // The pairwise terms of A_qk and A_kk, per key slice (cuda/backward_blocks.cuh): row sums
+  // (their i side) and column sums (j side). Pairs inside a 16-row block one by one; the
+  // blocks below the diagonal on the tensor cores, each product's rows scaled back by their
+  // own e^(Gamma - rho) factor in its epilogue.
+  const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
+  constexpr int kRowGroups = kBackwardThreads / kGradSlice;
+  constexpr int kColTiles = kGradSlice / 8;
+  constexpr int kRowJobs = 2 * (kBlocks - 1) * kColTiles, kColJobs = (kBlocks - 1) * kColTiles;
+  auto& pr = sh.pairs;
+  for (int c0 = 0; c0 < K; c0 += kGradSlice) {
     __syncthreads();
-    stage_slice(x, c0, sh.slice);
+    stage_slice(x, c0, pr.slice);
     __syncthreads();
-    const int c = c0 + cc;
-    if (c >= K) continue;
-    const KeySlice& s = sh.slice;
-    for (int i = rg; i < len; i += kRowGroups) {
-      const float gi = s.g[i][cc], qi = s.q[i][cc], ki = s.k[i][cc];
-      float p1 = 0.f, p2 = 0.f, q1 = 0.f, q2 = 0.f;
-      for (int j = 0; j <= i; ++j) {
+    const KeySlice<kGradSlice>& s = pr.slice;
+    fill_block_tables(s, len, pr.tables);
+    for (int i = rg; i < kC; i += kRowGroups) {
+      const int first = i / kBlock * kBlock, last = min(first + kBlock, len);
+      const float gi = s.g[i][cc];
+      float p1 = 0.f, p2 = 0.f, q12 = 0.f;
+      for (int j = first; j <= i && i < len; ++j) {
         const float f = __expf(gi - s.g[j][cc]) * s.k[j][cc];
         p1 = fmaf(sh.daqk[i][j], f, p1);
         p2 = fmaf(sh.dakk[i][j], f, p2);
       }
-      for (int r = i; r < len; ++r) {
-        const float f = __expf(s.g[r][cc] - gi);
-        q1 = fmaf(sh.daqk[r][i] * s.q[r][cc], f, q1);
-        q2 = fmaf(sh.dakk[r][i] * s.k[r][cc], f, q2);
+      for (int r = i; r < last; ++r) {
+        const float t = sh.daqk[r][i] * s.q[r][cc] + sh.dakk[r][i] * s.k[r][cc];
+        q12 = fmaf(t, __expf(s.g[r][cc] - gi), q12);
       }
+      pr.p1[i][cc] = p1;
+      pr.p2[i][cc] = p2;
+      pr.q12[i][cc] = q12;
+    }
+    __syncthreads();
+    const GradTables& t = pr.tables;
+    for (int job = warp; job < kRowJobs + kColJobs; job += kWarps) {
+      const int n0 = job % kColTiles * 8;
+      if (job < kRowJobs) {
+        // Rows of block I: sum over j < 16 I of dA[i][j] k~_I[j] (which: A_qk or A_kk).
+        const int which = job / kColTiles / (kBlocks - 1), I = 1 + job / kColTiles % (kBlocks - 1);
+        if (kBlock * I >= len) continue;
+        const float(*dA)[kLd] = which ? sh.dakk : sh.daqk;
+        Acc acc;
+        tile_product(
+            acc, 2 * I, [&](int m, int k) { return dA[kBlock * I + m][k]; },
+            [&](int k, int n) { return t.cols[column_base(I) + k][n0 + n]; });
+        float(*out)[kGradSlice + 1] = which ? pr.p2 : pr.p1;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = kBlock * I + acc_row(r), n = n0 + acc_col(r);
+          if (i < len) out[i][n] += acc.d[r] * __expf(s.g[i][n] - s.g[kBlock * I][n]);
+        }
+      } else {
+        // Rows j of block J: sum over blocks I > J of e^(rho_I - Gamma_j) times the sum over
+        // r in I of dA_qk[r][j] q^_I[r] + dA_kk[r][j] k^_I[r].
+        const int J = (job - kRowJobs) / kColTiles;
+        float total[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int I = J + 1; I < kBlocks && kBlock * I < len; ++I) {
+          Acc acc;
+          const int r0 = kBlock * I, j0 = kBlock * J, t0 = r0 - kBlock;
+          tile_product(
+              acc, 2, [&](int m, int k) { return sh.daqk[r0 + k][j0 + m]; },
+              [&](int k, int n) { return t.rows[0][t0 + k][n0 + n]; });
+          tile_product(
+              acc, 2, [&](int m, int k) { return sh.dakk[r0 + k][j0 + m]; },
+              [&](int k, int n) { return t.rows[1][t0 + k][n0 + n]; });
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int j = j0 + acc_row(r), n = n0 + acc_col(r);
+            total[r] += acc.d[r] * __expf(s.g[r0][n] - s.g[j][n]);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pr.q12[kBlock * J + acc_row(r)][n0 + acc_col(r)] += total[r];
+      }
+    }
+    __syncthreads();
+    const int c = c0 + cc;
+    if (c >= K) continue;
+    for (int i = rg; i < len; i += kRowGroups) {
+      const float p1 = pr.p1[i][cc], p2 = pr.p2[i][cc], q12 = pr.q12[i][cc];
+      const float qi = s.q[i][cc], ki = s.k[i][cc];
       x.k_row(ws.dq, i)[c] += p1;
-      x.k_row(ws.dk, i)[c] += p2 + q1 + q2;
-      x.k_row(ws.dg, i)[c] += qi * p1 + ki * p2 - ki * (q1 + q2);
+      x.k_row(ws.dk, i)[c] += p2 + q12;
+      x.k_row(ws.dg, i)[c] += qi * p1 + ki * p2 - ki * q12;
     }
   }
   __syncthreads();
