@@ -128,7 +128,7 @@ void decode(const DecodeArgs& args, const Options& options,
 // sigmoid); d_initial_state, dA_log, ddt_bias. Gradient dtypes are any float dtype; states
 // and their gradients any float dtype too.
 // Schedules: Schedule::reference on the CPU (the default); Schedule::chunk on CUDA (sm_80
-// and later, ~104 KB of shared memory per block), which recomputes the forward's per-chunk
+// and later, ~102 KB of shared memory per block), which recomputes the forward's per-chunk
 // states instead of keeping them, multiplies on the tensor cores with tf32 operands and
 // float32 sums, and runs in passes over slices of the heads when that keeps its workspace
 // within three times the float32 size of q, k, v and g. Deterministic: no

@@ -14,7 +14,7 @@ forward calls on the CPU; torch tensors get autograd and torch.compile support t
 torch.library custom ops (flashdelta::forward, flashdelta::backward, flashdelta::decode, and
 the inference-only flashdelta::forward_chunk_states behind return_intermediate_states).
 Gradients come from the fp64 reference backward on the CPU and from the chunkwise CUDA
-backward on CUDA tensors (float32 throughout, deterministic).
+backward on CUDA tensors (tf32 tensor-core products, float32 sums, deterministic).
 """
 
 try:

@@ -28,7 +28,7 @@ from torch import Tensor
 from . import _C, _core
 
 # The backward schedule per device: the fp64 reference on the CPU, the chunkwise kernels on
-# CUDA (float32 throughout: bench/NOTES.md (i)).
+# CUDA (tf32 tensor-core products, float32 sums: bench/NOTES.md (k)).
 def _backward_schedule(q):
     return "chunk" if q.is_cuda else "reference"
 

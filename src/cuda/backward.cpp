@@ -89,7 +89,7 @@ cuda::BackwardParams backward_params(const Problem& p, const BackwardArgs& a) {
 }
 
 // Throws Error(unsupported) when the GPU lacks the per-block shared memory of the per-chunk
-// and scan kernels (about 107 KB: Hopper and A100 have it, GPUs with 99 KB per block do
+// and scan kernels (about 102 KB: Hopper and A100 have it, GPUs with 99 KB per block do
 // not); called before anything is launched.
 void require_shared_memory() {
   const int64_t needed = std::max(cuda::backward_chunk_shared_bytes(),

@@ -1,8 +1,10 @@
 // Arguments of the CUDA chunkwise backward (bench/NOTES.md (h), bench/model/chunk_backward.py):
 // the problem as the forward kernels see it, the gradients in and out, and the float32
-// workspace that carries each stage's tiles to the next. This first version computes every
-// product in float32 on the CUDA cores: it is the exact, deterministic baseline the tensor-core
-// version will be tested against, and it is not yet fast or frugal with memory.
+// workspace that carries each stage's tiles to the next. Every product runs on the tensor
+// cores with tf32 operands and float32 sums (staged_product, cuda/backward_common.cuh; the
+// pairwise decay terms by 16-row blocks, cuda/backward_blocks.cuh); intermediates stay
+// float32. The host runs the stages over slices of the heads when one pass would need too
+// much workspace (cuda/backward.cpp).
 //
 // Stages, in order on one stream (cuda/backward.cpp):
 //   inputs    per token: q, k normalised and scaled, the activated gate, beta (float32)
