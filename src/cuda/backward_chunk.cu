@@ -312,21 +312,22 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   auto gamma = [&](int i, int c) { return x.k_rec(ws.gamma, i)[c]; };
   const Rows dO = x.v_rows(ws.dout);
   const Cols S_t{S, V}, dS_t{dS, V};
+  ProductStage<16>& st = sh.products.stage;
 
   // d(q e^Gamma) = dO S^T, to q and Gamma.
-  staged_product(len, K, V, dO, S_t, sh.products.stage, [&](int m, int n, float acc) {
+  staged_product(len, K, V, dO, S_t, st, [&](int m, int n, float acc) {
     x.k_row(ws.dq, m)[n] = acc * expf(gamma(m, n));
     x.k_row(ws.dg, m)[n] = acc * x.k_rec(ws.qg, m)[n];
   });
   // d(k e^(Gamma_end - Gamma)) = v_new dS^T, to k and Gamma; its Gamma_end part waits in dw.
-  staged_product(len, K, V, x.v_recs(ws.vn), dS_t, sh.products.stage, [&](int m, int n, float acc) {
+  staged_product(len, K, V, x.v_recs(ws.vn), dS_t, st, [&](int m, int n, float acc) {
     x.k_row(ws.dk, m)[n] = acc * expf(gamma(len - 1, n) - gamma(m, n));
     const float t = acc * x.k_rec(ws.kg, m)[n];
     x.k_row(ws.dg, m)[n] -= t;
     x.k_rec(ws.dw, m)[n] = t;
   });
   // d A_qk = tril(dO v_new^T).
-  staged_product(len, len, V, dO, x.v_recs_t(ws.vn), sh.products.stage,
+  staged_product(len, len, V, dO, x.v_recs_t(ws.vn), st,
                  [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });
   // d Gamma_end = e^Gamma_end sum_j dS S + the kg terms: one warp per channel.
   for (int c = warp; c < K; c += kWarps) {
@@ -341,20 +342,20 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
     // v_new = u - w S: dw = -dv_new S^T (after the d Gamma_end sums read dw).
-    staged_product(len, K, V, x.v_recs(ws.dvn), S_t, sh.products.stage,
+    staged_product(len, K, V, x.v_recs(ws.dvn), S_t, st,
                    [&](int m, int n, float acc) { x.k_rec(ws.dw, m)[n] = -acc; });
     // dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
-    staged_product(len, len, V, x.v_recs(ws.dvn), x.v_recs_t(ws.vb), sh.products.stage,
+    staged_product(len, len, V, x.v_recs(ws.dvn), x.v_recs_t(ws.vb), st,
                    [&](int m, int n, float acc) { sh.products.dt[m][n] = acc; });
-    staged_product(len, len, K, x.k_recs(ws.dw), x.k_recs_t(ws.kb), sh.products.stage,
+    staged_product(len, len, K, x.k_recs(ws.dw), x.k_recs_t(ws.kb), st,
                    [&](int m, int n, float acc) { sh.products.dt[m][n] += acc; });
     // d(beta v) = T^T dv_new: dv, and beta's share kept in vb.
-    staged_product(len, V, len, T_t, x.v_recs(ws.dvn), sh.products.stage, [&](int m, int n, float acc) {
+    staged_product(len, V, len, T_t, x.v_recs(ws.dvn), st, [&](int m, int n, float acc) {
       x.v_row(ws.dv, m)[n] = x.beta(m) * acc;
       x.v_rec(ws.vb, m)[n] = acc * x.value(b.p.v, m, n);
     });
     // d(beta k e^Gamma) = T^T dw: to k and Gamma, and beta's share kept in kb.
-    staged_product(len, K, len, T_t, x.k_recs(ws.dw), sh.products.stage, [&](int m, int n, float acc) {
+    staged_product(len, K, len, T_t, x.k_recs(ws.dw), st, [&](int m, int n, float acc) {
       float* kb = x.k_rec(ws.kb, m) + n;
       const float e = expf(gamma(m, n)), kv = x.key_head(ws.kn, m)[n];
       x.k_row(ws.dk, m)[n] += x.beta(m) * acc * e;
@@ -362,9 +363,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
       *kb = acc * kv * e;
     });
     // d A_kk = -T^T dT T^T (strictly lower).
-    staged_product(len, len, len, Rows{&sh.products.dt[0][0], kLd}, T_t, sh.products.stage,
+    staged_product(len, len, len, Rows{&sh.products.dt[0][0], kLd}, T_t, st,
                    [&](int m, int n, float acc) { sh.products.x[m][n] = acc; });
-    staged_product(len, len, len, T_t, Rows{&sh.products.x[0][0], kLd}, sh.products.stage,
+    staged_product(len, len, len, T_t, Rows{&sh.products.x[0][0], kLd}, st,
                    [&](int m, int n, float acc) {
                      const float d = n < m ? -acc : 0.f;
                      sh.dakk[m][n] = x.beta(m) * d;

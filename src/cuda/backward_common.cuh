@@ -145,8 +145,12 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
       if (rows) {
         const float* sa = st.a[s & 1];
         const float* sb = st.b[s & 1];
-        auto ea = [&](int m, int k) { return to_tf32(kALast ? sa[m * kLdA + k] : sa[k * kLdA + m]); };
-        auto eb = [&](int k, int n) { return to_tf32(kBLast ? sb[n * kLdB + k] : sb[k * kLdB + n]); };
+        auto ea = [&](int m, int k) {
+          return to_tf32(kALast ? sa[m * kLdA + k] : sa[k * kLdA + m]);
+        };
+        auto eb = [&](int k, int n) {
+          return to_tf32(kBLast ? sb[n * kLdB + k] : sb[k * kLdB + n]);
+        };
 #pragma unroll
         for (int k0 = 0; k0 < kL; k0 += 8) {
           const uint32_t af[4] = {ea(m0 + g, k0 + c), ea(m0 + g + 8, k0 + c),

@@ -124,8 +124,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) states_kernel(const Backw
       commit_async();
       wait_async<0>();
       __syncthreads();
-      for (int idx = threadIdx.x; idx < len * kCols; idx += blockDim.x)
-        if (idx % kCols < t.cols) vn[idx / kCols * V + idx % kCols] = sh.a[idx / kCols][idx % kCols];
+      for (int idx = threadIdx.x; idx < len * kCols; idx += blockDim.x) {
+        const int i = idx / kCols, j = idx % kCols;
+        if (j < t.cols) vn[i * V + j] = sh.a[i][j];
+      }
     }
     // S'^T = S^T e^(Gamma_end) + v_new^T kg.
     const float* decay = b.ws.decay + rec * K;

@@ -1,6 +1,7 @@
 // Warp-level tensor-core products for the chunkwise kernels: mma.sync m16n8k16 with bfloat16
-// operands (m16n8k8 with tf32 operands for the backward) and float32 accumulators, and ldmatrix loads of the operand fragments from shared
-// memory. Needs sm_80 or later (the host refuses older GPUs before launching).
+// operands (m16n8k8 with tf32 operands for the backward) and float32 accumulators, and
+// ldmatrix loads of the operand fragments from shared memory. Needs sm_80 or later (the host
+// refuses older GPUs before launching).
 //
 // Fragments (PTX ISA, "Matrix fragments for mma.m16n8k16"), lane l, g = l / 4, c = l % 4:
 //   A 16x16: a[0] = (row g, cols 2c..2c+1), a[1] = row g + 8, a[2] = cols + 8, a[3] = both
