@@ -67,6 +67,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--no-accuracy", action="store_true")
+    p.add_argument("--no-timing", action="store_true",
+                   help="only the accuracy (fla autotunes each shape: the two rarely fit one call)")
     return p.parse_args(argv)
 
 
@@ -317,7 +319,7 @@ def main(argv=None):
         acc = accuracy(torch, cases[0])
         print(f"accuracy ({time.perf_counter() - t0:.1f} s): {json.dumps(acc)}", flush=True)
         save(args, rows, acc, gpu, torch)
-    for case in cases:
+    for case in [] if args.no_timing else cases:
         t0 = time.perf_counter()
         rows.append(run_case(torch, timer, case, args))
         print(table(rows[-1:], None, gpu, args).splitlines()[2], flush=True)
