@@ -205,7 +205,11 @@ TEST(CudaBackward, HeadPassesKeepTheWorkspaceWithinThreeTimesTheInputs) {
       {.B = 2, .T = 1024, .H = 8, .HV = 8, .K = 128, .V = 128, .dtype = DType::bf16,
        .seed = 7600},
       {.B = 1, .T = 700, .H = 4, .HV = 8, .K = 64, .V = 96, .dtype = DType::bf16,
-       .qk_l2norm = true, .gate_in_kernel = true, .lower_bound = -5.0, .seed = 7601}};
+       .qk_l2norm = true, .gate_in_kernel = true, .lower_bound = -5.0, .seed = 7601},
+      // Varlen, a scalar gate with its dt_bias [HV], V-first states, half precision.
+      {.mechanism = Mechanism::gated_deltanet, .T = 600, .H = 3, .HV = 6, .K = 64, .V = 64,
+       .dtype = DType::f16, .seqlens = {130, 0, 1, 405, 64}, .layout = StateLayout::v_first,
+       .beta_sigmoid = true, .gate_in_kernel = true, .seed = 7602}};
   for (const CaseConfig& c : cases) {
     const BackwardCase b = make_backward_case(c);
     DeviceMirror mirror;
@@ -215,7 +219,9 @@ TEST(CudaBackward, HeadPassesKeepTheWorkspaceWithinThreeTimesTheInputs) {
               3 * inputs)
         << describe(c);
   }
+  expect_gradients_match(make_backward_case(cases[0]), "two passes of four heads");
   expect_gradients_match(make_backward_case(cases[1]), "passes over GVA heads");
+  expect_gradients_match(make_backward_case(cases[2]), "passes over varlen scalar-gate heads");
 }
 
 TEST(CudaBackward, WithoutFinalStateGradientAndInBfloat16) {
