@@ -15,7 +15,10 @@
 // Tensors (fla layout), all views with arbitrary element strides:
 //   q, k     [B, T, H, K]      float32 | bfloat16 | float16 | float64
 //   v, o     [B, T, HV, V]     HV a multiple of H (grouped value attention)
-//   g        [B, T, HV, K] (vector gate) or [B, T, HV] (scalar gate), log space
+//   g        [B, T, HV, K] (vector gate) or [B, T, HV] (scalar gate), log space: a decay
+//            exp(g) <= 1, so g <= 0 (the activated gate with gate_in_kernel). The CUDA chunk
+//            schedule factors a chunk's decays through reference points and relies on it:
+//            with g > 0 its results are undefined (never out of bounds); others take any g.
 //   beta     [B, T, HV]        delta mechanisms only
 //   state    [N, HV, K, V] (k_first) or [N, HV, V, K] (v_first), float32 (float64 on cpu)
 //   cu_seqlens int32 | int64 [N + 1], only with B = 1: sequences packed along T
