@@ -409,8 +409,9 @@ bool decode_case(ChoiceReader& r, Case& c) {
   }
   if (c.sharing == Sharing::in_place_state && plans[initial_state].view.present() &&
       plans[final_state].view.present()) {
-    plans[initial_state].view = plans[final_state].view;  // exactly the same view
-    plans[initial_state].layout = plans[final_state].layout;
+    // Exactly the same view, and the same plan: the judge must see final_state's pointer
+    // (never null here if final_state's is not) and reach.
+    plans[initial_state] = plans[final_state];
   }
 
   // cu_seqlens: the offsets of the chosen lengths, perhaps with one value spoiled.
