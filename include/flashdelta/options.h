@@ -48,7 +48,7 @@ Schedule parse_schedule(std::string_view name);
 
 struct Options {
   Mechanism mechanism = Mechanism::kda;
-  // Query scale; absent means K^-1/2.
+  // Query scale (finite); absent means K^-1/2.
   std::optional<double> scale;
   // q, k <- x / sqrt(sum x^2 + 1e-6) per token and head, before use.
   bool qk_l2norm = false;
@@ -60,6 +60,7 @@ struct Options {
   // g holds raw gate pre-activations; with x = g + dt_bias:
   //   no lower bound:   g = -exp(A_log[hv]) * softplus(x)          (A_log required)
   //   lower bound lb:   g = lb * sigmoid(exp(A_log[hv]) * x), or lb * sigmoid(x) without A_log
+  // (lb finite and < 0; lower_bound only with gate_in_kernel)
   bool gate_in_kernel = false;
   std::optional<double> lower_bound;
   StateLayout state_layout = StateLayout::k_first;
@@ -67,7 +68,7 @@ struct Options {
   // on the CPU (bench/NOTES.md): the chunk form does less work in its small blocks. The CUDA
   // chunk schedule always uses 64.
   int chunk_size = 16;
-  // CPU worker threads; 0 means all available.
+  // CPU worker threads (>= 0); 0 means all available.
   int num_threads = 0;
 };
 
