@@ -446,13 +446,14 @@ NB_MODULE(_C, m) {
          nb::handle d_o, nb::handle d_final_state, nb::handle dq, nb::handle dk, nb::handle dv,
          nb::handle dg, nb::handle dbeta, nb::handle d_initial_state, nb::handle dA_log,
          nb::handle ddt_bias, const fd::Options& options, const std::string& schedule,
-         nb::handle workspace, uintptr_t stream) {
+         nb::handle workspace, uintptr_t stream, nb::handle chunk_states) {
         CallViews views;
         fd::BackwardArgs a;
         set_token_inputs(views, a, q, k, v, g, beta, cu_seqlens, A_log, dt_bias);
         a.initial_state = views.input(initial_state, "initial_state");
         a.d_o = views.input(d_o, "d_o");
         a.d_final_state = views.input(d_final_state, "d_final_state");
+        a.chunk_states = views.input(chunk_states, "chunk_states");
         a.dq = views.output(dq, "dq");
         a.dk = views.output(dk, "dk");
         a.dv = views.output(dv, "dv");
@@ -476,8 +477,10 @@ NB_MODULE(_C, m) {
       nb::arg("dbeta").none(), nb::arg("d_initial_state").none(), nb::arg("dA_log").none(),
       nb::arg("ddt_bias").none(), nb::arg("options"), nb::arg("schedule"),
       nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0,
+      nb::arg("chunk_states").none() = nb::none(),
       "flashdelta::backward: writes the requested gradients in place (on `stream` for CUDA); "
-      "workspace as in forward.");
+      "workspace as in forward; chunk_states: the forward's kept per-chunk states [C, HV, K, "
+      "V] (read instead of recomputed), or None.");
 
   m.def("version", &fd::version);
   m.def("cpu_simd_target", &fd::cpu_simd_target);

@@ -420,5 +420,93 @@ TEST(Backward, ReducedPrecisionInputsAndOutputs) {
   }
 }
 
+// BackwardArgs::chunk_states (the opt-in to keep the forward's states). Cases cross several
+// 64-token chunks, with an empty sequence, partial last chunks and both layouts.
+std::vector<GradConfig> kept_state_configs() {
+  CaseConfig kda = small(Mechanism::kda, 200, 5, 4);
+  kda.seqlens = {70, 0, 130};
+  kda.qk_l2norm = true;
+  kda.gate_in_kernel = true;
+  CaseConfig gdn = small(Mechanism::gated_deltanet, 150, 4, 6);
+  gdn.B = 2;
+  gdn.layout = StateLayout::v_first;
+  CaseConfig linear = small(Mechanism::linear_attention, 65, 3, 5);
+  linear.initial_state = false;
+  return {{"kda_varlen", kda}, {"gated_deltanet_v_first_batch2", gdn},
+          {"linear_no_initial_state", linear, false}};
+}
+
+// The chunk states the reference forward records for `gc`'s inputs, in `dtype`.
+HostTensor recorded_chunk_states(const GradCase& gc, DType dtype) {
+  HostTensor o = gc.c.make_output(DType::f64), h = gc.c.make_chunk_states(dtype);
+  ForwardArgs f = gc.c.args(o, nullptr);
+  f.chunk_states = h.view;
+  forward(f, gc.c.options, Schedule::reference);
+  return h;
+}
+
+Grads run_backward_with_states(const GradCase& gc, const HostTensor& states) {
+  Grads g;
+  BackwardArgs a = gc.args();
+  a.chunk_states = states.view;
+  for (size_t i = 0; i < std::size(kGradInputs); ++i) {
+    if (!(a.*kGradInputs[i].value).present()) continue;
+    g.t[i] = converted(gc.c.*kGradInputs[i].tensor, DType::f64);
+    g.t[i].fill(std::numeric_limits<double>::quiet_NaN());
+    a.*kGradInputs[i].grad = g.t[i].view;
+  }
+  backward(a, gc.c.options, Schedule::reference);
+  return g;
+}
+
+// The forward's own states, kept (float64, or float32 as a training loop keeps them), give
+// the gradients of recomputing them, up to the states' rounding.
+TEST(Backward, KeptChunkStatesGiveTheRecomputedGradients) {
+  for (const GradConfig& config : kept_state_configs()) {
+    const GradCase gc = make_grad_case(config);
+    const Grads recomputed = run_backward(gc);
+    for (DType dtype : {DType::f64, DType::f32}) {
+      const Grads kept = run_backward_with_states(gc, recorded_chunk_states(gc, dtype));
+      const double tol = dtype == DType::f64 ? 1e-12 : 1e-6;
+      for (size_t i = 0; i < std::size(kGradInputs); ++i) {
+        if (!kept.t[i].view.present()) continue;
+        const double err = rel_error(kept.t[i].to_double(), recomputed.t[i].to_double());
+        EXPECT_LE(err, tol) << config.name << ", " << dtype_name(dtype) << " states: d"
+                            << kGradInputs[i].name << " relative error " << err;
+      }
+    }
+  }
+}
+
+// The given states are what the backward uses: states recorded from another initial state
+// give that forward's gradients (the initial state enters only through the states), not
+// those of the initial state passed. dv and d_initial_state do not depend on the states
+// (the adjoint recurrence is linear and independent of them), every other gradient does.
+TEST(Backward, KeptChunkStatesAreTheOnesUsed) {
+  int checked = 0;
+  for (const GradConfig& config : kept_state_configs()) {
+    if (!config.cfg.initial_state) continue;
+    ++checked;
+    const GradCase gc = make_grad_case(config);
+    GradCase other = gc;
+    std::vector<double> h0 = other.c.initial_state.to_double();
+    for (double& x : h0) x = 2.0 * x + 0.5;
+    other.c.initial_state.set(h0);
+    const Grads want = run_backward(other), given_own = run_backward(gc);
+    const Grads got = run_backward_with_states(gc, recorded_chunk_states(other, DType::f64));
+    for (size_t i = 0; i < std::size(kGradInputs); ++i) {
+      if (!got.t[i].view.present()) continue;
+      const std::vector<double> g = got.t[i].to_double();
+      EXPECT_LE(rel_error(g, want.t[i].to_double()), 1e-12) << config.name << " d" << kGradInputs[i].name;
+      const std::string name = kGradInputs[i].name;
+      if (name != "initial_state" && name != "v") {
+        EXPECT_GT(rel_error(g, given_own.t[i].to_double()), 1e-6)
+            << config.name << " d" << name << " ignores the given states";
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2);
+}
+
 }  // namespace
 }  // namespace flashdelta::testing

@@ -461,5 +461,50 @@ TEST(BackwardValidation, WorkspaceBytes) {
   }
 }
 
+// BackwardArgs::chunk_states, the kept forward states: ForwardArgs::chunk_states' shape, any
+// float dtype, and no gradient output on its memory; nothing is written on error.
+TEST(BackwardValidation, KeptChunkStates) {
+  CaseConfig cfg = kda();
+  cfg.T = 70;  // two chunks
+  cfg.dtype = DType::f64;
+  const Case c = make_case(cfg);
+  HostTensor d_o = c.make_output(DType::f64);
+  HostTensor dq = c.q;  // float64, q's shape
+  BackwardArgs a;
+  a.q = c.q.view;
+  a.k = c.k.view;
+  a.v = c.v.view;
+  a.g = c.g.view;
+  a.beta = c.beta.view;
+  a.d_o = d_o.view;
+  a.dq = dq.view;
+  auto expect_error = [&](const BackwardArgs& bad, std::vector<std::string> needles) {
+    constexpr double kPoison = 777.0;
+    dq.fill(kPoison);
+    try {
+      backward(bad, c.options);
+      ADD_FAILURE() << "no error for " << needles[0];
+    } catch (const Error& e) {
+      for (const std::string& n : needles)
+        EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    }
+    for (double x : dq.to_double()) ASSERT_EQ(x, kPoison) << "dq written on error";
+  };
+  HostTensor h = c.make_chunk_states(DType::f32);
+  ASSERT_EQ(h.view.shape[0], 2);
+  h.fill(0.0);
+  a.chunk_states = h.view;
+  backward(a, c.options);  // valid
+  BackwardArgs bad = a;
+  bad.chunk_states.shape[0] = 1;
+  expect_error(bad, {"'chunk_states'", "2)", "got [1, 4, 8, 6]"});
+  HostTensor ints(DType::i32, {2, 4, 8, 6});
+  bad.chunk_states = ints.view;
+  expect_error(bad, {"'chunk_states'", "float", "int32"});
+  bad = a;
+  bad.chunk_states.data = dq.view.data;  // states inside a gradient's memory
+  expect_error(bad, {"'dq'", "overlaps 'chunk_states'"});
+}
+
 }  // namespace
 }  // namespace flashdelta::testing

@@ -5,6 +5,9 @@ side in one process, on the same inputs (issue 6's cases).
         FLA_FLASH_KDA=0 (the Triton path, not the CUTLASS FlashKDA kernel)
   ours  flashdelta.chunk_kda / chunk_gated_delta_rule: the same call, the same keywords; on
         CUDA tensors autograd runs the chunkwise CUDA backward (src/cuda/backward*)
+  kept  ours with disable_recompute=True (KDA only, as fla's signature has it): the forward
+        keeps its per-chunk states for the backward instead of the backward recomputing them
+        (issue 6's opt-in: memory for time)
 
 Every case is the training form: bf16 q, k, v, g, beta, K = V = 128, q/k L2 norm in the
 kernel (use_qk_l2norm_in_kernel=True), a precomputed log-space gate (no gate activation in
@@ -122,6 +125,9 @@ class Inputs:
 
 
 def function_of(impl, mech):
+    """The function impl ('fla', 'ours' or 'kept') calls, or None where it has none."""
+    if impl == "kept" and mech != "kda":
+        return None
     if impl == "fla":
         if mech == "kda":
             from fla.ops.kda import chunk_kda as fn
@@ -136,7 +142,7 @@ def function_of(impl, mech):
 def step_of(impl, torch, x):
     """One training step of impl on x: forward, then backward of (o, final state)."""
     fn = function_of(impl, x.mech)
-    kw = x.kwargs()
+    kw = dict(x.kwargs(), disable_recompute=True) if impl == "kept" else x.kwargs()
 
     def step():
         x.clear_grads()  # host only: frees the last step's gradients, launches nothing
@@ -218,7 +224,9 @@ def run_case(torch, timer, case, args):
                target_speedup=target)
     grads = {}
     # Ours first: should fla's kernels leave the CUDA context broken, ours is measured.
-    for impl in ("ours", "fla"):
+    for impl in ("ours", "kept", "fla"):
+        if function_of(impl, mech) is None:
+            continue
         try:
             step = step_of(impl, torch, x)
             t0 = time.perf_counter()
@@ -241,6 +249,11 @@ def run_case(torch, timer, case, args):
         row["speedup"] = row["fla_ms"] / row["ours_ms"]
         if target:
             row["meets_target"] = row["speedup"] >= target
+    if "fla_ms" in row and "kept_ms" in row:
+        row["kept_speedup"] = row["fla_ms"] / row["kept_ms"]
+    if "ours" in grads and "kept" in grads:
+        row["kept_grad_diff_vs_ours"] = {n: max_rel(torch, k, o)
+                                         for n, k, o in zip(GRADS, grads["kept"], grads["ours"])}
     del x, grads
     torch.cuda.empty_cache()
     return row
@@ -260,17 +273,24 @@ def table(rows, acc, gpu, args):
     lines = [f"# training step (forward + backward), {gpu}; times in ms (median of {args.reps}); "
              "speedup = fla / ours; MiB = peak memory of a step above its inputs",
              f"{'case':<27}{'fla':>9}{'ours':>9}{'speedup':>9}{'target':>8}"
-             f"{'fla MiB':>10}{'ours MiB':>10}{'vs fla':>9}"]
+             f"{'fla MiB':>10}{'ours MiB':>10}{'vs fla':>9}"
+             f"{'kept':>9}{'speedup':>9}{'kept MiB':>10}{'vs ours':>9}"]
     for r in rows:
         diff = max(r["grad_diff_vs_fla"].values()) if "grad_diff_vs_fla" in r else None
+        kept_diff = (max(r["kept_grad_diff_vs_ours"].values())
+                     if "kept_grad_diff_vs_ours" in r else None)
         lines.append(f"{r['name']:<27}{fmt(r.get('fla_ms'), '9.3f')}{fmt(r.get('ours_ms'), '9.3f')}"
                      f"{fmt(r.get('speedup'), '9.2f')}{fmt(r.get('target_speedup'), '8.1f')}"
                      f"{fmt(r.get('fla_peak_mib'), '10.0f')}{fmt(r.get('ours_peak_mib'), '10.0f')}"
-                     f"{fmt(diff, '9.1e')}")
-        for impl in ("fla", "ours"):
+                     f"{fmt(diff, '9.1e')}{fmt(r.get('kept_ms'), '9.3f')}"
+                     f"{fmt(r.get('kept_speedup'), '9.2f')}{fmt(r.get('kept_peak_mib'), '10.0f')}"
+                     f"{fmt(kept_diff, '9.1e')}")
+        for impl in ("fla", "ours", "kept"):
             if impl + "_error" in r:
                 lines.append(f"    {impl}: {one_line(r[impl + '_error'])}")
-    lines.append("  (vs fla: the largest max |ours - fla| / max |fla| over the six gradients)")
+    lines.append("  (vs fla: the largest max |ours - fla| / max |fla| over the six gradients; kept:"
+                 " ours with disable_recompute=True, the forward's chunk states kept; vs ours: its"
+                 " largest difference from ours)")
     if acc:
         lines += ["", f"# accuracy: {acc['mechanism']} B={acc['B']} T={acc['T']} H={acc['H']} "
                   f"HV={acc['HV']}, gradients against an fp64 recurrence (torch autograd): "

@@ -27,8 +27,11 @@
 //   chunk_states [C, HV, K, V] (k_first) or [C, HV, V, K] (v_first), any float dtype:
 //              optional output, the state before tokens 0, 64, 128, ... of every
 //              sequence (see ForwardArgs::chunk_states)
-// K and V are 1..256. Nothing is written unless every argument is valid; errors are
-// thrown as flashdelta::Error with a message naming the argument.
+// K and V are 1..256; B and HV are at most 2^24. Outputs (o, final_state, chunk_states) may
+// not broadcast (stride 0 on a dimension of size > 1) and overlap no other tensor, input or
+// output, except final_state aliasing initial_state exactly. Nothing is written unless every
+// argument is valid; errors are thrown as flashdelta::Error with a message naming the
+// argument.
 //
 // Devices: every tensor of a call lives on the device of q. On cuda (builds with CUDA) the
 // recurrent and chunk schedules run, asynchronously on `stream`, and the host reads no
@@ -143,6 +146,15 @@ struct BackwardArgs {
   TensorView d_o;
   TensorView d_final_state;  // optional
   TensorView dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias;
+  // Optional input, the opt-in to keep the forward's states: the state entering every
+  // 64-token chunk as ForwardArgs::chunk_states records it (same shape and layout, any
+  // float dtype; float32 keeps the backward's precision). Given, the backward reads these
+  // states instead of recomputing them: the CUDA chunk backward skips its sequential
+  // states pass, the reference starts every 64-token segment from its entry. The gradients
+  // are then those of a forward that enters each chunk with these states (from the same
+  // forward, the same gradients up to the states' rounding). No gradient output may
+  // overlap it.
+  TensorView chunk_states;
   void* stream = nullptr;  // cudaStream_t for CUDA tensors (nullptr = default stream)
   // Optional temporary device memory for the CUDA chunk backward, as ForwardArgs::workspace
   // (at least backward_workspace_bytes(...) long, 256-byte aligned).

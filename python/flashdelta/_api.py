@@ -105,7 +105,7 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
             output_final_state=False, cu_seqlens=None, qk_l2norm=False, beta_sigmoid=False,
             allow_neg_eigval=False, gate_in_kernel=False, A_log=None, dt_bias=None,
             lower_bound=None, state_v_first=False, chunk_size=16, schedule=None,
-            output_chunk_states=False, cu_seqlens_cpu=None):
+            output_chunk_states=False, cu_seqlens_cpu=None, keep_chunk_states=False):
     """Runs the recurrence (see the package docstring) and returns (o, final_state or None),
     or with output_chunk_states (o, final_state or None, chunk_states).
 
@@ -123,6 +123,12 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
     of all sequences, in order (fla's h of return_intermediate_states). Inference only: no
     input may require grad. With cu_seqlens the chunks are counted on the host, from
     cu_seqlens_cpu when given, else from cu_seqlens (a synchronising copy for CUDA tensors).
+
+    keep_chunk_states: for training (torch tensors that require grad), keep the state
+    entering every 64-token chunk for the backward instead of recomputing it there (fla's
+    disable_recompute): it saves the backward's sequential states pass and costs [C, HV, K,
+    V] float32 (float64 for the reference) of memory until the backward runs. The gradients
+    are the same up to rounding. No effect without autograd.
     """
     if _torch_ops is not None and q.__class__ in _torch_ops._PLAIN:
         # The common eager torch call: the few checks that outputs need, then the op's body
@@ -170,8 +176,9 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
                 q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *config,
                 bool(output_final_state), schedule, num_chunks)
             return o, (final if output_final_state else None), h
-        o, final = _torch_ops.forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
-                                      dt_bias, *config, bool(output_final_state), schedule)
+        o, final, _ = _torch_ops.forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
+                                         dt_bias, *config, bool(output_final_state), schedule,
+                                         bool(keep_chunk_states))
         return o, (final if output_final_state else None)
 
     o_shape, state_shape = _core.forward_shapes(
@@ -250,17 +257,22 @@ def decode(q, k, v, g=None, beta=None, *, mechanism, state_pool, state_indices,
 def backward(q, k, v, g=None, beta=None, *, mechanism, d_o, d_final_state=None, scale=None,
              initial_state=None, cu_seqlens=None, qk_l2norm=False, beta_sigmoid=False,
              allow_neg_eigval=False, gate_in_kernel=False, A_log=None, dt_bias=None,
-             lower_bound=None, state_v_first=False):
+             lower_bound=None, state_v_first=False, chunk_states=None):
     """Gradients of forward's outputs for NumPy (and other DLPack) arrays, without torch.
 
     Returns a dict input name -> gradient for every present input among q, k, v, g, beta,
     initial_state, A_log and dt_bias, computed by the library's backward (the fp64 reference
     on the CPU). torch users get the same through autograd.
+
+    chunk_states: the forward's per-chunk states as forward(output_chunk_states=True)
+    returns them ([B, NT, HV, K, V]), read instead of recomputed: the gradients are those of
+    a forward that enters every 64-token chunk with these states.
     """
     arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
-    if check_arrays(dict(arrays, d_o=d_o, d_final_state=d_final_state),
-                     required=("q", "k", "v", "d_o")):
+    if check_arrays(dict(arrays, d_o=d_o, d_final_state=d_final_state,
+                         chunk_states=chunk_states),
+                    required=("q", "k", "v", "d_o")):
         raise TypeError("argument 'q': flashdelta.backward takes NumPy-like arrays; torch "
                         "tensors get gradients through autograd")
     import numpy
@@ -270,5 +282,9 @@ def backward(q, k, v, g=None, beta=None, *, mechanism, d_o, d_final_state=None, 
                                  gate_in_kernel, lower_bound, state_v_first)
     grads = {n: numpy.empty(arrays[n].shape, dtype=arrays[n].dtype)
              for n in _core.GRAD_INPUTS if arrays[n] is not None}
-    _core.run_backward(arrays, d_o, d_final_state, grads, options, "reference")
+    if chunk_states is not None:
+        check_rank(chunk_states, "chunk_states", 5,
+                   "[B, NT, HV, V, K]" if state_v_first else "[B, NT, HV, K, V]")
+        chunk_states = chunk_states.reshape((-1,) + tuple(chunk_states.shape[2:]))
+    _core.run_backward(arrays, d_o, d_final_state, grads, options, "reference", chunk_states)
     return grads

@@ -70,6 +70,16 @@ def forward_shapes(q_shape, v_shape, cu_seqlens_shape, state_v_first):
     return (B, T, HV, V), state
 
 
+def kept_chunk_count(B, T, N, varlen):
+    """Entries of the per-chunk states a training forward keeps for its backward, from the
+    shapes alone (so torch's fake tensors agree): B ceil(T / 64), or with cu_seqlens the bound
+    T // 64 + min(N, T) that the library accepts for device-resident offsets (entries past
+    the real count are neither written nor read)."""
+    if not varlen:
+        return B * -(-T // CHUNK_STATE_TOKENS)
+    return T // CHUNK_STATE_TOKENS + min(N, T)
+
+
 def chunks_per_row(T, offsets):
     """NT of the per-chunk states [B, NT, HV, K, V]: ceil(T / 64) for batch rows of T tokens,
     or with offsets (cu_seqlens as host ints) the 64-token chunks of all sequences."""
@@ -92,10 +102,13 @@ def run_forward(inputs, o, final_state, options, schedule, chunk_states=None):
                schedule)
 
 
-def run_backward(inputs, d_o, d_final_state, grads, options, schedule):
-    """Runs flashdelta::backward. grads: dict input name -> gradient array or None."""
+def run_backward(inputs, d_o, d_final_state, grads, options, schedule, chunk_states=None):
+    """Runs flashdelta::backward. grads: dict input name -> gradient array or None;
+    chunk_states: the forward's kept per-chunk states [C, HV, K, V] (read instead of
+    recomputed), or None."""
     _C.backward(*(inputs[n] for n in FORWARD_INPUTS), d_o, d_final_state,
-                *(grads.get(n) for n in GRAD_INPUTS), options, schedule)
+                *(grads.get(n) for n in GRAD_INPUTS), options, schedule,
+                chunk_states=chunk_states)
 
 
 def run_decode(inputs, state_pool, state_indices, num_accepted_tokens, o, options, schedule):

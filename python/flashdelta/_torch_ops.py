@@ -16,10 +16,13 @@ tens of microseconds per call, more than a whole decode step on a GPU. Anything 
 through the ops, which behave the same.
 
 Gradients run the library's backward: on the CPU the fp64 reference backward (exact, not
-fast), on CUDA tensors the chunkwise CUDA backward.
+fast), on CUDA tensors the chunkwise CUDA backward. It recomputes the forward's per-chunk
+states unless the forward kept them (keep_chunk_states, fla's disable_recompute): memory for
+time, [C, HV, K, V] float32 (float64 for the reference) saved for the backward.
 """
 
 import atexit
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -185,19 +188,46 @@ def _op_forward_outputs(q, v, initial_state, cu_seqlens, state_v_first, output_f
     return o, (q.new_empty((0,), dtype=torch.float32) if final is None else final)
 
 
+def _kept_states(q, v, cu_seqlens, state_v_first, schedule, keep):
+    """The per-chunk states a training forward keeps for its backward ([C, HV, K, V], or
+    V-first; C = _core.kept_chunk_count), or an empty tensor when it keeps none."""
+    if not keep:
+        return q.new_empty((0,), dtype=torch.float32)
+    B, T, K = q.shape[0], q.shape[1], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    varlen = cu_seqlens is not None
+    C = _core.kept_chunk_count(B, T, cu_seqlens.shape[0] - 1 if varlen else B, varlen)
+    wide = schedule == "reference" or q.dtype == torch.float64
+    return q.new_empty((C, HV, V, K) if state_v_first else (C, HV, K, V),
+                       dtype=torch.float64 if wide else torch.float32)
+
+
+def _kept_view(kept, q, cu_seqlens):
+    """The kept states as the library takes them: None when none are kept; on the CPU with
+    cu_seqlens the exact chunk count (the offsets are host memory there and are checked
+    exactly), elsewhere the whole tensor."""
+    if kept.dim() == 1:
+        return None
+    if cu_seqlens is None or q.is_cuda:
+        return kept
+    return kept[:_core.chunks_per_row(q.shape[1], cu_seqlens.tolist())]
+
+
 def forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, mechanism, scale,
                  qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound,
-                 state_v_first, chunk_size, output_final_state, schedule, op=False):
-    """The body of flashdelta::forward (op=True), also called directly (see `direct`; the
-    final state is then None when not wanted)."""
+                 state_v_first, chunk_size, output_final_state, schedule, keep=False,
+                 op=False):
+    """The body of flashdelta::forward (op=True: (o, final state, kept states)), also called
+    directly (see `direct`: (o, final state or None when not wanted), keeping nothing)."""
     o, final = (_op_forward_outputs if op else _forward_outputs)(
         q, v, initial_state, cu_seqlens, state_v_first, output_final_state, schedule)
+    kept = _kept_states(q, v, cu_seqlens, state_v_first, schedule, keep and op)
     options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
                        gate_in_kernel, lower_bound, state_v_first, chunk_size)
     _run(_C.forward, q, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o,
-                         final if output_final_state else None, None, options, schedule,
-                         _workspace(q)))
-    return o, final
+                         final if output_final_state else None,
+                         _kept_view(kept, q, cu_seqlens), options, schedule, _workspace(q)))
+    return (o, final, kept) if op else (o, final)
 
 
 @torch.library.custom_op("flashdelta::forward", mutates_args=())
@@ -206,19 +236,24 @@ def forward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional
             A_log: Optional[Tensor], dt_bias: Optional[Tensor], mechanism: str, scale: float,
             qk_l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool, gate_in_kernel: bool,
             lower_bound: Optional[float], state_v_first: bool, chunk_size: int,
-            output_final_state: bool, schedule: str) -> Tuple[Tensor, Tensor]:
+            output_final_state: bool, schedule: str,
+            keep_chunk_states: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """(o, final state, kept per-chunk states); the last two are empty tensors when not
+    wanted. The kept states carry no gradient: the backward reads them."""
     return forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, mechanism,
                         scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel,
                         lower_bound, state_v_first, chunk_size, output_final_state, schedule,
-                        op=True)
+                        keep=keep_chunk_states, op=True)
 
 
 @forward.register_fake
 def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, mechanism,
                   scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel,
-                  lower_bound, state_v_first, chunk_size, output_final_state, schedule):
-    return _op_forward_outputs(q, v, initial_state, cu_seqlens, state_v_first,
-                               output_final_state, schedule)
+                  lower_bound, state_v_first, chunk_size, output_final_state, schedule,
+                  keep_chunk_states=False):
+    o, final = _op_forward_outputs(q, v, initial_state, cu_seqlens, state_v_first,
+                                   output_final_state, schedule)
+    return o, final, _kept_states(q, v, cu_seqlens, state_v_first, schedule, keep_chunk_states)
 
 
 @torch.library.custom_op("flashdelta::backward", mutates_args=())
@@ -228,18 +263,20 @@ def backward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optiona
              d_final_state: Optional[Tensor], mechanism: str, scale: float, qk_l2norm: bool,
              beta_sigmoid: bool, allow_neg_eigval: bool, gate_in_kernel: bool,
              lower_bound: Optional[float], state_v_first: bool, chunk_size: int,
-             wanted: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                         Tensor, Tensor]:
+             wanted: List[bool], chunk_states: Optional[Tensor] = None,
+             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of (q, k, v, g, beta, initial_state, A_log, dt_bias); an unwanted or
-    absent one is an empty tensor."""
+    absent one is an empty tensor. chunk_states: the forward's kept states (or None, or an
+    empty tensor: recompute them)."""
     sources = (q, k, v, g, beta, initial_state, A_log, dt_bias)
     grads = _backward_outputs(sources, wanted)
     options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
                        gate_in_kernel, lower_bound, state_v_first, chunk_size)
     requested = [gr if w else None for gr, w in zip(grads, wanted)]
-    _run(_C.backward, q, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, d_o,
-                          d_final_state, *requested, options, _backward_schedule(q),
-                          _workspace(q)))
+    kept = None if chunk_states is None else _kept_view(chunk_states, q, cu_seqlens)
+    _run(functools.partial(_C.backward, chunk_states=kept), q,
+         (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, d_o, d_final_state,
+          *requested, options, _backward_schedule(q), _workspace(q)))
     return grads
 
 
@@ -251,7 +288,8 @@ def _backward_outputs(sources, wanted):
 @backward.register_fake
 def _backward_fake(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, d_o,
                    d_final_state, mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
-                   gate_in_kernel, lower_bound, state_v_first, chunk_size, wanted):
+                   gate_in_kernel, lower_bound, state_v_first, chunk_size, wanted,
+                   chunk_states=None):
     return _backward_outputs((q, k, v, g, beta, initial_state, A_log, dt_bias), wanted)
 
 
@@ -300,14 +338,17 @@ _GRAD_POSITION = {name: _core.FORWARD_INPUTS.index(name) for name in _core.GRAD_
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:_N_TENSORS])
+    # The inputs, then the kept per-chunk states (an empty tensor when none are kept).
+    ctx.save_for_backward(*inputs[:_N_TENSORS], output[2])
+    ctx.mark_non_differentiable(output[2])
     # mechanism .. chunk_size, then output_final_state (schedule is not needed).
     ctx.config = inputs[_N_TENSORS:_N_TENSORS + 9]
     ctx.output_final_state = inputs[_N_TENSORS + 9]
 
 
-def _forward_backward(ctx, d_o, d_final_state):
-    saved = ctx.saved_tensors
+def _forward_backward(ctx, d_o, d_final_state, _d_kept):
+    saved = ctx.saved_tensors[:_N_TENSORS]
+    kept = ctx.saved_tensors[_N_TENSORS]
     wanted = [bool(ctx.needs_input_grad[_GRAD_POSITION[n]]) and saved[_GRAD_POSITION[n]]
               is not None for n in _core.GRAD_INPUTS]
     if not any(wanted):
@@ -317,7 +358,8 @@ def _forward_backward(ctx, d_o, d_final_state):
         d_o = torch.zeros(q.shape[:2] + saved[2].shape[2:], dtype=q.dtype, device=q.device)
     if not ctx.output_final_state:
         d_final_state = None
-    grads = torch.ops.flashdelta.backward(*saved, d_o, d_final_state, *ctx.config, wanted)
+    grads = torch.ops.flashdelta.backward(*saved, d_o, d_final_state, *ctx.config, wanted,
+                                          kept if kept.dim() > 1 else None)
     result = [None] * len(ctx.needs_input_grad)
     for name, gr, w in zip(_core.GRAD_INPUTS, grads, wanted):
         if w:

@@ -333,11 +333,9 @@ void check_output_like(const TensorView& t, const char* name, const char* dims,
   check_device(t, name, dev);
 }
 
-// ForwardArgs::chunk_states: a state per 64-token chunk of every sequence, in order.
-void check_chunk_states(const Problem& p, const ForwardArgs& a) {
-  const TensorView& s = a.chunk_states;
-  if (!s.present()) return;
-  const char* name = "chunk_states";
+// A state per 64-token chunk of every sequence, in order: ForwardArgs::chunk_states (an
+// output) and BackwardArgs::chunk_states (an input). Its shape, dtype, pointer and device.
+void check_chunk_states_view(const Problem& p, const TensorView& s, const char* name) {
   const StateLayout layout = p.options.state_layout;
   const bool k_first = layout == StateLayout::k_first;
   check_rank(s, name, k_first ? "[C, HV, K, V] (K-first)" : "[C, HV, V, K] (V-first)", 4);
@@ -362,6 +360,13 @@ void check_chunk_states(const Problem& p, const ForwardArgs& a) {
   check_float(s, name);
   check_pointer(s, name);
   check_device(s, name, p.in.q.device);
+}
+
+void check_chunk_states(const Problem& p, const ForwardArgs& a) {
+  const TensorView& s = a.chunk_states;
+  if (!s.present()) return;
+  const char* name = "chunk_states";
+  check_chunk_states_view(p, s, name);
   check_writable(s, name);
   check_inputs_untouched(s, name, p, TensorView{});
   check_no_overlap(s, name, a.initial_state, "initial_state");
@@ -524,6 +529,7 @@ Problem validate_backward(const BackwardArgs& a, const Options& o) {
   check_pointer(a.d_o, "d_o");
   check_device(a.d_o, "d_o", a.q.device);
   check_state(p, a.d_final_state, "d_final_state", false);
+  if (a.chunk_states.present()) check_chunk_states_view(p, a.chunk_states, "chunk_states");
 
   struct Grad {
     const TensorView& grad;
@@ -540,9 +546,10 @@ Problem validate_backward(const BackwardArgs& a, const Options& o) {
                         {a.dA_log, "dA_log", a.A_log, "A_log"},
                         {a.ddt_bias, "ddt_bias", a.dt_bias, "dt_bias"}};
   const TensorView* inputs[] = {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.initial_state,
-                                &a.A_log, &a.dt_bias, &a.d_o, &a.d_final_state};
+                                &a.A_log, &a.dt_bias, &a.d_o, &a.d_final_state,
+                                &a.chunk_states};
   const char* input_names[] = {"q", "k", "v", "g", "beta", "initial_state",
-                               "A_log", "dt_bias", "d_o", "d_final_state"};
+                               "A_log", "dt_bias", "d_o", "d_final_state", "chunk_states"};
   for (const Grad& gr : grads) {
     if (!gr.grad.present()) continue;
     if (!gr.input.present())

@@ -76,6 +76,9 @@ cuda::BackwardParams backward_params(const Problem& p, const BackwardArgs& a) {
   b.d_o = token_tensor(a.d_o);
   b.d_final = state_tensor(StateView{a.d_final_state, layout});
   b.d_final_dtype = a.d_final_state.dtype;
+  b.chunk_states = state_tensor(StateView{a.chunk_states, layout});
+  b.chunk_states_dtype = a.chunk_states.dtype;
+  b.chunk_states_count = a.chunk_states.present() ? a.chunk_states.shape[0] : 0;
   b.dq = token_tensor(a.dq);
   b.dk = token_tensor(a.dk);
   b.dv = token_tensor(a.dv);
@@ -118,9 +121,12 @@ void run_stages(const cuda::BackwardParams& b, bool varlen, void* stream) {
     check_kernel_launch("CUDA backward chunk table");
   }
   using Launch = void (*)(const cuda::BackwardParams&, void*);
+  // Kept forward states replace the sequential states pass with a parallel one.
+  const Launch states =
+      b.chunk_states.data ? cuda::launch_backward_given_states : cuda::launch_backward_states;
   const std::pair<Launch, const char*> stages[] = {
       {cuda::launch_backward_inputs, "inputs"},   {cuda::launch_backward_records, "records"},
-      {cuda::launch_backward_states, "states"},   {cuda::launch_backward_dstates, "dstates"},
+      {states, "states"},                         {cuda::launch_backward_dstates, "dstates"},
       {cuda::launch_backward_grads, "grads"},     {cuda::launch_backward_outputs, "outputs"},
       {cuda::launch_backward_params, "params"}};
   for (const auto& [launch, name] : stages) {
@@ -164,6 +170,7 @@ std::pair<Problem, BackwardArgs> head_pass(const Problem& p, const BackwardArgs&
   as.initial_state = state(a.initial_state);
   as.d_o = value(a.d_o);
   as.d_final_state = state(a.d_final_state);
+  as.chunk_states = state(a.chunk_states);
   as.dq = key(a.dq);
   as.dk = key(a.dk);
   as.dv = value(a.dv);
@@ -219,8 +226,9 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   require_shared_memory();
   {
     const cuda::BackwardParams b = backward_params(p, a);
-    const int64_t records = b.max_chunks * pass_heads * p.group,
-                  scan_tiles = p.N * pass_heads * p.group * ((p.V + 31) / 32),
+    const int64_t column_tiles = (p.V + 31) / 32, records = b.max_chunks * pass_heads * p.group,
+                  scan_tiles = (a.chunk_states.present() ? records : p.N * pass_heads * p.group) *
+                               column_tiles,
                   param_blocks = pass_heads * p.group * (p.K + 1);
     if (records > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX)
       throw Error(ErrorCode::unsupported,

@@ -11,7 +11,9 @@
 //   records   per (chunk, value head), in parallel: Gamma, q/k gate factors, A_qk, A_kk,
 //             T = (I + A_kk)^-1, w = T (beta k e^Gamma), u = T (beta v)
 //   states    per (sequence, value head, column tile), chunks in order: the state entering
-//             every chunk and v_new = u - w S
+//             every chunk and v_new = u - w S; with the forward's states kept
+//             (BackwardArgs::chunk_states) per (chunk, value head, column tile) in parallel,
+//             the given state and v_new
 //   dstates   the same, chunks in reverse: the state gradient leaving every chunk and dv_new
 //   grads     per (chunk, value head), in parallel: everything else (notes (h))
 //   outputs   per token: GVA sums, the transforms' derivatives, the gradients in their dtypes
@@ -63,6 +65,12 @@ struct BackwardParams {
   TokenTensor d_o;
   StateTensor d_final;
   DType d_final_dtype = DType::f32;
+  // BackwardArgs::chunk_states (data == nullptr: recompute the states): the state entering
+  // chunk c (the chunk table's numbering) at entry c; entries at or past chunk_states_count
+  // (a malformed device table's) read as zeros.
+  StateTensor chunk_states;
+  DType chunk_states_dtype = DType::f32;
+  int64_t chunk_states_count = 0;
   // Outputs; data == nullptr means not wanted.
   TokenTensor dq, dk, dv, dg, dbeta;
   StateTensor d_initial;
@@ -79,6 +87,7 @@ int64_t backward_scan_shared_bytes();
 void launch_backward_inputs(const BackwardParams& b, void* stream);
 void launch_backward_records(const BackwardParams& b, void* stream);
 void launch_backward_states(const BackwardParams& b, void* stream);
+void launch_backward_given_states(const BackwardParams& b, void* stream);
 void launch_backward_dstates(const BackwardParams& b, void* stream);
 void launch_backward_grads(const BackwardParams& b, void* stream);
 void launch_backward_outputs(const BackwardParams& b, void* stream);

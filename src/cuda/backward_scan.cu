@@ -3,7 +3,10 @@
 // K x kCols tile in shared memory. `states` goes forward and keeps the state entering every
 // chunk and v_new = u - w S; `dstates` goes backward with the state gradient:
 //   dv_new = A_qk^T dO + kg dS'        dS = (q e^Gamma)^T dO + e^(Gamma_end) dS' - w^T dv_new
-// keeping dS' (the gradient of the state leaving each chunk) and dv_new. Every product is a
+// keeping dS' (the gradient of the state leaving each chunk) and dv_new. With the forward's
+// states kept (BackwardArgs::chunk_states), `given_states` replaces `states`: one block per
+// (chunk, value head, tile) copies the given state and forms v_new, all chunks in parallel.
+// Every product is a
 // staged_product on the tensor cores (tf32 operands, float32 sums): the chunk's K-wide record
 // rows stream through its double-buffered stage; the tile updates in its epilogue. Updates of
 // the tile are written transposed (rows = the tile's columns, columns = keys), so that the
@@ -24,19 +27,29 @@ struct alignas(16) ScanShared {
   ProductStage<32> stage;  // a deeper stage: fewer rounds per chunk on the sequential path
 };
 
-// The block's sequence, value head and columns, and the chunk geometry of the sequence.
-struct ScanTile {
-  int64_t n, hv, j0;
+__host__ __device__ inline int64_t column_tiles(int64_t V) { return (V + kCols - 1) / kCols; }
+
+// The block's value columns j0 .. j0 + cols - 1: tile blockIdx.x % column_tiles(V).
+struct ColumnTile {
+  int64_t j0;
   int cols;
+
+  __device__ explicit ColumnTile(int64_t V) {
+    j0 = blockIdx.x % column_tiles(V) * kCols;
+    cols = static_cast<int>(V - j0 < kCols ? V - j0 : kCols);
+  }
+};
+
+// The scans' block: sequence n, value head hv, its columns, and the sequence's chunks.
+struct ScanTile : ColumnTile {
+  int64_t n, hv;
   Sequence seq;
   ChunkRange chunks;
 
-  __device__ explicit ScanTile(const BackwardParams& b) {
-    const int64_t tiles = (b.p.V + kCols - 1) / kCols;
+  __device__ explicit ScanTile(const BackwardParams& b) : ColumnTile(b.p.V) {
+    const int64_t tiles = column_tiles(b.p.V);
     n = blockIdx.x / (b.p.HV * tiles);
     hv = blockIdx.x / tiles % b.p.HV;
-    j0 = blockIdx.x % tiles * kCols;
-    cols = static_cast<int>(b.p.V - j0 < kCols ? b.p.V - j0 : kCols);
     seq = sequence_of(b.p, n);
     chunks = chunks_of(b, n);
   }
@@ -54,7 +67,7 @@ struct ScanTile {
 };
 
 // Copies the block's tile of a K x V state (row-major, K-first) out of shared memory.
-__device__ void store_tile(const ScanShared& sh, const ScanTile& t, int64_t K, int64_t V,
+__device__ void store_tile(const ScanShared& sh, const ColumnTile& t, int64_t K, int64_t V,
                            float* out) {
   for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
     const int c = idx / kCols, j = idx % kCols;
@@ -64,7 +77,7 @@ __device__ void store_tile(const ScanShared& sh, const ScanTile& t, int64_t K, i
 
 // Queues rows [0, len) of columns j0 .. j0 + 31 of a V-wide buffer into dst (cp.async; zeros
 // past len or V): row i at rows + i * row_stride (token-major or record-major buffers).
-__device__ void stage_columns(const ScanTile& t, const float* rows, int64_t row_stride, int len,
+__device__ void stage_columns(const ColumnTile& t, const float* rows, int64_t row_stride, int len,
                               float (*dst)[kCols]) {
   for (int idx = threadIdx.x; idx < kC * kCols; idx += blockDim.x) {
     const int i = idx / kCols, j = idx % kCols;
@@ -75,15 +88,15 @@ __device__ void stage_columns(const ScanTile& t, const float* rows, int64_t row_
   }
 }
 
-// Loads the block's tile of a state given by the caller (any layout and float dtype; zeros
-// when absent).
-__device__ void load_tile(const BackwardParams& b, const ScanTile& t, const StateTensor& s,
-                          DType dtype, ScanShared& sh) {
+// Loads the block's tile of entry (n, hv) of a state given by the caller (any layout and
+// float dtype; zeros when absent).
+__device__ void load_tile(const BackwardParams& b, const ColumnTile& t, const StateTensor& s,
+                          DType dtype, int64_t n, int64_t hv, ScanShared& sh) {
   const int64_t K = b.p.K;
   for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
     const int c = idx / kCols, j = idx % kCols;
     sh.s[c][j] = s.data && j < t.cols
-                     ? load_float(s.data, dtype, state_offset(s, t.n, t.hv, c, t.j0 + j))
+                     ? load_float(s.data, dtype, state_offset(s, n, hv, c, t.j0 + j))
                      : 0.f;
   }
 }
@@ -97,43 +110,69 @@ __device__ Rows key_rows(const BackwardParams& b, const float* buf, int64_t rec)
   return {buf + rec * kC * b.p.K, b.p.K};
 }
 
+// The tile of the state entering record rec (len tokens), in sh.s and read by every thread
+// only after a barrier: to the workspace's states, and v_new = u - w S to vn and to sh.a
+// (for the state update that follows in states_kernel).
+__device__ void chunk_entry(const BackwardParams& b, const ColumnTile& t, int64_t rec, int len,
+                            ScanShared& sh) {
+  const int K = static_cast<int>(b.p.K);
+  const int64_t V = b.p.V;
+  store_tile(sh, t, K, V, b.ws.states + rec * K * V);
+  float* vn = b.ws.vn + rec * kC * V + t.j0;
+  // v_new = u - w S (u lands before the product's first slice is used).
+  stage_columns(t, b.ws.u + rec * kC * V, V, len, sh.a);
+  if (b.p.delta) {
+    staged_product(len, t.cols, K, key_rows(b, b.ws.w, rec), tile_rows(sh), sh.stage,
+                   [&](int i, int j, float acc) {
+                     const float v = sh.a[i][j] - acc;
+                     sh.a[i][j] = v;
+                     vn[i * V + j] = v;
+                   });
+  } else {
+    commit_async();
+    wait_async<0>();
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < len * kCols; idx += blockDim.x) {
+      const int i = idx / kCols, j = idx % kCols;
+      if (j < t.cols) vn[i * V + j] = sh.a[i][j];
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kBackwardThreads, 2) states_kernel(const BackwardParams b) {
   const ScanTile t(b);
   const int K = static_cast<int>(b.p.K);
-  const int64_t V = b.p.V;
   extern __shared__ __align__(16) unsigned char smem[];
   ScanShared& sh = *reinterpret_cast<ScanShared*>(smem);
-  load_tile(b, t, b.p.state_in, b.state_in_dtype, sh);
+  load_tile(b, t, b.p.state_in, b.state_in_dtype, t.n, t.hv, sh);
   for (int64_t ci = 0; ci < t.chunks.count; ++ci) {
     const int len = t.len(ci);
     if (len == 0) continue;  // defensive: the table counts chunks from the same lengths
     const int64_t rec = t.record(b, ci);
     __syncthreads();
-    store_tile(sh, t, K, V, b.ws.states + rec * K * V);
-    float* vn = b.ws.vn + rec * kC * V + t.j0;
-    // v_new = u - w S (u lands before the product's first slice is used).
-    stage_columns(t, b.ws.u + rec * kC * V, V, len, sh.a);
-    if (b.p.delta) {
-      staged_product(len, t.cols, K, key_rows(b, b.ws.w, rec), tile_rows(sh), sh.stage,
-                     [&](int i, int j, float acc) {
-                       const float v = sh.a[i][j] - acc;
-                       sh.a[i][j] = v;
-                       vn[i * V + j] = v;
-                     });
-    } else {
-      commit_async();
-      wait_async<0>();
-      __syncthreads();
-      for (int idx = threadIdx.x; idx < len * kCols; idx += blockDim.x) {
-        const int i = idx / kCols, j = idx % kCols;
-        if (j < t.cols) vn[i * V + j] = sh.a[i][j];
-      }
-    }
+    chunk_entry(b, t, rec, len, sh);
     // S'^T = S^T e^(Gamma_end) + v_new^T kg.
     const float* decay = b.ws.decay + rec * K;
     staged_product(t.cols, K, len, token_cols(sh.a), key_rows(b, b.ws.kg, rec), sh.stage,
                    [&](int j, int c, float acc) { sh.s[c][j] = decay[c] * sh.s[c][j] + acc; });
   }
+}
+
+// One block per (record, column tile): the kept state entering the record's chunk, entry
+// chunk of BackwardArgs::chunk_states.
+__global__ void __launch_bounds__(kBackwardThreads, 2) given_states_kernel(const BackwardParams b) {
+  const ColumnTile t(b.p.V);
+  const int64_t rec = blockIdx.x / column_tiles(b.p.V), chunk = rec / b.p.HV, hv = rec % b.p.HV;
+  ChunkRef ref;
+  int64_t r0 = 0;
+  if (!chunk_at(b, chunk, ref, r0)) return;
+  extern __shared__ __align__(16) unsigned char smem[];
+  ScanShared& sh = *reinterpret_cast<ScanShared*>(smem);
+  StateTensor given = b.chunk_states;
+  if (chunk >= b.chunk_states_count) given.data = nullptr;  // a malformed device table's
+  load_tile(b, t, given, b.chunk_states_dtype, chunk, hv, sh);
+  __syncthreads();
+  chunk_entry(b, t, rec, ref.len, sh);
 }
 
 __global__ void __launch_bounds__(kBackwardThreads, 2) dstates_kernel(const BackwardParams b) {
@@ -142,7 +181,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) dstates_kernel(const Back
   const int64_t V = b.p.V;
   extern __shared__ __align__(16) unsigned char smem[];
   ScanShared& sh = *reinterpret_cast<ScanShared*>(smem);
-  load_tile(b, t, b.d_final, b.d_final_dtype, sh);
+  load_tile(b, t, b.d_final, b.d_final_dtype, t.n, t.hv, sh);
   for (int64_t ci = t.chunks.count - 1; ci >= 0; --ci) {
     const int len = t.len(ci);
     if (len == 0) continue;  // defensive, as in states_kernel
@@ -181,8 +220,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) dstates_kernel(const Back
   }
 }
 
-void launch_scan(void (*kernel)(BackwardParams), const BackwardParams& b, void* stream) {
-  const unsigned blocks = static_cast<unsigned>(b.p.N * b.p.HV * ((b.p.V + kCols - 1) / kCols));
+// One block per (sequence or record, value head, column tile).
+void launch_scan(void (*kernel)(BackwardParams), const BackwardParams& b, int64_t rows,
+                 void* stream) {
+  const unsigned blocks = static_cast<unsigned>(rows * b.p.HV * column_tiles(b.p.V));
   if (blocks == 0) return;
   set_shared_bytes(kernel, sizeof(ScanShared));
   kernel<<<blocks, kBackwardThreads, sizeof(ScanShared), static_cast<cudaStream_t>(stream)>>>(b);
@@ -193,11 +234,15 @@ void launch_scan(void (*kernel)(BackwardParams), const BackwardParams& b, void* 
 int64_t backward_scan_shared_bytes() { return sizeof(ScanShared); }
 
 void launch_backward_states(const BackwardParams& b, void* stream) {
-  launch_scan(states_kernel, b, stream);
+  launch_scan(states_kernel, b, b.p.N, stream);
+}
+
+void launch_backward_given_states(const BackwardParams& b, void* stream) {
+  launch_scan(given_states_kernel, b, b.max_chunks, stream);
 }
 
 void launch_backward_dstates(const BackwardParams& b, void* stream) {
-  launch_scan(dstates_kernel, b, stream);
+  launch_scan(dstates_kernel, b, b.p.N, stream);
 }
 
 }  // namespace flashdelta::detail::cuda

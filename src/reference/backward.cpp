@@ -14,11 +14,13 @@
 // The reverse pass needs every state, last first. Storing all T of them would take T K V
 // doubles (50 GB at T = 100k, K = V = 256), so a forward pass keeps one checkpoint every C
 // tokens and each segment's states are recomputed from its checkpoint: O(sqrt(T) K V) memory
-// for about one extra forward pass.
+// for about one extra forward pass. With BackwardArgs::chunk_states the segments are the
+// 64-token chunks and their checkpoints the given states, read when the segment is reversed.
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "core/chunk_states.h"
 #include "core/parallel.h"
 #include "core/state_io.h"
 #include "core/token_inputs.h"
@@ -207,13 +209,17 @@ struct GateParamSums {
 // segment's dq, dk are written once, complete.
 class GroupBackward {
  public:
-  GroupBackward(const Problem& p, const BackwardArgs& a, int64_t n, int64_t h, GateParamSums& sums)
+  // `entries` numbers BackwardArgs::chunk_states (unused when that is absent).
+  GroupBackward(const Problem& p, const BackwardArgs& a, const ChunkStateEntries& entries,
+                int64_t n, int64_t h, GateParamSums& sums)
       : p_(p),
         a_(a),
+        given_{a.chunk_states, p.options.state_layout},
+        entries_(entries),
         n_(n),
         h_(h),
         seq_(p.seqs[n]),
-        seg_len_(segment_length(seq_.len, p.group)),
+        seg_len_(given_.t.present() ? kChunkStateTokens : segment_length(seq_.len, p.group)),
         num_segments_((seq_.len + seg_len_ - 1) / seg_len_),
         heads_(p.group),
         sums_(sums),
@@ -234,7 +240,11 @@ class GroupBackward {
       std::fill(dk.begin(), dk.end(), 0.0);
       for (ValueHead& head : heads_) {
         // Recompute the states before each token of the segment, then reverse them.
-        std::copy_n(head.checkpoints.begin() + s * KV, KV, states.begin());
+        if (given_.t.present())
+          load_state(given_, entries_.before(n_, s * seg_len_), head.hv, p_.K, p_.V,
+                     states.data());
+        else
+          std::copy_n(head.checkpoints.begin() + s * KV, KV, states.begin());
         for (int64_t i = 0; i + 1 < len; ++i) {
           std::copy_n(states.begin() + i * KV, KV, states.begin() + (i + 1) * KV);
           advance(head, t_begin + i, states.data() + (i + 1) * KV);
@@ -263,13 +273,17 @@ class GroupBackward {
   }
 
  private:
-  // Runs value head hv forward over the sequence, keeping the state at each segment start,
-  // and seeds its state gradient with d_final_state.
+  // Runs value head hv forward over the sequence, keeping the state at each segment start
+  // (unless the states are given), and seeds its state gradient with d_final_state.
   void checkpoint_forward(ValueHead& head, int64_t hv) {
     const int64_t KV = p_.K * p_.V;
     const StateLayout layout = p_.options.state_layout;
     head.hv = hv;
     head.gp = load_gate_params<double>(p_, hv);
+    head.dS.assign(KV, 0.0);
+    const StateView d_final{a_.d_final_state, layout};
+    if (d_final.t.present()) load_state(d_final, n_, hv, p_.K, p_.V, head.dS.data());
+    if (given_.t.present()) return;
     head.checkpoints.resize(num_segments_ * KV);
     std::vector<double> S(KV, 0.0);
     const StateView initial{a_.initial_state, layout};
@@ -280,9 +294,6 @@ class GroupBackward {
       for (int64_t t = seq_.t0 + s * seg_len_; t < seq_.t0 + (s + 1) * seg_len_; ++t)
         advance(head, t, S.data());
     }
-    head.dS.assign(KV, 0.0);
-    const StateView d_final{a_.d_final_state, layout};
-    if (d_final.t.present()) load_state(d_final, n_, hv, p_.K, p_.V, head.dS.data());
   }
 
   // Applies token t of the head's forward to S.
@@ -345,6 +356,8 @@ class GroupBackward {
 
   const Problem& p_;
   const BackwardArgs& a_;
+  const StateView given_;  // BackwardArgs::chunk_states (absent view: recompute)
+  const ChunkStateEntries& entries_;
   const int64_t n_, h_;
   const Sequence& seq_;
   const int64_t seg_len_, num_segments_;
@@ -362,8 +375,10 @@ void reference_backward(const Problem& p, const BackwardArgs& a) {
   const int64_t width = bias_width(p);
   GateParamSums sums{std::vector<double>(p.N * p.HV, 0.0),
                      std::vector<double>(p.N * p.HV * width, 0.0)};
-  parallel_for(p.N * p.H, p.options.num_threads,
-               [&](int64_t item) { GroupBackward(p, a, item / p.H, item % p.H, sums).run(); });
+  const ChunkStateEntries entries(p);
+  parallel_for(p.N * p.H, p.options.num_threads, [&](int64_t item) {
+    GroupBackward(p, a, entries, item / p.H, item % p.H, sums).run();
+  });
 
   // A_log and dt_bias are shared by every token of every sequence: sum in sequence order.
   for (int64_t hv = 0; hv < p.HV; ++hv) {

@@ -1,8 +1,9 @@
 // The CUDA chunkwise backward against the fp64 reference backward on random inputs: every
 // mechanism, lengths past several 64-token chunks and not multiples of them, K and V from 17
 // to 256, GVA, both state layouts, every input dtype, varlen with empty and one-token
-// sequences, the fused transforms in every gate form, strong and -inf gates; gradients
-// bitwise identical across runs; bad schedules refused. Skipped on machines without a GPU.
+// sequences, the fused transforms in every gate form, strong and -inf gates, the forward's
+// states kept (BackwardArgs::chunk_states); gradients bitwise identical across runs; bad
+// schedules refused. Skipped on machines without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -26,6 +27,7 @@ struct BackwardCase {
   Case c;
   HostTensor d_o, d_final;
   bool with_d_final = true;
+  HostTensor chunk_states;  // the kept forward states, when set
 
   BackwardArgs args() const {
     HostTensor unused = c.make_output(DType::f32);
@@ -36,6 +38,7 @@ struct BackwardCase {
     a.A_log = f.A_log, a.dt_bias = f.dt_bias;
     a.d_o = d_o.view;
     if (with_d_final) a.d_final_state = d_final.view;
+    if (chunk_states.view.present()) a.chunk_states = chunk_states.view;
     return a;
   }
 };
@@ -84,7 +87,7 @@ BackwardArgs upload_args(const BackwardArgs& host, DeviceMirror& mirror) {
         &BackwardArgs::A_log, &BackwardArgs::dt_bias, &BackwardArgs::d_o,
         &BackwardArgs::d_final_state, &BackwardArgs::dq, &BackwardArgs::dk, &BackwardArgs::dv,
         &BackwardArgs::dg, &BackwardArgs::dbeta, &BackwardArgs::d_initial_state,
-        &BackwardArgs::dA_log, &BackwardArgs::ddt_bias})
+        &BackwardArgs::dA_log, &BackwardArgs::ddt_bias, &BackwardArgs::chunk_states})
     d.*f = mirror.upload(host.*f);
   return d;
 }
@@ -222,6 +225,37 @@ TEST(CudaBackward, HeadPassesKeepTheWorkspaceWithinThreeTimesTheInputs) {
   expect_gradients_match(make_backward_case(cases[0]), "two passes of four heads");
   expect_gradients_match(make_backward_case(cases[1]), "passes over GVA heads");
   expect_gradients_match(make_backward_case(cases[2]), "passes over varlen scalar-gate heads");
+}
+
+// The forward's states kept (BackwardArgs::chunk_states) replace the sequential states pass.
+// They are recorded (float32) from another initial state: a backward that ignored them would
+// give the gradients of the initial state passed, not the reference's with the same states.
+TEST(CudaBackward, KeptChunkStatesAreReadInsteadOfRecomputed) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig cases[] = {
+      {.B = 2, .T = 150, .K = 64, .V = 64, .dtype = DType::bf16, .seed = 7700},
+      // Varlen with empty and one-token sequences, V-first states, a scalar gate.
+      {.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4, .K = 64, .V = 48,
+       .dtype = DType::f16, .seqlens = {0, 1, 200, 65}, .layout = StateLayout::v_first,
+       .seed = 7701},
+      // The linear write (v_new = u), and head passes over GVA heads (states sliced too).
+      {.mechanism = Mechanism::gla, .T = 130, .K = 32, .V = 40, .dtype = DType::f32,
+       .seed = 7702},
+      {.B = 1, .T = 700, .H = 4, .HV = 8, .K = 64, .V = 96, .dtype = DType::bf16,
+       .qk_l2norm = true, .gate_in_kernel = true, .lower_bound = -5.0, .seed = 7703}};
+  for (const CaseConfig& c : cases) {
+    BackwardCase b = make_backward_case(c);
+    Case other = b.c;
+    std::vector<double> h0 = other.initial_state.to_double();
+    for (double& x : h0) x = 2.0 * x + 0.5;
+    other.initial_state.set(h0);
+    HostTensor o = other.make_output(DType::f64);
+    b.chunk_states = other.make_chunk_states(DType::f32);
+    ForwardArgs f = other.args(o, nullptr);
+    f.chunk_states = b.chunk_states.view;
+    forward(f, other.options, Schedule::reference);
+    expect_gradients_match(b, "kept states, " + describe(c));
+  }
 }
 
 TEST(CudaBackward, WithoutFinalStateGradientAndInBfloat16) {

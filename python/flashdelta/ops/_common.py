@@ -74,10 +74,12 @@ def gate_arguments(use_gate_in_kernel, A_log, dt_bias, lower_bound):
 def run(mechanism, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
         state_v_first, chunk_size, schedule, qk_l2norm=False, use_gate_in_kernel=False,
         A_log=None, dt_bias=None, beta_sigmoid=False, allow_neg_eigval=False,
-        lower_bound=None, return_intermediate_states=False, cu_seqlens_cpu=None):
+        lower_bound=None, return_intermediate_states=False, cu_seqlens_cpu=None,
+        keep_chunk_states=False):
     """fla's checks, then flashdelta.forward (whose library validates everything else).
     return_intermediate_states: fla's inference mode, (o, final_state, h) with h the state
-    entering every 64-token chunk (flashdelta.forward's output_chunk_states)."""
+    entering every 64-token chunk (flashdelta.forward's output_chunk_states).
+    keep_chunk_states: flashdelta.forward's, fla's disable_recompute."""
     check_neg_eigval(allow_neg_eigval, beta_sigmoid)
     gate_in_kernel, A_log, dt_bias, lower_bound = gate_arguments(use_gate_in_kernel, A_log,
                                                                  dt_bias, lower_bound)
@@ -93,7 +95,7 @@ def run(mechanism, q, k, v, g, beta, *, scale, initial_state, output_final_state
                         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                         state_v_first=state_v_first, chunk_size=chunk_size, schedule=schedule,
                         output_chunk_states=bool(return_intermediate_states),
-                        cu_seqlens_cpu=cu_seqlens_cpu)
+                        cu_seqlens_cpu=cu_seqlens_cpu, keep_chunk_states=keep_chunk_states)
 
 
 def run_in_time_order(reverse, mechanism, q, k, v, g, *, initial_state, cu_seqlens, **options):

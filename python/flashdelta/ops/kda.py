@@ -44,7 +44,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             for ``torch.inference_mode()``). With ``cu_seqlens`` the chunks are counted on
             the host, from ``cu_seqlens_cpu`` when given (its only use here). Not with
             ``chunk_size=32``, for which fla's ``h`` holds a state per 32 tokens.
-        disable_recompute, use_graph, max_num_seqs: accepted, no effect.
+        disable_recompute: as in fla, keep the forward's intermediates for the backward
+            instead of recomputing them; here the state entering every 64-token chunk
+            (``[C, HV, K, V]`` float32 until the backward), which spares the backward its
+            sequential states pass. No effect without autograd.
+        use_graph, max_num_seqs: accepted, no effect.
         cp_context: not supported (NotImplementedError).
         chunk_size (keyword): 16, 32, 64 (default) or 128.
 
@@ -75,7 +79,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                A_log=A_log, dt_bias=dt_bias, beta_sigmoid=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound,
                return_intermediate_states=return_intermediate_states,
-               cu_seqlens_cpu=cu_seqlens_cpu)
+               cu_seqlens_cpu=cu_seqlens_cpu, keep_chunk_states=disable_recompute)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
