@@ -153,7 +153,9 @@ struct BackwardArgs {
   // states pass, the reference starts every 64-token segment from its entry. The gradients
   // are then those of a forward that enters each chunk with these states (from the same
   // forward, the same gradients up to the states' rounding). No gradient output may
-  // overlap it.
+  // overlap it. With device-resident cu_seqlens C is only checked against its range: the
+  // CUDA backward reads entries at or past C as zeros (no error), so pass at least the true
+  // count (the upper bound T / 64 + min(N, T) is always enough).
   TensorView chunk_states;
   void* stream = nullptr;  // cudaStream_t for CUDA tensors (nullptr = default stream)
   // Optional temporary device memory for the CUDA chunk backward, as ForwardArgs::workspace

@@ -176,9 +176,11 @@ def forward(q, k, v, g=None, beta=None, *, mechanism, scale=None, initial_state=
                 q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *config,
                 bool(output_final_state), schedule, num_chunks)
             return o, (final if output_final_state else None), h
+        keep = bool(keep_chunk_states) and _torch_ops.wants_grad(
+            (q, k, v, g, beta, initial_state, A_log, dt_bias))
         o, final, _ = _torch_ops.forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
                                          dt_bias, *config, bool(output_final_state), schedule,
-                                         bool(keep_chunk_states))
+                                         keep)
         return o, (final if output_final_state else None)
 
     o_shape, state_shape = _core.forward_shapes(

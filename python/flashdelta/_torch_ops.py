@@ -188,10 +188,19 @@ def _op_forward_outputs(q, v, initial_state, cu_seqlens, state_v_first, output_f
     return o, (q.new_empty((0,), dtype=torch.float32) if final is None else final)
 
 
+def wants_grad(tensors):
+    """True when autograd will record a node for these inputs (grad mode on, one requires
+    grad): the only calls for which keep_chunk_states has an effect."""
+    return torch.is_grad_enabled() and any(
+        t is not None and getattr(t, "requires_grad", False) for t in tensors)
+
+
 def _kept_states(q, v, cu_seqlens, state_v_first, schedule, keep):
     """The per-chunk states a training forward keeps for its backward ([C, HV, K, V], or
-    V-first; C = _core.kept_chunk_count), or an empty tensor when it keeps none."""
-    if not keep:
+    V-first; C = _core.kept_chunk_count), or an empty tensor when it keeps none. The CUDA
+    recurrent schedule records no per-chunk states: it keeps none (the backward recomputes),
+    the same decision in the real and the fake implementation."""
+    if not keep or (q.is_cuda and schedule == "recurrent"):
         return q.new_empty((0,), dtype=torch.float32)
     B, T, K = q.shape[0], q.shape[1], q.shape[3]
     HV, V = v.shape[2], v.shape[3]

@@ -72,3 +72,19 @@ def test_cuda_recurrent_forward_differentiates():
         (o * o).sum().backward()
         grads[device] = q.grad
     assert naive.error(grads["cuda"].cpu(), grads["cpu"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(seqlens=True, state_v_first=True)],
+                         ids=["batch", "varlen_v_first"])
+def test_cuda_kept_chunk_states_give_the_reference_gradients(cfg):
+    """chunk_kda(disable_recompute=True) on CUDA: the forward's float32 chunk states (with
+    device cu_seqlens, sized to the bound T // 64 + N) replace the backward's states pass.
+    Against the CPU reference as the main test, with twice its tolerance: the kept states
+    carry the forward's rounding (bfloat16 operands) where the recomputed ones carry the
+    backward's (tf32)."""
+    a, cfg = problem("kda", dict(cfg, qk_l2norm=True), seed=13)
+    names, cpu = gradients("chunk_kda", a, cfg, {}, "cpu")
+    _, kept = gradients("chunk_kda", a, cfg, dict(disable_recompute=True), "cuda")
+    for name, c, k in zip(names, cpu, kept):
+        err = naive.error(k.cpu(), c)
+        assert err <= 2 * TOLERANCE, f"d{name}: kept states vs CPU reference {err:.3e}"

@@ -3,7 +3,7 @@ keep_chunk_states, chunk_kda's disable_recompute as in fla): the backward reads 
 instead of recomputing them. Gradients match those of recomputing (gradcheck in float64
 across several 64-token chunks, varlen included), the states are really saved by the forward,
 the op passes opcheck, and the NumPy backward takes the states forward returns. CPU here; the
-CUDA path is checked in test_cuda_backward.py."""
+CUDA path is checked in tests/cuda/test_cuda_backward.cpp and test_cuda_backward.py."""
 
 import pytest
 
