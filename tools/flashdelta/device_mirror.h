@@ -89,6 +89,34 @@ struct DeviceForward {
   }
 };
 
+// Backward arguments on host memory, mirrored on the device; the gradients are copied back
+// by `download_outputs`.
+struct DeviceBackward {
+  DeviceMirror mirror;
+  BackwardArgs args;
+
+  explicit DeviceBackward(const BackwardArgs& host) : args(host) {
+    for (auto [h, d] :
+         {std::pair{&host.q, &args.q}, {&host.k, &args.k}, {&host.v, &args.v},
+          {&host.g, &args.g}, {&host.beta, &args.beta}, {&host.initial_state, &args.initial_state},
+          {&host.cu_seqlens, &args.cu_seqlens}, {&host.A_log, &args.A_log},
+          {&host.dt_bias, &args.dt_bias}, {&host.d_o, &args.d_o},
+          {&host.d_final_state, &args.d_final_state}, {&host.chunk_states, &args.chunk_states},
+          {&host.dq, &args.dq}, {&host.dk, &args.dk}, {&host.dv, &args.dv}, {&host.dg, &args.dg},
+          {&host.dbeta, &args.dbeta}, {&host.d_initial_state, &args.d_initial_state},
+          {&host.dA_log, &args.dA_log}, {&host.ddt_bias, &args.ddt_bias}})
+      *d = mirror.upload(*h);
+  }
+  void download_outputs(const BackwardArgs& host) {
+    check_cuda(cudaDeviceSynchronize(), "backward");
+    for (auto [h, d] : {std::pair{&host.dq, &args.dq}, {&host.dk, &args.dk}, {&host.dv, &args.dv},
+                        {&host.dg, &args.dg}, {&host.dbeta, &args.dbeta},
+                        {&host.d_initial_state, &args.d_initial_state},
+                        {&host.dA_log, &args.dA_log}, {&host.ddt_bias, &args.ddt_bias}})
+      mirror.download(*d, *h);
+  }
+};
+
 // The same for a serving call; the pool is updated in place on the device and read back.
 struct DeviceDecode {
   DeviceMirror mirror;

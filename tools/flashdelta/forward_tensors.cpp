@@ -29,12 +29,14 @@ std::string describe(const io::OwnedTensor& t) {
   return std::string(io::safetensors_dtype_name(t.dtype)) + " " + shape_str(t.shape);
 }
 
-void check_input_names(const io::TensorMap& inputs, const std::string& origin) {
+void check_input_names(const io::TensorMap& inputs, const std::string& origin,
+                       const std::vector<std::string>& extra) {
   std::string unknown;
   for (const auto& [name, tensor] : inputs) {
     const bool known =
         std::find_if(std::begin(kForwardInputNames), std::end(kForwardInputNames),
-                     [&](const char* n) { return name == n; }) != std::end(kForwardInputNames);
+                     [&](const char* n) { return name == n; }) != std::end(kForwardInputNames) ||
+        std::find(extra.begin(), extra.end(), name) != extra.end();
     if (known) continue;
     unknown += unknown.empty() ? "'" : ", '";
     unknown += name + "'";
@@ -45,6 +47,7 @@ void check_input_names(const io::TensorMap& inputs, const std::string& origin) {
     if (!expected.empty()) expected += ' ';
     expected += n;
   }
+  for (const std::string& n : extra) expected += ' ' + n;
   throw Error(ErrorCode::invalid_argument, origin + ": unknown tensor name " + unknown +
                                                " (the inputs are named " + expected + ")");
 }

@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "flashdelta/flashdelta.h"
 #include "flashdelta/safetensors.h"
@@ -18,9 +19,10 @@ inline constexpr const char* kForwardInputNames[] = {
 // "F32 [2, 64, 4, 64]": dtype and shape, for messages.
 std::string describe(const io::OwnedTensor& t);
 
-// Throws Error naming every tensor of `inputs` that is not a forward input: a misspelt name
-// would otherwise silently become an absent argument.
-void check_input_names(const io::TensorMap& inputs, const std::string& origin);
+// Throws Error naming every tensor of `inputs` that is neither a forward input nor one of
+// `extra`: a misspelt name would otherwise silently become an absent argument.
+void check_input_names(const io::TensorMap& inputs, const std::string& origin,
+                       const std::vector<std::string>& extra = {});
 
 // o [B, T, HV, V] in the dtype of v, final_state float32 [N, HV, K, V] or [N, HV, V, K],
 // and with `chunk_states` the float32 states before every 64th token of each sequence

@@ -1,5 +1,5 @@
-// The `flashdelta` command line: `run` (a file's forward, or the built-in check) and
-// `bench`. Exit status: 0 success, 1 invalid input or runtime error (one line on stderr),
+// The `flashdelta` command line: `run` (a file's forward, or the built-in check), `grad`
+// (a file's backward) and `bench`. Exit status: 0 success, 1 invalid input or runtime error (one line on stderr),
 // 2 usage error (reported by CLI11).
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -9,6 +9,7 @@
 
 #include "bench_command.h"
 #include "flashdelta/flashdelta.h"
+#include "grad_command.h"
 #include "run_command.h"
 
 namespace {
@@ -37,8 +38,10 @@ int run_main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", flashdelta::version());
   flashdelta::cli::RunFlags run_flags;
+  flashdelta::cli::GradFlags grad_flags;
   flashdelta::cli::BenchFlags bench_flags;
   CLI::App* run = flashdelta::cli::add_run_command(app, run_flags);
+  CLI::App* grad = flashdelta::cli::add_grad_command(app, grad_flags);
   CLI::App* bench = flashdelta::cli::add_bench_command(app, bench_flags);
   try {
     app.parse(argc, argv);
@@ -46,6 +49,7 @@ int run_main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : kExitUsage;  // --help and --version exit 0
   }
   if (run->parsed()) flashdelta::cli::run_command(run_flags);
+  if (grad->parsed()) flashdelta::cli::grad_command(grad_flags);
   if (bench->parsed()) {
     bench_flags.command_line = join_arguments(argc, argv);
     flashdelta::cli::run_bench(bench_flags);

@@ -4,24 +4,20 @@
 
 #include <CLI/CLI.hpp>
 
-#include "flashdelta/options.h"
 #include <optional>
 #include <string>
+
+#include "problem_flags.h"
 
 namespace flashdelta::cli {
 
 struct RunFlags {
   bool from_file = false;  // --in given
   std::string in, out;
-  std::string mechanism;
+  ProblemFlags problem;
   std::optional<std::string> schedule;  // default: chunk with --in, every one without
   std::string device = "cpu";
-  std::optional<double> scale, lower_bound;
-  bool qk_l2norm = false, beta_sigmoid = false, allow_neg_eigval = false;
-  bool gate_in_kernel = false, state_v_first = false;
   bool chunk_states = false;  // also write the states before every 64th token
-  int chunk_size = flashdelta::Options{}.chunk_size;
-  int threads = 0;
 };
 
 CLI::App* add_run_command(CLI::App& app, RunFlags& flags);

@@ -10,7 +10,7 @@
 
 #include "core/tensor_io.h"
 #include "flashdelta/flashdelta.h"
-#include "device_forward.h"
+#include "device_calls.h"
 #include "forward_tensors.h"
 #include "synthetic.h"
 #include "timing.h"
