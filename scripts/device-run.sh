@@ -161,6 +161,8 @@ stage_build() {
 stage_ctest() {
   ctest --test-dir "$BUILD" -L cuda --output-on-failure --no-tests=error --timeout 300
   local rc=$?
+  # GPU cases of the command-line tests (named *OnTheGpu*; skipped without a GPU in CI).
+  ctest --test-dir "$BUILD" -R OnTheGpu --output-on-failure --timeout 300 || rc=1
   if [ -x "$BUILD/flashdelta" ]; then
     echo "-- smoke: flashdelta run --device cuda (recurrent and chunk schedules)"
     "$BUILD/flashdelta" run --device cuda || rc=1
