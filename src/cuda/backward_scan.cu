@@ -6,11 +6,10 @@
 // keeping dS' (the gradient of the state leaving each chunk) and dv_new. With the forward's
 // states kept (BackwardArgs::chunk_states), `given_states` replaces `states`: one block per
 // (chunk, value head, tile) copies the given state and forms v_new, all chunks in parallel.
-// Every product is a
-// staged_product on the tensor cores (tf32 operands, float32 sums): the chunk's K-wide record
-// rows stream through its double-buffered stage; the tile updates in its epilogue. Updates of
-// the tile are written transposed (rows = the tile's columns, columns = keys), so that the
-// products have at most kC rows.
+// Every product is a staged_product on the tensor cores (tf32 operands, float32 sums): the
+// chunk's K-wide record rows stream through its double-buffered stage; the tile updates in
+// its epilogue. Updates of the tile are written transposed (rows = the tile's columns,
+// columns = keys), so that the products have at most kC rows.
 #include <cuda_runtime.h>
 
 #include "cuda/backward_common.cuh"
