@@ -356,8 +356,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _forward_backward(ctx, d_o, d_final_state, _d_kept):
-    saved = ctx.saved_tensors[:_N_TENSORS]
-    kept = ctx.saved_tensors[_N_TENSORS]
+    *saved, kept = ctx.saved_tensors
     wanted = [bool(ctx.needs_input_grad[_GRAD_POSITION[n]]) and saved[_GRAD_POSITION[n]]
               is not None for n in _core.GRAD_INPUTS]
     if not any(wanted):
