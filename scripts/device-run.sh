@@ -45,10 +45,16 @@
 #                machine stays warm, so a second run builds incrementally)
 #   CMAKE_ARGS   extra configure arguments; FD_CUDA=OFF configures without CUDA (to check this
 #                script on a machine without a GPU)
+#   TRITON_CACHE_DIR  Triton's cache (default: .triton-cache in the tree). fla's kernels take
+#                minutes of autotuning per new shape; Triton keeps the winners there
+#                (*.autotune.json, keyed by Triton, GPU, kernel source and shape). The run
+#                leaves them in $OUT/triton-autotune.tgz: unpack it into .triton-cache and
+#                carry that folder in the next call, which then skips the tuning.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export ROOT=$PWD
 export OUT=${OUT:-$ROOT/device-out}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/.triton-cache}
 mkdir -p "$OUT"
 export LOG=$OUT/device-run.log
 export SANLOG=$OUT/sanitizer.log
@@ -279,6 +285,12 @@ for stage in $STAGES; do
   if [ -z "${MAX[$stage]:-}" ]; then log "unknown stage: $stage"; continue; fi
   run_stage "$stage"
 done
+
+# The autotuning results, for the next call to carry (see TRITON_CACHE_DIR above).
+if [ -d "$TRITON_CACHE_DIR" ]; then
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/triton-autotune.tgz" -T -) &&
+    log "-- $(tar tzf "$OUT/triton-autotune.tgz" | wc -l) autotune results -> $OUT/triton-autotune.tgz"
+fi
 
 log ""
 log "== summary ($((SECONDS - START)) s; outputs in $OUT) =="
