@@ -49,9 +49,10 @@ def test_opcheck_decode():
 class KDABlock(torch.nn.Module):
     """A small KDA layer as fla's KDA layer calls it: projections, fused transforms, state."""
 
-    def __init__(self, hidden=32, heads=2, value_heads=4, head_dim=8):
+    def __init__(self, hidden=32, heads=2, value_heads=4, head_dim=8, keep_states=False):
         super().__init__()
         self.H, self.HV, self.K = heads, value_heads, head_dim
+        self.keep_states = keep_states  # fla's disable_recompute
         self.q_proj = torch.nn.Linear(hidden, heads * head_dim, bias=False)
         self.k_proj = torch.nn.Linear(hidden, heads * head_dim, bias=False)
         self.v_proj = torch.nn.Linear(hidden, value_heads * head_dim, bias=False)
@@ -71,7 +72,8 @@ class KDABlock(torch.nn.Module):
         o, state = flashdelta.chunk_kda(
             q, k, v, g, beta, A_log=self.A_log, dt_bias=self.dt_bias, initial_state=state,
             output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, state_v_first=True)
+            use_beta_sigmoid_in_kernel=True, state_v_first=True,
+            disable_recompute=self.keep_states)
         return self.o_proj(o.reshape(B, T, -1)), state
 
 
@@ -99,6 +101,25 @@ def test_compile_kda_block_fullgraph(backend):
         assert c is not None and c.shape == e.shape, f"result {i}: {c} vs {e.shape}"
         err = ((c - e).abs().max() / e.abs().max().clamp_min(1)).item()
         assert err <= 1e-5, f"result {i}: compiled vs eager error {err:.3e} > 1e-5"
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_compile_kda_block_keeping_chunk_states(backend):
+    """disable_recompute=True (the forward keeps its per-chunk states for the backward, a third
+    output of the forward op saved for autograd) traces without graph breaks and gives eager's
+    results without it, over two 64-token chunks."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    block = KDABlock()
+    x = torch.randn(2, 100, 32)
+    state = torch.randn(2, 4, 8, 8)
+    eager = run_block(block, x, state)
+    block.keep_states = True
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    got = run_block(compiled, x, state)
+    for i, (e, c) in enumerate(zip(eager, got)):
+        err = ((c - e).abs().max() / e.abs().max().clamp_min(1)).item()
+        assert err <= 1e-5, f"result {i}: compiled, states kept, vs eager error {err:.3e}"
 
 
 def test_compile_serving_step_fullgraph():
