@@ -406,20 +406,39 @@ TEST(DecodeValidation, PoolDtypeAndChunkSchedule) {
 
 // --- backward ---
 
+// A float64 KDA problem of T tokens (the kda() sizes) and the backward's inputs over it:
+// q, k, v, g, beta and d_o, no gradient asked for.
+struct BackwardProblem {
+  Case c;
+  HostTensor d_o;
+  BackwardArgs args;
+
+  explicit BackwardProblem(int64_t T = 9)
+      : c(make_case(config(T))), d_o(c.make_output(DType::f64)) {
+    args.q = c.q.view;
+    args.k = c.k.view;
+    args.v = c.v.view;
+    args.g = c.g.view;
+    args.beta = c.beta.view;
+    args.d_o = d_o.view;
+  }
+  BackwardProblem(const BackwardProblem&) = delete;  // the views point into the members
+
+ private:
+  static CaseConfig config(int64_t T) {
+    CaseConfig cfg = kda();
+    cfg.T = T;
+    cfg.dtype = DType::f64;
+    return cfg;
+  }
+};
+
 TEST(BackwardValidation, GradientShapeAndPresence) {
-  CaseConfig cfg = kda();
-  cfg.dtype = DType::f64;
-  const Case c = make_case(cfg);
-  HostTensor d_o = c.make_output(DType::f64);
+  const BackwardProblem bp;
+  const Case& c = bp.c;
   HostTensor dq(DType::f64, {1, 9, 2, 7});
   HostTensor dA(DType::f64, {4});
-  BackwardArgs a;
-  a.q = c.q.view;
-  a.k = c.k.view;
-  a.v = c.v.view;
-  a.g = c.g.view;
-  a.beta = c.beta.view;
-  a.d_o = d_o.view;
+  BackwardArgs a = bp.args;
   a.dq = dq.view;
   try {
     backward(a, c.options);
@@ -439,17 +458,9 @@ TEST(BackwardValidation, GradientShapeAndPresence) {
 
 // The backward's workspace query validates as backward does and needs nothing on the CPU.
 TEST(BackwardValidation, WorkspaceBytes) {
-  CaseConfig cfg = kda();
-  cfg.dtype = DType::f64;
-  const Case c = make_case(cfg);
-  HostTensor d_o = c.make_output(DType::f64);
-  BackwardArgs a;
-  a.q = c.q.view;
-  a.k = c.k.view;
-  a.v = c.v.view;
-  a.g = c.g.view;
-  a.beta = c.beta.view;
-  a.d_o = d_o.view;
+  const BackwardProblem bp;
+  const Case& c = bp.c;
+  BackwardArgs a = bp.args;
   EXPECT_EQ(backward_workspace_bytes(a, c.options, Schedule::reference), 0u);
   EXPECT_EQ(backward_workspace_bytes(a, c.options), 0u);
   a.d_o = TensorView{};
@@ -464,19 +475,10 @@ TEST(BackwardValidation, WorkspaceBytes) {
 // BackwardArgs::chunk_states, the kept forward states: ForwardArgs::chunk_states' shape, any
 // float dtype, and no gradient output on its memory; nothing is written on error.
 TEST(BackwardValidation, KeptChunkStates) {
-  CaseConfig cfg = kda();
-  cfg.T = 70;  // two chunks
-  cfg.dtype = DType::f64;
-  const Case c = make_case(cfg);
-  HostTensor d_o = c.make_output(DType::f64);
+  const BackwardProblem bp(70);  // two chunks
+  const Case& c = bp.c;
   HostTensor dq = c.q;  // float64, q's shape
-  BackwardArgs a;
-  a.q = c.q.view;
-  a.k = c.k.view;
-  a.v = c.v.view;
-  a.g = c.g.view;
-  a.beta = c.beta.view;
-  a.d_o = d_o.view;
+  BackwardArgs a = bp.args;
   a.dq = dq.view;
   auto expect_error = [&](const BackwardArgs& bad, std::vector<std::string> needles) {
     constexpr double kPoison = 777.0;
