@@ -15,7 +15,7 @@ fi
 build_dir=$1
 seconds=$2
 fuzz_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-targets=(fuzz_safetensors fuzz_validation)
+targets=(fuzz_safetensors fuzz_validation fuzz_backward)
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/flashdelta-fuzz.XXXXXX")
 failed=()
