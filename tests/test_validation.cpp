@@ -165,6 +165,22 @@ TEST(Validation, BroadcastOutput) {
                        {"'o'", "stride 0"});
 }
 
+// Outputs whose elements would share an address (the order of writing would decide the
+// result) are refused; an interleaved view whose elements stay apart is accepted.
+TEST(Validation, SelfOverlappingOutput) {
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) {
+    for (int d = 0; d < 4; ++d) a.o.stride[d] = 1;  // o [1, 9, 4, 6]: 19 addresses
+  }, {"'o'", "elements overlap"});
+  expect_forward_error(kda(), [](Case&, ForwardArgs& a, Options&) {
+    a.final_state.stride[2] = 3;  // [1, 4, 8, 6]: keys 3 apart, values 1 apart, 6 of them
+  }, {"'final_state'", "elements overlap", "stride 3 of dimension 2"});
+  const Case c = make_case(kda());
+  HostTensor buffer(DType::f32, {1, 9, 4, 12});  // o's rows 12 apart with 6 values each
+  ForwardArgs a = c.args(buffer, nullptr);
+  a.o.shape[3] = 6;
+  forward(a, c.options, Schedule::reference);
+}
+
 TEST(Validation, GateOptions) {
   expect_forward_error(kda(), [](Case&, ForwardArgs&, Options& o) { o.lower_bound = -5.0; },
                        {"'lower_bound'", "gate_in_kernel"});

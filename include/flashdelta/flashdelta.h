@@ -27,11 +27,13 @@
 //   chunk_states [C, HV, K, V] (k_first) or [C, HV, V, K] (v_first), any float dtype:
 //              optional output, the state before tokens 0, 64, 128, ... of every
 //              sequence (see ForwardArgs::chunk_states)
-// K and V are 1..256; B and HV are at most 2^24. Outputs (o, final_state, chunk_states) may
-// not broadcast (stride 0 on a dimension of size > 1) and overlap no other tensor, input or
-// output, except final_state aliasing initial_state exactly. Nothing is written unless every
-// argument is valid; errors are thrown as flashdelta::Error with a message naming the
-// argument.
+// K and V are 1..256; B and HV are at most 2^24. No two elements of an output (o,
+// final_state, chunk_states, the gradients, a decode's state pool) may share an address:
+// with its dimensions of size > 1 in order of |stride|, each stride must pass the elements
+// the smaller ones span (every dense, permuted, padded or negative-stride view does; stride 0
+// never). Outputs overlap no other tensor, input or output, except final_state aliasing
+// initial_state exactly. Nothing is written unless every argument is valid; errors are
+// thrown as flashdelta::Error with a message naming the argument.
 //
 // Devices: every tensor of a call lives on the device of q. On cuda (builds with CUDA) the
 // recurrent and chunk schedules run, asynchronously on `stream`, and the host reads no

@@ -1,9 +1,12 @@
 // Argument validation: the one place that decides whether a call is well-formed. Every
 // entry point validates fully before anything is written.
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/chunk_states.h"
@@ -86,6 +89,31 @@ void check_writable(const TensorView& t, const char* name) {
     if (t.shape[i] > 1 && t.stride[i] == 0)
       fail(arg(name) + "output has stride 0 on dimension " + std::to_string(i) +
            ", so its elements would overlap");
+  // No two elements at one address (their order of writing would decide the result): with
+  // the dimensions of size > 1 in order of |stride|, each stride must pass the elements the
+  // smaller ones span. A sufficient condition, met by every dense, permuted, padded or
+  // negative-stride view; magnitudes saturate, so huge strides fail rather than wrap.
+  std::array<std::pair<uint64_t, int>, kMaxRank> dims{};
+  int n = 0;
+  for (int i = 0; i < t.rank; ++i)
+    if (t.shape[i] > 1)
+      dims[n++] = {t.stride[i] < 0 ? 0 - static_cast<uint64_t>(t.stride[i])
+                                   : static_cast<uint64_t>(t.stride[i]),
+                   i};
+  for (int a = 1; a < n; ++a)  // insertion sort: at most four dimensions
+    for (int b = a; b > 0 && dims[b] < dims[b - 1]; --b) std::swap(dims[b], dims[b - 1]);
+  uint64_t span = 0;  // the largest element offset the smaller strides reach
+  for (int d = 0; d < n; ++d) {
+    const auto [magnitude, i] = dims[d];
+    if (magnitude <= span)
+      fail(arg(name) + "output elements overlap: stride " + std::to_string(t.stride[i]) +
+           " of dimension " + std::to_string(i) + " falls within the " + std::to_string(span) +
+           " elements the smaller strides span");
+    uint64_t reach = 0;
+    if (__builtin_mul_overflow(magnitude, static_cast<uint64_t>(t.shape[i] - 1), &reach) ||
+        __builtin_add_overflow(span, reach, &span))
+      span = std::numeric_limits<uint64_t>::max();
+  }
 }
 
 // Byte range [lo, hi) a view touches (empty views touch nothing).
