@@ -155,37 +155,10 @@ bool decode_case(ChoiceReader& r, Case& c) {
     if (!measure(plan)) return false;
 
   ValueSource values{r.byte(), r.pick(4)};
-  for (int group = 0; group < kRoles; ++group) {
-    int64_t bytes = 0;
-    DType dtype = DType::f32;
-    for (const Plan& plan : p)
-      if (plan.group == group && plan.reaches_memory()) {
-        bytes = std::max(bytes, (plan.hi - plan.lo + 1) * dtype_size(plan.view.dtype));
-        dtype = plan.view.dtype;
-      }
-    // Zero bytes still get a distinct allocation: any access to it is reported.
-    c.buffers[group].reset(new unsigned char[static_cast<size_t>(bytes)]);
-    c.bytes[group] = static_cast<size_t>(bytes);
-    values.fill(c.buffers[group].get(), static_cast<size_t>(bytes), dtype);
-  }
-  for (Plan& plan : p) {
-    if (!plan.view.present() || plan.null_data) continue;
-    plan.view.data = c.buffers[plan.group].get() +
-                     (plan.reaches_memory() ? -plan.lo * dtype_size(plan.view.dtype) : 0);
-  }
-
+  c.bytes = back_with_memory(p, c.buffers, values);
   // cu_seqlens: the offsets of the chosen lengths, perhaps with one value spoiled.
-  const Plan& cp = p[cu_seqlens];
-  if (cp.view.data && cp.view.rank == 1 && cp.reaches_memory() &&
-      (cp.view.dtype == DType::i32 || cp.view.dtype == DType::i64)) {
-    for (int64_t i = 0; i < cp.view.shape[0]; ++i)
-      store_index(cp.view, i, i < static_cast<int64_t>(cu.size()) ? cu[i] : cu.back());
-    if (r.pick(4) == 3) {
-      const int64_t spoiled[] = {-1, saturating_add(T, 1), 1, 64};
-      store_index(cp.view, r.pick(static_cast<int>(std::min<int64_t>(cp.view.shape[0], 256))),
-                  r.choose(spoiled));
-    }
-  }
+  const int64_t spoiled[] = {-1, saturating_add(T, 1), 1, 64};
+  write_offsets(r, p[cu_seqlens], cu, spoiled);
   return true;
 }
 

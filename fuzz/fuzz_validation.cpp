@@ -154,23 +154,7 @@ bool decode_case(ChoiceReader& r, Case& c) {
     if (!measure(p)) return false;
 
   ValueSource values{r.byte(), r.pick(4)};
-  for (int group = 0; group < kRoles; ++group) {
-    int64_t bytes = 0;
-    DType dtype = DType::f32;
-    for (const Plan& p : plans)
-      if (p.group == group && p.reaches_memory()) {
-        bytes = std::max(bytes, (p.hi - p.lo + 1) * dtype_size(p.view.dtype));
-        dtype = p.view.dtype;
-      }
-    // Zero bytes still get a distinct allocation: any access to it is reported.
-    c.buffers[group].reset(new unsigned char[static_cast<size_t>(bytes)]);
-    values.fill(c.buffers[group].get(), static_cast<size_t>(bytes), dtype);
-  }
-  for (Plan& p : plans) {
-    if (!p.view.present() || p.null_data) continue;
-    p.view.data =
-        c.buffers[p.group].get() + (p.reaches_memory() ? -p.lo * dtype_size(p.view.dtype) : 0);
-  }
+  back_with_memory(plans, c.buffers, values);
   if (c.sharing == Sharing::in_place_state && plans[initial_state].view.present() &&
       plans[final_state].view.present()) {
     // Exactly the same view, and the same plan: the judge must see final_state's pointer
@@ -179,18 +163,9 @@ bool decode_case(ChoiceReader& r, Case& c) {
   }
 
   // cu_seqlens: the offsets of the chosen lengths, perhaps with one value spoiled.
-  const Plan& cp = plans[cu_seqlens];
-  if (cp.view.data && cp.view.rank == 1 && cp.reaches_memory() &&
-      (cp.view.dtype == DType::i32 || cp.view.dtype == DType::i64)) {
-    for (int64_t i = 0; i < cp.view.shape[0]; ++i)
-      store_index(cp.view, i, i < static_cast<int64_t>(cu.size()) ? cu[i] : cu.back());
-    if (r.pick(4) == 3) {
-      const int64_t spoiled[] = {-1, saturating_add(T, 1), std::numeric_limits<int32_t>::max(),
-                                 std::numeric_limits<int64_t>::min(), 1};
-      store_index(cp.view, r.pick(static_cast<int>(std::min<int64_t>(cp.view.shape[0], 256))),
-                  r.choose(spoiled));
-    }
-  }
+  const int64_t spoiled[] = {-1, saturating_add(T, 1), std::numeric_limits<int32_t>::max(),
+                             std::numeric_limits<int64_t>::min(), 1};
+  write_offsets(r, plans[cu_seqlens], cu, spoiled);
   return true;
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -254,6 +255,50 @@ inline int64_t load_index(const TensorView& v, int64_t i) {
   int64_t x = 0;
   std::memcpy(&x, index_address(v, i), 8);
   return x;
+}
+
+// Backs each group of measured plans (plans[i].group) with one heap buffer as large as the
+// largest reach among them, filled from `values`, and points every present, non-null view
+// at its buffer. Returns the buffers' sizes in bytes.
+template <size_t N>
+std::array<size_t, N> back_with_memory(std::array<Plan, N>& plans,
+                                       std::array<std::unique_ptr<unsigned char[]>, N>& buffers,
+                                       ValueSource& values) {
+  std::array<size_t, N> sizes{};
+  for (size_t group = 0; group < N; ++group) {
+    int64_t bytes = 0;
+    DType dtype = DType::f32;
+    for (const Plan& p : plans)
+      if (p.group == static_cast<int>(group) && p.reaches_memory()) {
+        bytes = std::max(bytes, (p.hi - p.lo + 1) * dtype_size(p.view.dtype));
+        dtype = p.view.dtype;
+      }
+    // Zero bytes still get a distinct allocation: any access to it is reported.
+    buffers[group].reset(new unsigned char[static_cast<size_t>(bytes)]);
+    sizes[group] = static_cast<size_t>(bytes);
+    values.fill(buffers[group].get(), static_cast<size_t>(bytes), dtype);
+  }
+  for (Plan& p : plans) {
+    if (!p.view.present() || p.null_data) continue;
+    p.view.data =
+        buffers[p.group].get() + (p.reaches_memory() ? -p.lo * dtype_size(p.view.dtype) : 0);
+  }
+  return sizes;
+}
+
+// Writes the offsets `cu` into a cu_seqlens plan that reaches memory with an index dtype
+// (the last repeated past its end) and, one time in four, one of `spoiled` at a chosen entry.
+template <size_t M>
+void write_offsets(ChoiceReader& r, const Plan& cp, const std::vector<int64_t>& cu,
+                   const int64_t (&spoiled)[M]) {
+  if (!(cp.view.data && cp.view.rank == 1 && cp.reaches_memory() &&
+        (cp.view.dtype == DType::i32 || cp.view.dtype == DType::i64)))
+    return;
+  for (int64_t i = 0; i < cp.view.shape[0]; ++i)
+    store_index(cp.view, i, i < static_cast<int64_t>(cu.size()) ? cu[i] : cu.back());
+  if (r.pick(4) == 3)
+    store_index(cp.view, r.pick(static_cast<int>(std::min<int64_t>(cp.view.shape[0], 256))),
+                r.choose(spoiled));
 }
 
 }  // namespace flashdelta::fuzz
