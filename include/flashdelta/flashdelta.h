@@ -138,8 +138,9 @@ void decode(const DecodeArgs& args, const Options& options,
 // Schedules: Schedule::reference on the CPU (the default); Schedule::chunk on CUDA (sm_80
 // and later, ~102 KB of shared memory per block), which recomputes the forward's per-chunk
 // states instead of keeping them, multiplies on the tensor cores with tf32 operands and
-// float32 sums, and runs in passes over slices of the heads when that keeps its workspace
-// within three times the float32 size of q, k, v and g. Deterministic: no
+// float32 sums, and runs in passes over slices of whole key-head groups, as few as keep its
+// workspace within three times the float32 size of q, k, v and g (one group per pass where
+// a single group needs more: few heads with small K and V). Deterministic: no
 // floating-point atomics, so the gradients are bitwise identical from run to run (unless a
 // malformed device cu_seqlens makes sequences overlap: their gradients are then undefined,
 // though nothing outside the tensors is ever accessed).

@@ -199,7 +199,9 @@ int64_t input_bytes(const Problem& p) {
 // token and value head at K = V = 128), so the backward runs over slices of whole key-head
 // groups one after another on the stream, reusing one workspace: as few, equal passes as
 // keep it within three times the float32 size of q, k, v and g (fla keeps about 3.7 times
-// that for the same shape). Fewer heads per pass means fewer blocks in the sequential scans.
+// that for the same shape), down to one key-head group per pass, which can need more (about
+// 3.5 times at K = V = 64 with two value heads per key head). Fewer heads per pass means
+// fewer blocks in the sequential scans.
 int64_t heads_per_pass(const Problem& p) {
   const int64_t budget = 3 * input_bytes(p), whole = workspace_bytes(p, p.H);
   if (p.H <= 1 || whole <= budget) return p.H;

@@ -5,7 +5,7 @@
 //   dv_new = A_qk^T dO + kg dS'        dS = (q e^Gamma)^T dO + e^(Gamma_end) dS' - w^T dv_new
 // keeping dS' (the gradient of the state leaving each chunk) and dv_new. With the forward's
 // states kept (BackwardArgs::chunk_states), `given_states` replaces `states`: one block per
-// (chunk, value head, tile) copies the given state and forms v_new, all chunks in parallel.
+// (chunk, value head) copies the given state and forms v_new, all chunks in parallel.
 // Every product is a staged_product on the tensor cores (tf32 operands, float32 sums): the
 // chunk's K-wide record rows stream through its double-buffered stage; the tile updates in
 // its epilogue. Updates of the tile are written transposed (rows = the tile's columns,
@@ -157,21 +157,77 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) states_kernel(const Backw
   }
 }
 
-// One block per (record, column tile): the kept state entering the record's chunk, entry
-// chunk of BackwardArgs::chunk_states.
+// Copies entry `chunk` of the kept states (any float dtype and layout) to `S`, the
+// workspace's K x V float32 K-first state of one record, zeros where `given` is absent. Every
+// thread has kBatch loads in flight before it stores (16-byte loads for contiguous float32
+// rows): the copy is bound by memory, not by the latency of one load after another.
+__device__ void copy_given_state(const BackwardParams& b, const StateTensor& given,
+                                 int64_t chunk, int64_t hv, float* S) {
+  constexpr int kBatch = 4;
+  const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), KV = K * V;
+  const bool f32_rows = given.data && b.chunk_states_dtype == DType::f32 &&
+                        given.value_stride == 1 && V % 4 == 0 && given.key_stride % 4 == 0;
+  const float* src = f32_rows ? static_cast<const float*>(given.data) +
+                                    state_offset(given, chunk, hv, 0, 0)
+                              : nullptr;
+  if (f32_rows && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+    const int quads = KV / 4, row_quads = V / 4;
+    for (int base = threadIdx.x; base < quads; base += kBatch * blockDim.x) {
+      float4 x[kBatch];
+#pragma unroll
+      for (int e = 0; e < kBatch; ++e) {
+        const int q = base + e * blockDim.x;
+        if (q < quads)
+          x[e] = *reinterpret_cast<const float4*>(src + q / row_quads * given.key_stride +
+                                                  4 * (q % row_quads));
+      }
+#pragma unroll
+      for (int e = 0; e < kBatch; ++e)
+        if (base + e * blockDim.x < quads)
+          reinterpret_cast<float4*>(S)[base + e * blockDim.x] = x[e];
+    }
+    return;
+  }
+  for (int base = threadIdx.x; base < KV; base += 4 * kBatch * blockDim.x) {
+    float x[4 * kBatch];
+#pragma unroll
+    for (int e = 0; e < 4 * kBatch; ++e) {
+      const int idx = base + e * blockDim.x;
+      x[e] = given.data && idx < KV ? load_float(given.data, b.chunk_states_dtype,
+                                                 state_offset(given, chunk, hv, idx / V, idx % V))
+                                    : 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < 4 * kBatch; ++e)
+      if (base + e * blockDim.x < KV) S[base + e * blockDim.x] = x[e];
+  }
+}
+
+// One block per record: the kept state entering the record's chunk (entry `chunk` of
+// BackwardArgs::chunk_states) to the workspace's states, then v_new = u - w S over all V
+// columns (w read once per record), all records in parallel.
 __global__ void __launch_bounds__(kBackwardThreads, 2) given_states_kernel(const BackwardParams b) {
-  const ColumnTile t(b.p.V);
-  const int64_t rec = blockIdx.x / column_tiles(b.p.V), chunk = rec / b.p.HV, hv = rec % b.p.HV;
+  const int64_t rec = blockIdx.x, chunk = rec / b.p.HV, hv = rec % b.p.HV;
   ChunkRef ref;
   int64_t r0 = 0;
   if (!chunk_at(b, chunk, ref, r0)) return;
-  extern __shared__ __align__(16) unsigned char smem[];
-  ScanShared& sh = *reinterpret_cast<ScanShared*>(smem);
+  const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V);
   StateTensor given = b.chunk_states;
   if (chunk >= b.chunk_states_count) given.data = nullptr;  // a malformed device table's
-  load_tile(b, t, given, b.chunk_states_dtype, chunk, hv, sh);
+  float* S = b.ws.states + rec * K * V;
+  copy_given_state(b, given, chunk, hv, S);
+  // The block reads back what it wrote: __syncthreads orders its global writes before.
   __syncthreads();
-  chunk_entry(b, t, rec, ref.len, sh);
+  const float* u = b.ws.u + rec * kC * V;
+  float* vn = b.ws.vn + rec * kC * V;
+  if (!b.p.delta) {
+    for (int idx = threadIdx.x; idx < ref.len * V; idx += blockDim.x) vn[idx] = u[idx];
+    return;
+  }
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto& stage = *reinterpret_cast<ProductStage<32>*>(smem);
+  staged_product(ref.len, V, K, key_rows(b, b.ws.w, rec), Rows{S, V}, stage,
+                 [&](int i, int j, float acc) { vn[i * V + j] = u[i * V + j] - acc; });
 }
 
 __global__ void __launch_bounds__(kBackwardThreads, 2) dstates_kernel(const BackwardParams b) {
@@ -237,7 +293,12 @@ void launch_backward_states(const BackwardParams& b, void* stream) {
 }
 
 void launch_backward_given_states(const BackwardParams& b, void* stream) {
-  launch_scan(given_states_kernel, b, b.max_chunks, stream);
+  const int64_t blocks = b.max_chunks * b.p.HV;
+  if (blocks == 0) return;
+  constexpr size_t kShared = sizeof(ProductStage<32>);
+  set_shared_bytes(given_states_kernel, kShared);
+  given_states_kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, kShared,
+                        static_cast<cudaStream_t>(stream)>>>(b);
 }
 
 void launch_backward_dstates(const BackwardParams& b, void* stream) {
