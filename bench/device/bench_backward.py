@@ -194,8 +194,8 @@ def reference_grads(torch, x):
 
 
 def accuracy(torch, case):
-    """fla's and our gradients against the fp64 reference, on the accuracy shape with the
-    first case's mechanism and GVA ratio."""
+    """fla's and our gradients (recomputed and kept chunk states) against the fp64 reference,
+    on the accuracy shape with the first case's mechanism and GVA ratio."""
     _, mech, _, _, H, HV, _ = case
     s = ACCURACY_SHAPE
     x = Inputs(torch, mech, s["B"], s["T"], s["H"], s["H"] * HV // H, seed=1)
@@ -204,7 +204,9 @@ def accuracy(torch, case):
     ref = reference_grads(torch, x)
     torch.cuda.synchronize()
     res["reference_s"] = time.perf_counter() - t0
-    for impl in ("ours", "fla"):
+    for impl in ("ours", "kept", "fla"):
+        if function_of(impl, mech) is None:
+            continue
         try:
             step_of(impl, torch, x)()
             res[impl] = {n: max_rel(torch, got, r) for n, got, r in zip(GRADS, x.grads(), ref)}
@@ -295,11 +297,12 @@ def table(rows, acc, gpu, args):
         lines += ["", f"# accuracy: {acc['mechanism']} B={acc['B']} T={acc['T']} H={acc['H']} "
                   f"HV={acc['HV']}, gradients against an fp64 recurrence (torch autograd): "
                   "max |got - ref| / max |ref|",
-                  f"{'grad':<8}{'fla':>10}{'ours':>10}"]
+                  f"{'grad':<8}{'fla':>10}{'ours':>10}{'kept':>10}"]
         for n in GRADS:
             lines.append(f"{n:<8}{fmt(acc.get('fla', {}).get(n), '10.1e')}"
-                         f"{fmt(acc.get('ours', {}).get(n), '10.1e')}")
-        for impl in ("fla", "ours"):
+                         f"{fmt(acc.get('ours', {}).get(n), '10.1e')}"
+                         f"{fmt(acc.get('kept', {}).get(n), '10.1e')}")
+        for impl in ("fla", "ours", "kept"):
             if impl + "_error" in acc:
                 lines.append(f"    {impl}: {one_line(acc[impl + '_error'])}")
     return "\n".join(lines)
