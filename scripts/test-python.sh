@@ -17,7 +17,10 @@ if [ ! -x "$venv/bin/python" ]; then
     exit 1
   fi
 fi
-pip=("$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q)
+# No pip cache: torch and its CUDA libraries are several GB of wheels, which would otherwise
+# sit on disk twice (CI once ran out of disk here).
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q
+     --no-cache-dir)
 
 echo "-- test dependencies"
 "${pip[@]}" --upgrade pip

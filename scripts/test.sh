@@ -3,10 +3,15 @@
 # the GPU tests skipping on a machine without a GPU), the same suite under
 # AddressSanitizer + UndefinedBehaviorSanitizer, and the libFuzzer targets for a bounded
 # time. FUZZ_SECONDS (default 60) bounds each fuzzer; JOBS defaults to the core count.
+# PRUNE_BUILD_TREES=1 (set by .ci/run) removes the sanitizer and fuzzer build trees once
+# their stage has passed, leaving the disk to the Python stage's torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${JOBS:-$(nproc)}
 fuzz_seconds=${FUZZ_SECONDS:-60}
+prune=${PRUNE_BUILD_TREES:-0}
+disk() { echo "-- disk: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free"; }
+disk
 
 scripts/install-deps.sh
 
@@ -23,12 +28,16 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHDELTA_WERROR=O
 cmake --build build-asan -j "$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs"
+if [ "$prune" = 1 ]; then rm -rf build-asan; fi
+disk
 
 echo "== fuzz the file reader and argument validation (${fuzz_seconds} s each)"
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -DFLASHDELTA_FUZZ=ON -DFLASHDELTA_CUDA=OFF \
   -DFLASHDELTA_BUILD_TESTS=OFF -DFLASHDELTA_BUILD_TOOLS=OFF
 cmake --build build-fuzz -j "$jobs"
 fuzz/run_fuzzers.sh build-fuzz "$fuzz_seconds"
+if [ "$prune" = 1 ]; then rm -rf build-fuzz; fi
+disk
 echo "== Python package: pip install . and pytest"
 scripts/test-python.sh
 echo "== all tests passed"
