@@ -28,6 +28,11 @@ step produces, its saved activations and workspaces included), in MiB.
 
 Gradients vs fla: max |ours - fla| / max |fla| per gradient, from the last step of each.
 
+--scan-columns auto,16,8 also times ours with each of those FLASHDELTA_BACKWARD_SCAN_COLUMNS
+settings (the value columns per block of the backward's sequential scans; unset means 32),
+in the same process, and reports its largest gradient difference from ours (each output
+column is summed in the same order at any width: expected 0).
+
 Accuracy (first case, at B=2 T=1024 H=4 with the same options, so that fp64 is affordable):
 dq, dk, dv, dg, dbeta, dh0 of fla and of FlashDelta against torch autograd of an fp64
 token-by-token recurrence run on the GPU from the same bf16 inputs; max |got - ref| / max
@@ -70,6 +75,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--no-accuracy", action="store_true")
+    p.add_argument("--scan-columns", default="",
+                   help="comma-separated FLASHDELTA_BACKWARD_SCAN_COLUMNS settings to time "
+                        "beside ours (auto, 32, 16, 8)")
     p.add_argument("--no-timing", action="store_true",
                    help="only the accuracy (fla autotunes each shape: the two rarely fit one call)")
     return p.parse_args(argv)
@@ -124,8 +132,12 @@ class Inputs:
         return dict(initial_state=self.h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
+SCAN_VARIABLE = "FLASHDELTA_BACKWARD_SCAN_COLUMNS"
+
+
 def function_of(impl, mech):
-    """The function impl ('fla', 'ours' or 'kept') calls, or None where it has none."""
+    """The function impl ('fla', 'ours', 'kept' or 'scan=W': ours with SCAN_VARIABLE=W)
+    calls, or None where it has none."""
     if impl == "kept" and mech != "kda":
         return None
     if impl == "fla":
@@ -225,10 +237,14 @@ def run_case(torch, timer, case, args):
     row = dict(name=name, mechanism=mech, B=B, T=T, H=H, HV=HV, K=x.K, V=x.V,
                target_speedup=target)
     grads = {}
+    scans = [f"scan={w}" for w in filter(None, args.scan_columns.split(","))]
     # Ours first: should fla's kernels leave the CUDA context broken, ours is measured.
-    for impl in ("ours", "kept", "fla"):
+    for impl in ["ours", "kept", *scans, "fla"]:
         if function_of(impl, mech) is None:
             continue
+        saved = os.environ.get(SCAN_VARIABLE)
+        if impl.startswith("scan="):
+            os.environ[SCAN_VARIABLE] = impl[len("scan="):]
         try:
             step = step_of(impl, torch, x)
             t0 = time.perf_counter()
@@ -243,6 +259,11 @@ def run_case(torch, timer, case, args):
         except Exception as e:  # noqa: BLE001 (fail soft)
             row[impl + "_error"] = error_text(e)
             traceback.print_exc()
+        finally:
+            if saved is None:
+                os.environ.pop(SCAN_VARIABLE, None)
+            else:
+                os.environ[SCAN_VARIABLE] = saved
         x.clear_grads()
     if "fla" in grads and "ours" in grads:
         row["grad_diff_vs_fla"] = {n: max_rel(torch, o, f)
@@ -253,9 +274,12 @@ def run_case(torch, timer, case, args):
             row["meets_target"] = row["speedup"] >= target
     if "fla_ms" in row and "kept_ms" in row:
         row["kept_speedup"] = row["fla_ms"] / row["kept_ms"]
-    if "ours" in grads and "kept" in grads:
-        row["kept_grad_diff_vs_ours"] = {n: max_rel(torch, k, o)
-                                         for n, k, o in zip(GRADS, grads["kept"], grads["ours"])}
+    for impl in ["kept", *scans]:
+        if "ours" in grads and impl in grads:
+            row[impl + "_grad_diff_vs_ours"] = {
+                n: max_rel(torch, k, o) for n, k, o in zip(GRADS, grads[impl], grads["ours"])}
+        if "fla_ms" in row and impl + "_ms" in row and impl != "kept":
+            row[impl + "_speedup"] = row["fla_ms"] / row[impl + "_ms"]
     del x, grads
     torch.cuda.empty_cache()
     return row
@@ -264,7 +288,7 @@ def run_case(torch, timer, case, args):
 def fmt(v, spec):
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return format(v, spec)
-    return "-".rjust(int(spec.split(".")[0]))
+    return "-".rjust(int(spec.split(".")[0] or 1))
 
 
 def one_line(text, n=300):
@@ -287,9 +311,17 @@ def table(rows, acc, gpu, args):
                      f"{fmt(diff, '9.1e')}{fmt(r.get('kept_ms'), '9.3f')}"
                      f"{fmt(r.get('kept_speedup'), '9.2f')}{fmt(r.get('kept_peak_mib'), '10.0f')}"
                      f"{fmt(kept_diff, '9.1e')}")
+        for impl in sorted(k[:-3] for k in r if k.startswith("scan=") and k.endswith("_ms")):
+            d = r.get(impl + "_grad_diff_vs_ours")
+            lines.append(f"    ours with {SCAN_VARIABLE}={impl[len('scan='):]}: "
+                         f"{r[impl + '_ms']:.3f} ms, speedup {fmt(r.get(impl + '_speedup'), '.2f')}"
+                         f", peak {fmt(r.get(impl + '_peak_mib'), '.0f')} MiB, gradients vs ours "
+                         f"{fmt(max(d.values()) if d else None, '.1e')}")
         for impl in ("fla", "ours", "kept"):
             if impl + "_error" in r:
                 lines.append(f"    {impl}: {one_line(r[impl + '_error'])}")
+        for impl in sorted(k[:-6] for k in r if k.startswith("scan=") and k.endswith("_error")):
+            lines.append(f"    {impl}: {one_line(r[impl + '_error'])}")
     lines.append("  (vs fla: the largest max |ours - fla| / max |fla| over the six gradients; kept:"
                  " ours with disable_recompute=True, the forward's chunk states kept; vs ours: its"
                  " largest difference from ours)")

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <iterator>
 #include <string>
 #include <utility>
 
@@ -211,7 +213,32 @@ int64_t heads_per_pass(const Problem& p) {
   return (p.H + passes - 1) / passes;
 }
 
+// Streaming multiprocessors of the current device (require_shared_memory checked there is one).
+int sm_count() {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms;
+}
+
 }  // namespace
+
+int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms) {
+  constexpr const char* kVariable = "FLASHDELTA_BACKWARD_SCAN_COLUMNS";
+  const char* env = std::getenv(kVariable);
+  const std::string setting = env ? env : "";
+  if (setting.empty()) return cuda::kScanColumnWidths[0];
+  if (setting == "auto") {
+    for (const int cols : cuda::kScanColumnWidths)
+      if (scans * ((V + cols - 1) / cols) >= sms) return cols;
+    return std::end(cuda::kScanColumnWidths)[-1];
+  }
+  for (const int cols : cuda::kScanColumnWidths)
+    if (setting == std::to_string(cols)) return cols;
+  throw Error(ErrorCode::invalid_argument,
+              std::string("environment variable ") + kVariable +
+                  ": expected auto, 32, 16 or 8, got '" + setting + "'");
+}
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
   return workspace_bytes(p, heads_per_pass(p));
@@ -226,11 +253,13 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     check_caller_workspace(a.workspace, a.workspace_bytes, bytes);
   require_sm80("the CUDA chunk backward");
   require_shared_memory();
+  const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
   {
     const cuda::BackwardParams b = backward_params(p, a);
-    const int64_t column_tiles = (p.V + 31) / 32, records = b.max_chunks * pass_heads * p.group,
-                  scan_tiles = (a.chunk_states.present() ? records : p.N * pass_heads * p.group) *
-                               column_tiles,
+    // The kept-states pass runs one block per record (records); the scans one per sequence,
+    // value head and column tile.
+    const int64_t records = b.max_chunks * pass_heads * p.group,
+                  scan_tiles = p.N * pass_heads * p.group * ((p.V + scan_cols - 1) / scan_cols),
                   param_blocks = pass_heads * p.group * (p.K + 1);
     if (records > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX)
       throw Error(ErrorCode::unsupported,
@@ -245,6 +274,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   for (int64_t h0 = 0; h0 < p.H; h0 += pass_heads) {
     const auto [ps, as] = head_pass(p, a, h0, std::min(pass_heads, p.H - h0));
     cuda::BackwardParams b = backward_params(ps, as);
+    b.scan_cols = scan_cols;
     const Carver regions = layout(b, varlen);
     if (regions.total() > 0) {
       regions.carve(memory.data());

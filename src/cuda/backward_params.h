@@ -10,7 +10,7 @@
 //   inputs    per token: q, k normalised and scaled, the activated gate, beta (float32)
 //   records   per (chunk, value head), in parallel: Gamma, q/k gate factors, A_qk, A_kk,
 //             T = (I + A_kk)^-1, w = T (beta k e^Gamma), u = T (beta v)
-//   states    per (sequence, value head, column tile), chunks in order: the state entering
+//   states    per (sequence, value head, tile of scan_cols columns), chunks in order: the state entering
 //             every chunk and v_new = u - w S; with the forward's states kept
 //             (BackwardArgs::chunk_states) per (chunk, value head, column tile) in parallel,
 //             the given state and v_new
@@ -57,8 +57,12 @@ struct BackwardWorkspace {
   float* dA_log_part = nullptr;  // per value head and token
 };
 
+// Value columns per block of the sequential scans, widest first (BackwardParams::scan_cols).
+inline constexpr int kScanColumnWidths[] = {32, 16, 8};
+
 struct BackwardParams {
   RecurrentParams p;  // sizes, options, q k v g beta, A_log, dt_bias, cu_seqlens, state_in
+  int scan_cols = kScanColumnWidths[0];  // one of kScanColumnWidths (backward_scan_columns)
   DType state_in_dtype = DType::f32;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;

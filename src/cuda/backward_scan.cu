@@ -1,6 +1,8 @@
 // The sequential stages of the CUDA backward (cuda/backward_params.h): one block per
 // (sequence, value head, tile of kCols value columns) walks the sequence's chunks with a
-// K x kCols tile in shared memory. `states` goes forward and keeps the state entering every
+// K x kCols tile in shared memory. kCols is BackwardParams::scan_cols (32, 16 or 8): narrower
+// tiles give a few long sequences more blocks (each block's per-chunk rounds take about as
+// long at any width, so the scans' time falls with the blocks in parallel). `states` goes forward and keeps the state entering every
 // chunk and v_new = u - w S; `dstates` goes backward with the state gradient:
 //   dv_new = A_qk^T dO + kg dS'        dS = (q e^Gamma)^T dO + e^(Gamma_end) dS' - w^T dv_new
 // keeping dS' (the gradient of the state leaving each chunk) and dv_new. With the forward's
@@ -12,13 +14,14 @@
 // columns = keys), so that the products have at most kC rows.
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "cuda/backward_common.cuh"
 
 namespace flashdelta::detail::cuda {
 namespace {
 
-constexpr int kCols = 32;
-
+template <int kCols>
 struct alignas(16) ScanShared {
   float s[kMaxCols][kCols];  // the state or its gradient, columns j0 ..
   float a[kC][kCols];        // v_new (states) or dO (dstates)
@@ -26,27 +29,31 @@ struct alignas(16) ScanShared {
   ProductStage<32> stage;  // a deeper stage: fewer rounds per chunk on the sequential path
 };
 
-__host__ __device__ inline int64_t column_tiles(int64_t V) { return (V + kCols - 1) / kCols; }
+__host__ __device__ inline int64_t column_tiles(int64_t V, int cols) {
+  return (V + cols - 1) / cols;
+}
 
 // The block's value columns j0 .. j0 + cols - 1: tile blockIdx.x % column_tiles(V).
+template <int kCols>
 struct ColumnTile {
   int64_t j0;
   int cols;
 
   __device__ explicit ColumnTile(int64_t V) {
-    j0 = blockIdx.x % column_tiles(V) * kCols;
+    j0 = blockIdx.x % column_tiles(V, kCols) * kCols;
     cols = static_cast<int>(V - j0 < kCols ? V - j0 : kCols);
   }
 };
 
 // The scans' block: sequence n, value head hv, its columns, and the sequence's chunks.
-struct ScanTile : ColumnTile {
+template <int kCols>
+struct ScanTile : ColumnTile<kCols> {
   int64_t n, hv;
   Sequence seq;
   ChunkRange chunks;
 
-  __device__ explicit ScanTile(const BackwardParams& b) : ColumnTile(b.p.V) {
-    const int64_t tiles = column_tiles(b.p.V);
+  __device__ explicit ScanTile(const BackwardParams& b) : ColumnTile<kCols>(b.p.V) {
+    const int64_t tiles = column_tiles(b.p.V, kCols);
     n = blockIdx.x / (b.p.HV * tiles);
     hv = blockIdx.x / tiles % b.p.HV;
     seq = sequence_of(b.p, n);
@@ -66,18 +73,20 @@ struct ScanTile : ColumnTile {
 };
 
 // Copies the block's tile of a K x V state (row-major, K-first) out of shared memory.
-__device__ void store_tile(const ScanShared& sh, const ColumnTile& t, int64_t K, int64_t V,
-                           float* out) {
+template <int kCols>
+__device__ void store_tile(const ScanShared<kCols>& sh, const ColumnTile<kCols>& t, int64_t K,
+                           int64_t V, float* out) {
   for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
     const int c = idx / kCols, j = idx % kCols;
     if (j < t.cols) out[c * V + t.j0 + j] = sh.s[c][j];
   }
 }
 
-// Queues rows [0, len) of columns j0 .. j0 + 31 of a V-wide buffer into dst (cp.async; zeros
+// Queues rows [0, len) of the block's columns of a V-wide buffer into dst (cp.async; zeros
 // past len or V): row i at rows + i * row_stride (token-major or record-major buffers).
-__device__ void stage_columns(const ColumnTile& t, const float* rows, int64_t row_stride, int len,
-                              float (*dst)[kCols]) {
+template <int kCols>
+__device__ void stage_columns(const ColumnTile<kCols>& t, const float* rows, int64_t row_stride,
+                              int len, float (*dst)[kCols]) {
   for (int idx = threadIdx.x; idx < kC * kCols; idx += blockDim.x) {
     const int i = idx / kCols, j = idx % kCols;
     if (i < len && j < t.cols)
@@ -89,8 +98,10 @@ __device__ void stage_columns(const ColumnTile& t, const float* rows, int64_t ro
 
 // Loads the block's tile of entry (n, hv) of a state given by the caller (any layout and
 // float dtype; zeros when absent).
-__device__ void load_tile(const BackwardParams& b, const ColumnTile& t, const StateTensor& s,
-                          DType dtype, int64_t n, int64_t hv, ScanShared& sh) {
+template <int kCols>
+__device__ void load_tile(const BackwardParams& b, const ColumnTile<kCols>& t,
+                          const StateTensor& s, DType dtype, int64_t n, int64_t hv,
+                          ScanShared<kCols>& sh) {
   const int64_t K = b.p.K;
   for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
     const int c = idx / kCols, j = idx % kCols;
@@ -102,9 +113,18 @@ __device__ void load_tile(const BackwardParams& b, const ColumnTile& t, const St
 
 // The tile and the chunk's rows as product operands: the tile [key][column], a [token][column]
 // stage or its transpose, a record's K-wide rows [token][key].
-__device__ Rows tile_rows(const ScanShared& sh) { return {&sh.s[0][0], kCols}; }
-__device__ Rows token_rows(const float (*x)[kCols]) { return {&x[0][0], kCols}; }
-__device__ Cols token_cols(const float (*x)[kCols]) { return {&x[0][0], kCols}; }
+template <int kCols>
+__device__ Rows tile_rows(const ScanShared<kCols>& sh) {
+  return {&sh.s[0][0], kCols};
+}
+template <int kCols>
+__device__ Rows token_rows(const float (*x)[kCols]) {
+  return {&x[0][0], kCols};
+}
+template <int kCols>
+__device__ Cols token_cols(const float (*x)[kCols]) {
+  return {&x[0][0], kCols};
+}
 __device__ Rows key_rows(const BackwardParams& b, const float* buf, int64_t rec) {
   return {buf + rec * kC * b.p.K, b.p.K};
 }
@@ -112,8 +132,9 @@ __device__ Rows key_rows(const BackwardParams& b, const float* buf, int64_t rec)
 // The tile of the state entering record rec (len tokens), in sh.s and read by every thread
 // only after a barrier: to the workspace's states, and v_new = u - w S to vn and to sh.a
 // (for the state update that follows in states_kernel).
-__device__ void chunk_entry(const BackwardParams& b, const ColumnTile& t, int64_t rec, int len,
-                            ScanShared& sh) {
+template <int kCols>
+__device__ void chunk_entry(const BackwardParams& b, const ColumnTile<kCols>& t, int64_t rec,
+                            int len, ScanShared<kCols>& sh) {
   const int K = static_cast<int>(b.p.K);
   const int64_t V = b.p.V;
   store_tile(sh, t, K, V, b.ws.states + rec * K * V);
@@ -138,11 +159,12 @@ __device__ void chunk_entry(const BackwardParams& b, const ColumnTile& t, int64_
   }
 }
 
+template <int kCols>
 __global__ void __launch_bounds__(kBackwardThreads, 2) states_kernel(const BackwardParams b) {
-  const ScanTile t(b);
+  const ScanTile<kCols> t(b);
   const int K = static_cast<int>(b.p.K);
   extern __shared__ __align__(16) unsigned char smem[];
-  ScanShared& sh = *reinterpret_cast<ScanShared*>(smem);
+  auto& sh = *reinterpret_cast<ScanShared<kCols>*>(smem);
   load_tile(b, t, b.p.state_in, b.state_in_dtype, t.n, t.hv, sh);
   for (int64_t ci = 0; ci < t.chunks.count; ++ci) {
     const int len = t.len(ci);
@@ -230,12 +252,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) given_states_kernel(const
                  [&](int i, int j, float acc) { vn[i * V + j] = u[i * V + j] - acc; });
 }
 
+template <int kCols>
 __global__ void __launch_bounds__(kBackwardThreads, 2) dstates_kernel(const BackwardParams b) {
-  const ScanTile t(b);
+  const ScanTile<kCols> t(b);
   const int K = static_cast<int>(b.p.K);
   const int64_t V = b.p.V;
   extern __shared__ __align__(16) unsigned char smem[];
-  ScanShared& sh = *reinterpret_cast<ScanShared*>(smem);
+  auto& sh = *reinterpret_cast<ScanShared<kCols>*>(smem);
   load_tile(b, t, b.d_final, b.d_final_dtype, t.n, t.hv, sh);
   for (int64_t ci = t.chunks.count - 1; ci >= 0; --ci) {
     const int len = t.len(ci);
@@ -275,21 +298,37 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) dstates_kernel(const Back
   }
 }
 
-// One block per (sequence or record, value head, column tile).
-void launch_scan(void (*kernel)(BackwardParams), const BackwardParams& b, int64_t rows,
-                 void* stream) {
-  const unsigned blocks = static_cast<unsigned>(rows * b.p.HV * column_tiles(b.p.V));
+// One block per (sequence, value head, column tile) of a scan kernel<kCols>.
+template <int kCols>
+void launch_scan(void (*kernel)(BackwardParams), const BackwardParams& b, void* stream) {
+  const unsigned blocks = static_cast<unsigned>(b.p.N * b.p.HV * column_tiles(b.p.V, kCols));
   if (blocks == 0) return;
-  set_shared_bytes(kernel, sizeof(ScanShared));
-  kernel<<<blocks, kBackwardThreads, sizeof(ScanShared), static_cast<cudaStream_t>(stream)>>>(b);
+  set_shared_bytes(kernel, sizeof(ScanShared<kCols>));
+  kernel<<<blocks, kBackwardThreads, sizeof(ScanShared<kCols>),
+           static_cast<cudaStream_t>(stream)>>>(b);
+}
+
+// Calls launch with std::integral_constant<int, BackwardParams::scan_cols> (the host checked
+// it is one of kScanColumnWidths).
+template <class Launch>
+void at_scan_width(const BackwardParams& b, const Launch& launch) {
+  switch (b.scan_cols) {
+    case 8: return launch(std::integral_constant<int, 8>{});
+    case 16: return launch(std::integral_constant<int, 16>{});
+    default: return launch(std::integral_constant<int, 32>{});
+  }
 }
 
 }  // namespace
 
-int64_t backward_scan_shared_bytes() { return sizeof(ScanShared); }
+// The widest tile takes the most shared memory.
+int64_t backward_scan_shared_bytes() { return sizeof(ScanShared<kScanColumnWidths[0]>); }
 
 void launch_backward_states(const BackwardParams& b, void* stream) {
-  launch_scan(states_kernel, b, b.p.N, stream);
+  at_scan_width(b, [&](auto cols) {
+    constexpr int w = decltype(cols)::value;
+    launch_scan<w>(states_kernel<w>, b, stream);
+  });
 }
 
 void launch_backward_given_states(const BackwardParams& b, void* stream) {
@@ -302,7 +341,10 @@ void launch_backward_given_states(const BackwardParams& b, void* stream) {
 }
 
 void launch_backward_dstates(const BackwardParams& b, void* stream) {
-  launch_scan(dstates_kernel, b, b.p.N, stream);
+  at_scan_width(b, [&](auto cols) {
+    constexpr int w = decltype(cols)::value;
+    launch_scan<w>(dstates_kernel<w>, b, stream);
+  });
 }
 
 }  // namespace flashdelta::detail::cuda

@@ -24,5 +24,11 @@ int64_t cuda_chunk_workspace_bytes(const Problem& p);
 // (cuda_chunk_backward_workspace_bytes of it).
 void cuda_chunk_backward(const Problem& p, const BackwardArgs& args);
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p);
+// Value columns per block of the backward's sequential scans, for `scans` (sequence, value
+// head) pairs of V columns on a GPU of `sms` SMs. The environment variable
+// FLASHDELTA_BACKWARD_SCAN_COLUMNS picks: unset, 32 (the width measured so far); `auto`, the
+// widest of 32, 16 and 8 whose blocks give every SM one (else 8); 32, 16 or 8, that width.
+// Throws Error(invalid_argument) naming the variable for any other value.
+int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms);
 
 }  // namespace flashdelta::detail

@@ -8,10 +8,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "cuda/cuda.h"
 #include "cuda/device_mirror.h"
 #include "cuda/forward_check.h"
 #include "grad_inputs.h"
@@ -291,6 +294,96 @@ TEST(CudaBackward, BitwiseDeterministic) {
   const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
   for (size_t i = 0; i < kNumSlots; ++i)
     EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kGradInputs[i].name << " differs";
+}
+
+// Sets an environment variable for the scope (unsets it for nullptr), then restores it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    value ? setenv(name, value, 1) : unsetenv(name);
+  }
+  ~ScopedEnv() { old_ ? setenv(name_, old_->c_str(), 1) : unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+constexpr const char* kScanColumns = "FLASHDELTA_BACKWARD_SCAN_COLUMNS";
+
+// Host arithmetic only (runs without a GPU): the scans' tile width by the environment.
+TEST(CudaBackwardScanColumns, FollowTheEnvironmentVariable) {
+  {
+    const ScopedEnv unset(kScanColumns, nullptr);
+    EXPECT_EQ(detail::cuda_backward_scan_columns(1, 128, 132), 32);
+  }
+  {
+    const ScopedEnv empty(kScanColumns, "");
+    EXPECT_EQ(detail::cuda_backward_scan_columns(1, 128, 132), 32);
+  }
+  {
+    // The widest tile whose scans * ceil(V / width) blocks give each of the SMs one.
+    const ScopedEnv automatic(kScanColumns, "auto");
+    EXPECT_EQ(detail::cuda_backward_scan_columns(33, 128, 132), 32);   // 132 blocks
+    EXPECT_EQ(detail::cuda_backward_scan_columns(32, 128, 132), 16);   // 128, then 256
+    EXPECT_EQ(detail::cuda_backward_scan_columns(17, 128, 132), 16);   // 68, then 136
+    EXPECT_EQ(detail::cuda_backward_scan_columns(16, 128, 132), 8);    // 128 at 16
+    EXPECT_EQ(detail::cuda_backward_scan_columns(1, 128, 132), 8);     // none fills: narrowest
+    EXPECT_EQ(detail::cuda_backward_scan_columns(50, 40, 132), 16);    // 2 tiles of 32, 3 of 16
+    EXPECT_EQ(detail::cuda_backward_scan_columns(64, 128, 132), 32);   // issue 6's B=8 passes
+    EXPECT_EQ(detail::cuda_backward_scan_columns(8, 128, 132), 8);     // its B=1 T=32768 passes
+  }
+  for (const char* width : {"32", "16", "8"}) {
+    const ScopedEnv forced(kScanColumns, width);
+    EXPECT_EQ(detail::cuda_backward_scan_columns(1000, 128, 132), std::stoi(width));
+  }
+  for (const char* bad : {"4", "64", "Auto", "16 ", "x"}) {
+    const ScopedEnv wrong(kScanColumns, bad);
+    try {
+      detail::cuda_backward_scan_columns(1, 128, 132);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(kScanColumns), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::string("'") + bad + "'"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// The scans at every tile width: the same gradients, bit for bit, as the widest (each output
+// column is summed in the same order whatever the tile), and the reference's. The cases have
+// V not a multiple of the width (partial tiles), varlen with empty and one-token sequences,
+// V-first states and GVA.
+TEST(CudaBackward, ScanTilesOfEveryWidth) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig cases[] = {
+      {.B = 1, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+       .qk_l2norm = true, .seed = 7800},
+      {.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4, .K = 64, .V = 44,
+       .dtype = DType::f16, .seqlens = {0, 1, 200, 65}, .layout = StateLayout::v_first,
+       .seed = 7801},
+      {.mechanism = Mechanism::gla, .B = 2, .T = 130, .K = 32, .V = 20, .dtype = DType::f32,
+       .seed = 7802}};
+  for (const CaseConfig& c : cases) {
+    const BackwardCase b = make_backward_case(c);
+    Gradients widest;
+    {
+      const ScopedEnv forced(kScanColumns, "32");
+      widest = cuda_gradients(b);
+    }
+    for (const char* width : {"16", "8", "auto"}) {
+      const ScopedEnv forced(kScanColumns, width);
+      const Gradients narrow = cuda_gradients(b);
+      for (size_t i = 0; i < kNumSlots; ++i)
+        EXPECT_EQ(narrow.t[i].bytes, widest.t[i].bytes)
+            << describe(c) << ", width " << width << ": d" << kGradInputs[i].name << " differs";
+      expect_gradients_match(b, describe(c) + ", width " + width);
+    }
+  }
 }
 
 TEST(CudaBackward, RunsTheChunkScheduleOnly) {
