@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <iterator>
 #include <string>
 #include <utility>
@@ -95,10 +96,12 @@ cuda::BackwardParams backward_params(const Problem& p, const BackwardArgs& a) {
 
 // Throws Error(unsupported) when the GPU lacks the per-block shared memory of the per-chunk
 // and scan kernels (about 102 KB: Hopper and A100 have it, GPUs with 99 KB per block do
-// not); called before anything is launched.
-void require_shared_memory() {
-  const int64_t needed = std::max(cuda::backward_chunk_shared_bytes(),
-                                  cuda::backward_scan_shared_bytes());
+// not; 135 KB for the scans in registers at K = 128); called before anything is
+// launched.
+void require_shared_memory(bool scans_mma, int64_t K) {
+  const int64_t needed = std::max({cuda::backward_chunk_shared_bytes(),
+                                   cuda::backward_scan_shared_bytes(),
+                                   scans_mma ? cuda::backward_scans_mma_shared_bytes(K) : 0});
   int device = 0, available = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
@@ -124,11 +127,14 @@ void run_stages(const cuda::BackwardParams& b, bool varlen, void* stream) {
   }
   using Launch = void (*)(const cuda::BackwardParams&, void*);
   // Kept forward states replace the sequential states pass with a parallel one.
-  const Launch states =
-      b.chunk_states.data ? cuda::launch_backward_given_states : cuda::launch_backward_states;
+  const Launch states = b.chunk_states.data ? cuda::launch_backward_given_states
+                        : b.scans_mma        ? cuda::launch_backward_states_mma
+                                             : cuda::launch_backward_states;
+  const Launch dstates =
+      b.scans_mma ? cuda::launch_backward_dstates_mma : cuda::launch_backward_dstates;
   const std::pair<Launch, const char*> stages[] = {
       {cuda::launch_backward_inputs, "inputs"},   {cuda::launch_backward_records, "records"},
-      {states, "states"},                         {cuda::launch_backward_dstates, "dstates"},
+      {states, "states"},                         {dstates, "dstates"},
       {cuda::launch_backward_grads, "grads"},     {cuda::launch_backward_outputs, "outputs"},
       {cuda::launch_backward_params, "params"}};
   for (const auto& [launch, name] : stages) {
@@ -213,6 +219,21 @@ int64_t heads_per_pass(const Problem& p) {
   return (p.H + passes - 1) / passes;
 }
 
+// The value of environment variable `name` ("" when unset or empty), one of `allowed`; any
+// other throws Error(invalid_argument) naming the variable, what it takes and what it got.
+std::string env_setting(const char* name, std::initializer_list<const char*> allowed) {
+  const char* env = std::getenv(name);
+  const std::string value = env ? env : "";
+  std::string expected;
+  for (const char* a : allowed) {
+    if (value.empty() || value == a) return value;
+    expected += (expected.empty() ? "" : ", ") + std::string(a);
+  }
+  throw Error(ErrorCode::invalid_argument, std::string("environment variable ") + name +
+                                               ": expected one of " + expected + ", got '" +
+                                               value + "'");
+}
+
 // Streaming multiprocessors of the current device (require_shared_memory checked there is one).
 int sm_count() {
   int device = 0, sms = 0;
@@ -224,20 +245,19 @@ int sm_count() {
 }  // namespace
 
 int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms) {
-  constexpr const char* kVariable = "FLASHDELTA_BACKWARD_SCAN_COLUMNS";
-  const char* env = std::getenv(kVariable);
-  const std::string setting = env ? env : "";
+  const std::string setting =
+      env_setting("FLASHDELTA_BACKWARD_SCAN_COLUMNS", {"auto", "32", "16", "8"});
   if (setting.empty()) return cuda::kScanColumnWidths[0];
   if (setting == "auto") {
     for (const int cols : cuda::kScanColumnWidths)
       if (scans * ((V + cols - 1) / cols) >= sms) return cols;
     return std::end(cuda::kScanColumnWidths)[-1];
   }
-  for (const int cols : cuda::kScanColumnWidths)
-    if (setting == std::to_string(cols)) return cols;
-  throw Error(ErrorCode::invalid_argument,
-              std::string("environment variable ") + kVariable +
-                  ": expected auto, 32, 16 or 8, got '" + setting + "'");
+  return std::stoi(setting);
+}
+
+bool cuda_backward_scans_mma(int64_t K) {
+  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma"}) == "mma" && K <= 128;
 }
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
@@ -252,7 +272,8 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   if (a.workspace != nullptr || a.workspace_bytes > 0)
     check_caller_workspace(a.workspace, a.workspace_bytes, bytes);
   require_sm80("the CUDA chunk backward");
-  require_shared_memory();
+  const bool scans_mma = cuda_backward_scans_mma(p.K);
+  require_shared_memory(scans_mma, p.K);
   const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
   {
     const cuda::BackwardParams b = backward_params(p, a);
@@ -275,6 +296,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     const auto [ps, as] = head_pass(p, a, h0, std::min(pass_heads, p.H - h0));
     cuda::BackwardParams b = backward_params(ps, as);
     b.scan_cols = scan_cols;
+    b.scans_mma = scans_mma;
     const Carver regions = layout(b, varlen);
     if (regions.total() > 0) {
       regions.carve(memory.data());

@@ -10,11 +10,13 @@
 //   inputs    per token: q, k normalised and scaled, the activated gate, beta (float32)
 //   records   per (chunk, value head), in parallel: Gamma, q/k gate factors, A_qk, A_kk,
 //             T = (I + A_kk)^-1, w = T (beta k e^Gamma), u = T (beta v)
-//   states    per (sequence, value head, tile of scan_cols columns), chunks in order: the state entering
-//             every chunk and v_new = u - w S; with the forward's states kept
-//             (BackwardArgs::chunk_states) per (chunk, value head, column tile) in parallel,
-//             the given state and v_new
+//   states    per (sequence, value head, tile of scan_cols columns), chunks in order: the
+//             state entering every chunk and v_new = u - w S; with the forward's states kept
+//             (BackwardArgs::chunk_states) per (chunk, value head) in parallel, the given
+//             state and v_new
 //   dstates   the same, chunks in reverse: the state gradient leaving every chunk and dv_new
+// With scans_mma (K <= 128) the two scans run per (sequence, value head, 64 columns) with the
+// state in tensor-core accumulators (cuda/backward_scans_mma.cu).
 //   grads     per (chunk, value head), in parallel: everything else (notes (h))
 //   outputs   per token: GVA sums, the transforms' derivatives, the gradients in their dtypes
 //   params    dA_log and ddt_bias, summed over tokens in a fixed order
@@ -63,6 +65,7 @@ inline constexpr int kScanColumnWidths[] = {32, 16, 8};
 struct BackwardParams {
   RecurrentParams p;  // sizes, options, q k v g beta, A_log, dt_bias, cu_seqlens, state_in
   int scan_cols = kScanColumnWidths[0];  // one of kScanColumnWidths (backward_scan_columns)
+  bool scans_mma = false;                // the scans in registers (K <= 128)
   DType state_in_dtype = DType::f32;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;
@@ -87,12 +90,15 @@ struct BackwardParams {
 // device offers it before launching anything).
 int64_t backward_chunk_shared_bytes();
 int64_t backward_scan_shared_bytes();
+int64_t backward_scans_mma_shared_bytes(int64_t K);  // K <= 128
 
 void launch_backward_inputs(const BackwardParams& b, void* stream);
 void launch_backward_records(const BackwardParams& b, void* stream);
 void launch_backward_states(const BackwardParams& b, void* stream);
 void launch_backward_given_states(const BackwardParams& b, void* stream);
 void launch_backward_dstates(const BackwardParams& b, void* stream);
+void launch_backward_states_mma(const BackwardParams& b, void* stream);
+void launch_backward_dstates_mma(const BackwardParams& b, void* stream);
 void launch_backward_grads(const BackwardParams& b, void* stream);
 void launch_backward_outputs(const BackwardParams& b, void* stream);
 void launch_backward_params(const BackwardParams& b, void* stream);

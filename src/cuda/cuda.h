@@ -30,5 +30,10 @@ int64_t cuda_chunk_backward_workspace_bytes(const Problem& p);
 // widest of 32, 16 and 8 whose blocks give every SM one (else 8); 32, 16 or 8, that width.
 // Throws Error(invalid_argument) naming the variable for any other value.
 int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms);
+// Whether the backward's two sequential scans run with the state in tensor-core registers
+// (cuda/backward_scans_mma.cu) rather than as tile scans: FLASHDELTA_BACKWARD_SCANS unset or
+// `tiles`, the tile scans; `mma`, the registers where K <= 128. Any other value throws
+// Error(invalid_argument) naming the variable.
+bool cuda_backward_scans_mma(int64_t K);
 
 }  // namespace flashdelta::detail

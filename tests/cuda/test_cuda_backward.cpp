@@ -242,9 +242,27 @@ TEST(CudaBackward, HeadPassesKeepTheWorkspaceWithinThreeTimesTheInputs) {
   expect_gradients_match(make_backward_case(cases[2]), "passes over varlen scalar-gate heads");
 }
 
+// The case of c with the chunk states of a forward from another initial state kept: a backward
+// that ignored them would give the gradients of the initial state passed, not the
+// reference's with the same states. float32 states (the GPU copies contiguous rows 16 bytes
+// at a time, V-first ones element by element), float64 for the linear case (any float dtype
+// is read).
+BackwardCase with_kept_states(const CaseConfig& c) {
+  BackwardCase b = make_backward_case(c);
+  Case other = b.c;
+  std::vector<double> h0 = other.initial_state.to_double();
+  for (double& x : h0) x = 2.0 * x + 0.5;
+  other.initial_state.set(h0);
+  HostTensor o = other.make_output(DType::f64);
+  b.chunk_states =
+      other.make_chunk_states(c.mechanism == Mechanism::gla ? DType::f64 : DType::f32);
+  ForwardArgs f = other.args(o, nullptr);
+  f.chunk_states = b.chunk_states.view;
+  forward(f, other.options, Schedule::reference);
+  return b;
+}
+
 // The forward's states kept (BackwardArgs::chunk_states) replace the sequential states pass.
-// They are recorded (float32) from another initial state: a backward that ignored them would
-// give the gradients of the initial state passed, not the reference's with the same states.
 TEST(CudaBackward, KeptChunkStatesAreReadInsteadOfRecomputed) {
   FLASHDELTA_REQUIRE_GPU();
   const CaseConfig cases[] = {
@@ -258,22 +276,8 @@ TEST(CudaBackward, KeptChunkStatesAreReadInsteadOfRecomputed) {
        .seed = 7702},
       {.B = 1, .T = 700, .H = 4, .HV = 8, .K = 64, .V = 96, .dtype = DType::bf16,
        .qk_l2norm = true, .gate_in_kernel = true, .lower_bound = -5.0, .seed = 7703}};
-  for (const CaseConfig& c : cases) {
-    BackwardCase b = make_backward_case(c);
-    Case other = b.c;
-    std::vector<double> h0 = other.initial_state.to_double();
-    for (double& x : h0) x = 2.0 * x + 0.5;
-    other.initial_state.set(h0);
-    HostTensor o = other.make_output(DType::f64);
-    // float32 states (the GPU copies contiguous rows 16 bytes at a time, V-first ones element
-    // by element), float64 for the linear case (any float dtype is read).
-    b.chunk_states =
-        other.make_chunk_states(c.mechanism == Mechanism::gla ? DType::f64 : DType::f32);
-    ForwardArgs f = other.args(o, nullptr);
-    f.chunk_states = b.chunk_states.view;
-    forward(f, other.options, Schedule::reference);
-    expect_gradients_match(b, "kept states, " + describe(c));
-  }
+  for (const CaseConfig& c : cases)
+    expect_gradients_match(with_kept_states(c), "kept states, " + describe(c));
 }
 
 TEST(CudaBackward, WithoutFinalStateGradientAndInBfloat16) {
@@ -384,6 +388,77 @@ TEST(CudaBackward, ScanTilesOfEveryWidth) {
       expect_gradients_match(b, describe(c) + ", width " + width);
     }
   }
+}
+
+constexpr const char* kScans = "FLASHDELTA_BACKWARD_SCANS";
+
+// Host only: the scans in registers where asked for and K <= 128.
+TEST(CudaBackwardScansMma, FollowsTheEnvironmentVariable) {
+  for (const char* tiles : {static_cast<const char*>(nullptr), "", "tiles"}) {
+    const ScopedEnv setting(kScans, tiles);
+    EXPECT_FALSE(detail::cuda_backward_scans_mma(128));
+  }
+  {
+    const ScopedEnv mma(kScans, "mma");
+    EXPECT_TRUE(detail::cuda_backward_scans_mma(17));
+    EXPECT_TRUE(detail::cuda_backward_scans_mma(128));
+    EXPECT_FALSE(detail::cuda_backward_scans_mma(129));  // past its shared memory: tiles
+  }
+  const ScopedEnv wrong(kScans, "MMA");
+  try {
+    detail::cuda_backward_scans_mma(128);
+    ADD_FAILURE() << "accepted 'MMA'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(kScans), std::string::npos) << e.what();
+  }
+}
+
+// The scans in registers (cuda/backward_scans_mma.cu) on the grid's cases with K <= 128
+// (larger K runs the tile scans).
+class CudaBackwardMmaGrid : public ::testing::TestWithParam<CaseConfig> {};
+
+TEST_P(CudaBackwardMmaGrid, MatchesReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv mma(kScans, "mma");
+  expect_gradients_match(make_backward_case(GetParam()), describe(GetParam()) + ", scans mma");
+}
+
+std::vector<CaseConfig> mma_grid() {
+  std::vector<CaseConfig> grid;
+  for (const CaseConfig& c : backward_grid())
+    if (c.K <= 128) grid.push_back(c);
+  return grid;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardMmaGrid, ::testing::ValuesIn(mma_grid()),
+                         [](const auto& info) { return describe(info.param); });
+
+// The same beyond the grid: varlen with empty and one-token sequences over more than one
+// 64-column tile, no state gradient flowing in, K not a multiple of 4 (element-wise staging),
+// and bitwise determinism.
+TEST(CudaBackward, ScansMmaVarlenPartialTilesKeptStatesAndDeterminism) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv mma(kScans, "mma");
+  const CaseConfig varlen{.T = 337, .H = 2, .HV = 4, .K = 64, .V = 100, .dtype = DType::bf16,
+                          .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
+                          .layout = StateLayout::v_first, .seed = 7900};
+  expect_gradients_match(make_backward_case(varlen), "scans mma, varlen");
+  const CaseConfig odd{.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130, .K = 18,
+                       .V = 70, .dtype = DType::f16, .qk_l2norm = true, .seed = 7901};
+  expect_gradients_match(make_backward_case(odd, false), "scans mma, K = 18, no d_final");
+  // The kept states replace the states scan; the state-gradient scan still runs in registers.
+  const CaseConfig kept{.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4,
+                        .K = 64, .V = 48, .dtype = DType::f16, .seqlens = {0, 1, 200, 65},
+                        .layout = StateLayout::v_first, .seed = 7903};
+  expect_gradients_match(with_kept_states(kept), "scans mma, kept states");
+  const CaseConfig big{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128,
+                       .dtype = DType::bf16, .qk_l2norm = true, .seed = 7902};
+  const BackwardCase b = make_backward_case(big);
+  expect_gradients_match(b, "scans mma, K = V = 128");
+  const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
+  for (size_t i = 0; i < kNumSlots; ++i)
+    EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kGradInputs[i].name << " differs";
 }
 
 TEST(CudaBackward, RunsTheChunkScheduleOnly) {

@@ -1,0 +1,361 @@
+// The two sequential scans of the CUDA backward (stages `states` and `dstates`,
+// cuda/backward_params.h) in the forward state kernel's form (cuda/chunk_state.cu), for
+// K <= 128: one block per (sequence, value head, 64 value columns), each warp carrying 16
+// columns of the state or its gradient, transposed (16 x KP keys), in float32 tensor-core
+// accumulators through the chunks. `states`, first to last chunk:
+//     v_new^T = u^T - S^T w^T                  S^T = S^T diag(decay) + v_new^T kg
+// `dstates`, last to first:
+//     dv_new^T = dO^T A_qk + dS'^T kg^T        dS^T = dS'^T diag(decay) + dO^T qg - dv_new^T w
+// They write what the tile scans (cuda/backward_scan.cu) write: the state entering every
+// chunk and v_new; dS' (the gradient of the state leaving every chunk), dv_new and the initial
+// state's gradient. A chunk's float32 record rows are staged in shared memory once and read
+// by every warp; the warps never wait for each other within a chunk. Products are m16n8k8
+// tf32 (rounded to nearest) with float32 sums, as everywhere in the backward.
+//
+// A left operand taken from accumulators: m16n8k8 gives a lane the A elements at k-slots c
+// and c + 4 (c = lane % 4), while an n8 accumulator tile holds its columns 2c and 2c + 1. So
+// every product here maps k-slot c to index 2c and slot c + 4 to index 2c + 1 of its 8-wide
+// k-step, in the right operand too: the same terms summed, with no shuffles.
+#include <cuda_runtime.h>
+
+#include "cuda/backward_common.cuh"
+
+namespace flashdelta::detail::cuda {
+namespace {
+
+constexpr int kMmaColumns = 64;  // value columns per block, 16 per warp
+constexpr int kMmaThreads = 32 * kMmaColumns / 16;
+constexpr int kTokenTiles = kC / 8;
+
+// One chunk's operands. Row lengths are 4 mod 32 floats where a lane reads rows 2c and 2c + 1
+// at column g (the 32 lanes in distinct banks), 8 mod 32 where it reads a float2 at (row g,
+// column 2c).
+template <int KP>
+struct alignas(16) StatesShared {
+  float w[kC][KP + 8];           // [token][key]
+  float kg[kC][KP + 4];          // [token][key]
+  float u[kC][kMmaColumns + 4];  // [token][column]
+  float decay[KP];
+};
+
+template <int KP>
+struct alignas(16) DstatesShared {
+  float kg[kC][KP + 8];             // [token][key]
+  float qg[kC][KP + 4];             // [token][key]
+  float w[kC][KP + 4];              // [token][key]
+  float aqk[kC][kC + 4];            // [r][i], zero right of the diagonal
+  float dout[kC][kMmaColumns + 4];  // [token][column]
+  float decay[KP];
+};
+
+// Queues the kC x width block of dst (row length ld): rows < rows and columns < cols from a
+// row-major source (row stride `stride`), zeros elsewhere; 16-byte copies where the source
+// rows allow them.
+__device__ void stage_rows(float* dst, int ld, int width, const float* src, int64_t stride,
+                           int rows, int cols) {
+  const int quads = width / 4;
+  const bool whole = stride % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+  for (int idx = threadIdx.x; idx < kC * quads; idx += blockDim.x) {
+    const int r = idx / quads, q = idx % quads * 4;
+    float* d = dst + r * ld + q;
+    if (r < rows && whole && q + 3 < cols) {
+      copy_async<16>(d, src + r * stride + q, 16);
+      continue;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (r < rows && q + e < cols)
+        copy_async<4>(d + e, src + r * stride + q + e, 4);
+      else
+        d[e] = 0.f;
+    }
+  }
+}
+
+// The A fragment of dO^T (the warp's 16 columns from `col0` x tokens 8 kt ..) in the
+// permuted k order.
+template <int KP>
+__device__ __forceinline__ void dout_fragment(const DstatesShared<KP>& sh, int kt, int col0,
+                                              uint32_t (&a)[4]) {
+  const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4, t = 8 * kt + 2 * c;
+  a[0] = to_tf32(sh.dout[t][col0 + g]);
+  a[1] = to_tf32(sh.dout[t][col0 + g + 8]);
+  a[2] = to_tf32(sh.dout[t + 1][col0 + g]);
+  a[3] = to_tf32(sh.dout[t + 1][col0 + g + 8]);
+}
+
+// The A fragment of an accumulator tile (sign = -1 for its negative), in the permuted order.
+__device__ __forceinline__ void acc_fragment(const Acc& x, float sign, uint32_t (&a)[4]) {
+  a[0] = to_tf32(sign * x.d[0]);
+  a[1] = to_tf32(sign * x.d[2]);
+  a[2] = to_tf32(sign * x.d[1]);
+  a[3] = to_tf32(sign * x.d[3]);
+}
+
+// acc[nt] += a . B(k-step kt, n-tile nt) for a row-major [k][n] operand x (row length ld).
+template <int kTiles>
+__device__ __forceinline__ void times_kn(Acc (&acc)[kTiles], const uint32_t (&a)[4],
+                                         const float* x, int ld, int kt) {
+  const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+  const float* r0 = x + (8 * kt + 2 * c) * ld + g;
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt)
+    mma_tf32(acc[nt], a, to_tf32(r0[8 * nt]), to_tf32(r0[ld + 8 * nt]));
+}
+
+// The scans' block: sequence n, value head hv, 64 columns from j0; this warp's 16 from jw.
+struct MmaScanBlock {
+  int64_t n, hv, j0, jw;
+  int wc;  // the warp's first column in the block's tile
+  Sequence seq;
+  ChunkRange chunks;
+
+  __device__ explicit MmaScanBlock(const BackwardParams& b) {
+    const int64_t tiles = (b.p.V + kMmaColumns - 1) / kMmaColumns;
+    n = blockIdx.x / (b.p.HV * tiles);
+    hv = blockIdx.x / tiles % b.p.HV;
+    j0 = blockIdx.x % tiles * kMmaColumns;
+    wc = 16 * static_cast<int>(threadIdx.x / 32);
+    jw = j0 + wc;
+    seq = sequence_of(b.p, n);
+    chunks = chunks_of(b, n);
+  }
+  // Tokens of chunk ci (0 past the sequence), its record and its first buffer row.
+  __device__ int len(int64_t ci) const {
+    const int64_t left = seq.len - ci * kC;
+    return static_cast<int>(left <= 0 ? 0 : left < kC ? left : kC);
+  }
+  __device__ int64_t record(const BackwardParams& b, int64_t ci) const {
+    return (chunks.first + ci) * b.p.HV + hv;
+  }
+  __device__ int64_t row0(const BackwardParams& b, int64_t ci) const {
+    return seq.batch * b.p.T + seq.t0 + ci * kC;
+  }
+  // Columns of the block's tile inside V.
+  __device__ int cols(const BackwardParams& b) const {
+    return static_cast<int>(b.p.V - j0 < kMmaColumns ? b.p.V - j0 : kMmaColumns);
+  }
+};
+
+// A warp's 16 columns of a K x V state, transposed: acc[nt].d[e] is element (key 8 nt +
+// acc_col(e), column jw + acc_row(e)).
+template <int KP>
+struct MmaState {
+  Acc acc[KP / 8];
+
+  // f(value, key, column) for each of this lane's elements inside K x V.
+  template <class F>
+  __device__ void for_each(const BackwardParams& b, int64_t jw, F&& f) {
+#pragma unroll
+    for (int nt = 0; nt < KP / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = 8 * nt + acc_col(e);
+        const int64_t col = jw + acc_row(e);
+        if (key < b.p.K && col < b.p.V) f(acc[nt].d[e], key, col);
+      }
+  }
+  // Entry (n, hv) of a state the caller gave (any layout and float dtype; zeros if absent).
+  __device__ void load(const BackwardParams& b, const StateTensor& s, DType dtype,
+                       const MmaScanBlock& blk) {
+    if (s.data)
+      for_each(b, blk.jw, [&](float& x, int key, int64_t col) {
+        x = load_float(s.data, dtype, state_offset(s, blk.n, blk.hv, key, col));
+      });
+  }
+  __device__ void store(const BackwardParams& b, const StateTensor& s, DType dtype,
+                        const MmaScanBlock& blk) {
+    if (s.data)
+      for_each(b, blk.jw, [&](float& x, int key, int64_t col) {
+        store_float(s.data, dtype, state_offset(s, blk.n, blk.hv, key, col), x);
+      });
+  }
+  // To a record's K x V float32 K-first slab of the workspace.
+  __device__ void store_record(const BackwardParams& b, int64_t jw, float* out) {
+    const int64_t V = b.p.V;
+    for_each(b, jw, [&](float& x, int key, int64_t col) { out[key * V + col] = x; });
+  }
+  // acc *= decay along the keys.
+  __device__ void decay(const float* d) {
+    const int c = threadIdx.x % 4;
+#pragma unroll
+    for (int nt = 0; nt < KP / 8; ++nt) {
+      const float2 x = *reinterpret_cast<const float2*>(&d[8 * nt + 2 * c]);
+      acc[nt].d[0] *= x.x, acc[nt].d[1] *= x.y, acc[nt].d[2] *= x.x, acc[nt].d[3] *= x.y;
+    }
+  }
+};
+
+// tokens[nt] += state^T . x^T over the keys for a row-major [token][key] operand x (row
+// length ld, 8 mod 32): the products that take the state as their left operand.
+template <int KP>
+__device__ __forceinline__ void state_times_rows(Acc (&tokens)[kTokenTiles],
+                                                 const MmaState<KP>& S, const float* x, int ld) {
+  const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+#pragma unroll
+  for (int kt = 0; kt < KP / 8; ++kt) {
+    uint32_t a[4];
+    acc_fragment(S.acc[kt], 1.f, a);
+#pragma unroll
+    for (int nt = 0; nt < kTokenTiles; ++nt) {
+      const float2 v = *reinterpret_cast<const float2*>(&x[(8 * nt + g) * ld + 8 * kt + 2 * c]);
+      mma_tf32(tokens[nt], a, to_tf32(v.x), to_tf32(v.y));
+    }
+  }
+}
+
+// Calls f(value, token, column) for this lane's elements of a warp's 16 x 64 token tiles
+// that lie inside the chunk (token < len) and V.
+template <class F>
+__device__ void for_each_token(const Acc (&t)[kTokenTiles], const BackwardParams& b, int len,
+                               int64_t jw, F&& f) {
+#pragma unroll
+  for (int nt = 0; nt < kTokenTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 8 * nt + acc_col(e);
+      const int64_t col = jw + acc_row(e);
+      if (i < len && col < b.p.V) f(t[nt].d[e], i, col);
+    }
+}
+
+template <int KP>
+__global__ void __launch_bounds__(kMmaThreads) states_mma_kernel(const BackwardParams b) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto& sh = *reinterpret_cast<StatesShared<KP>*>(smem);
+  const MmaScanBlock blk(b);
+  const int64_t K = b.p.K, V = b.p.V;
+  const int Ki = static_cast<int>(K);
+  MmaState<KP> S;
+  S.load(b, b.p.state_in, b.state_in_dtype, blk);
+  for (int64_t ci = 0; ci < blk.chunks.count; ++ci) {
+    const int len = blk.len(ci);
+    if (len == 0) continue;  // defensive, as in the tile scan
+    const int64_t rec = blk.record(b, ci);
+    if (b.p.delta) stage_rows(&sh.w[0][0], KP + 8, KP, b.ws.w + rec * kC * K, K, len, Ki);
+    stage_rows(&sh.kg[0][0], KP + 4, KP, b.ws.kg + rec * kC * K, K, len, Ki);
+    stage_rows(&sh.u[0][0], kMmaColumns + 4, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V,
+               len, blk.cols(b));
+    for (int e = threadIdx.x; e < KP; e += blockDim.x)
+      sh.decay[e] = e < K ? b.ws.decay[rec * K + e] : 0.f;
+    commit_async();
+    // While the stage lands: the state entering the chunk.
+    S.store_record(b, blk.jw, b.ws.states + rec * K * V);
+    wait_async<0>();
+    __syncthreads();
+
+    // v_new^T = u^T - S^T w^T (the linear rule: v_new = u).
+    Acc vn[kTokenTiles];
+    if (b.p.delta) state_times_rows(vn, S, &sh.w[0][0], KP + 8);
+#pragma unroll
+    for (int nt = 0; nt < kTokenTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        vn[nt].d[e] = sh.u[8 * nt + acc_col(e)][blk.wc + acc_row(e)] - vn[nt].d[e];
+    float* out = b.ws.vn + rec * kC * V;
+    for_each_token(vn, b, len, blk.jw, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
+
+    // S^T = S^T diag(decay) + v_new^T kg.
+    S.decay(sh.decay);
+#pragma unroll
+    for (int kt = 0; kt < kTokenTiles; ++kt) {
+      uint32_t a[4];
+      acc_fragment(vn[kt], 1.f, a);
+      times_kn(S.acc, a, &sh.kg[0][0], KP + 4, kt);
+    }
+    __syncthreads();  // every warp is done with the stage before the next chunk's copies
+  }
+}
+
+template <int KP>
+__global__ void __launch_bounds__(kMmaThreads) dstates_mma_kernel(const BackwardParams b) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto& sh = *reinterpret_cast<DstatesShared<KP>*>(smem);
+  const MmaScanBlock blk(b);
+  const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV;
+  const int Ki = static_cast<int>(K);
+  const int c = threadIdx.x % 4, g = threadIdx.x % 32 / 4;
+  MmaState<KP> S;  // dS^T
+  S.load(b, b.d_final, b.d_final_dtype, blk);
+  for (int64_t ci = blk.chunks.count - 1; ci >= 0; --ci) {
+    const int len = blk.len(ci);
+    if (len == 0) continue;  // defensive, as in the tile scan
+    const int64_t rec = blk.record(b, ci), r0 = blk.row0(b, ci);
+    stage_rows(&sh.kg[0][0], KP + 8, KP, b.ws.kg + rec * kC * K, K, len, Ki);
+    stage_rows(&sh.qg[0][0], KP + 4, KP, b.ws.qg + rec * kC * K, K, len, Ki);
+    if (b.p.delta) stage_rows(&sh.w[0][0], KP + 4, KP, b.ws.w + rec * kC * K, K, len, Ki);
+    stage_rows(&sh.aqk[0][0], kC + 4, kC, b.ws.aqk + rec * kC * kC, kC, len, kC);
+    stage_rows(&sh.dout[0][0], kMmaColumns + 4, kMmaColumns,
+               b.ws.dout + (r0 * HV + blk.hv) * V + blk.j0, HV * V, len, blk.cols(b));
+    for (int e = threadIdx.x; e < KP; e += blockDim.x)
+      sh.decay[e] = e < K ? b.ws.decay[rec * K + e] : 0.f;
+    commit_async();
+    // While the stage lands: dS', the gradient of the state leaving the chunk.
+    S.store_record(b, blk.jw, b.ws.dstates + rec * K * V);
+    wait_async<0>();
+    __syncthreads();
+
+    // dv_new^T = dO^T A_qk + dS'^T kg^T. A_qk[r][i] is zero for i > r: k-step kt (tokens
+    // 8 kt ..) reaches the token tiles nt <= kt only.
+    Acc dv[kTokenTiles];
+#pragma unroll
+    for (int kt = 0; kt < kTokenTiles; ++kt) {
+      uint32_t a[4];
+      dout_fragment(sh, kt, blk.wc, a);
+      const float* r = &sh.aqk[8 * kt + 2 * c][g];
+#pragma unroll
+      for (int nt = 0; nt <= kt; ++nt)
+        mma_tf32(dv[nt], a, to_tf32(r[8 * nt]), to_tf32(r[kC + 4 + 8 * nt]));
+    }
+    state_times_rows(dv, S, &sh.kg[0][0], KP + 8);
+    float* out = b.ws.dvn + rec * kC * V;
+    for_each_token(dv, b, len, blk.jw, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
+
+    // dS^T = dS'^T diag(decay) + dO^T qg - dv_new^T w.
+    S.decay(sh.decay);
+#pragma unroll
+    for (int kt = 0; kt < kTokenTiles; ++kt) {
+      uint32_t a[4];
+      dout_fragment(sh, kt, blk.wc, a);
+      times_kn(S.acc, a, &sh.qg[0][0], KP + 4, kt);
+    }
+    if (b.p.delta) {
+#pragma unroll
+      for (int kt = 0; kt < kTokenTiles; ++kt) {
+        uint32_t a[4];
+        acc_fragment(dv[kt], -1.f, a);
+        times_kn(S.acc, a, &sh.w[0][0], KP + 4, kt);
+      }
+    }
+    __syncthreads();  // every warp is done with the stage before the next chunk's copies
+  }
+  S.store(b, b.d_initial, b.d_initial_dtype, blk);
+}
+
+// One block per (sequence, value head, 64 columns) of kernel<KP>, with shared memory Shared.
+template <class Shared>
+void launch_mma_scan(void (*kernel)(BackwardParams), const BackwardParams& b, void* stream) {
+  const int64_t blocks = b.p.N * b.p.HV * ((b.p.V + kMmaColumns - 1) / kMmaColumns);
+  if (blocks == 0) return;
+  set_shared_bytes(kernel, sizeof(Shared));
+  kernel<<<static_cast<unsigned>(blocks), kMmaThreads, sizeof(Shared),
+           static_cast<cudaStream_t>(stream)>>>(b);
+}
+
+}  // namespace
+
+int64_t backward_scans_mma_shared_bytes(int64_t K) {
+  return K <= 64 ? sizeof(DstatesShared<64>) : sizeof(DstatesShared<128>);  // the larger
+}
+
+void launch_backward_states_mma(const BackwardParams& b, void* stream) {
+  if (b.p.K <= 64) return launch_mma_scan<StatesShared<64>>(states_mma_kernel<64>, b, stream);
+  launch_mma_scan<StatesShared<128>>(states_mma_kernel<128>, b, stream);
+}
+
+void launch_backward_dstates_mma(const BackwardParams& b, void* stream) {
+  if (b.p.K <= 64) return launch_mma_scan<DstatesShared<64>>(dstates_mma_kernel<64>, b, stream);
+  launch_mma_scan<DstatesShared<128>>(dstates_mma_kernel<128>, b, stream);
+}
+
+}  // namespace flashdelta::detail::cuda
