@@ -28,10 +28,13 @@ step produces, its saved activations and workspaces included), in MiB.
 
 Gradients vs fla: max |ours - fla| / max |fla| per gradient, from the last step of each.
 
---scan-columns auto,16,8 also times ours with each of those FLASHDELTA_BACKWARD_SCAN_COLUMNS
-settings (the value columns per block of the backward's sequential scans; unset means 32),
-in the same process, and reports its largest gradient difference from ours (each output
-column is summed in the same order at any width: expected 0).
+--variants also times ours under other settings of its environment variables, in the same
+process, each reported with its largest gradient difference from ours: a comma-separated
+list of variants, each NAME=VALUE pairs joined by '+', e.g.
+    --variants FLASHDELTA_BACKWARD_SCANS=mma,FLASHDELTA_BACKWARD_SCAN_COLUMNS=auto
+(FLASHDELTA_BACKWARD_SCANS=mma: the scans with the state in tensor-core registers;
+FLASHDELTA_BACKWARD_SCAN_COLUMNS: the tile scans' columns per block, 32 when unset, which
+sums every output column in the same order at any width: expected difference 0).
 
 Accuracy (first case, at B=2 T=1024 H=4 with the same options, so that fp64 is affordable):
 dq, dk, dv, dg, dbeta, dh0 of fla and of FlashDelta against torch autograd of an fp64
@@ -51,6 +54,7 @@ so a run cut short keeps the cases it finished).
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -75,9 +79,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--no-accuracy", action="store_true")
-    p.add_argument("--scan-columns", default="",
-                   help="comma-separated FLASHDELTA_BACKWARD_SCAN_COLUMNS settings to time "
-                        "beside ours (auto, 32, 16, 8)")
+    p.add_argument("--variants", default="",
+                   help="comma-separated variants of ours to time beside it, each NAME=VALUE "
+                        "environment settings joined by '+'")
     p.add_argument("--no-timing", action="store_true",
                    help="only the accuracy (fla autotunes each shape: the two rarely fit one call)")
     return p.parse_args(argv)
@@ -132,12 +136,36 @@ class Inputs:
         return dict(initial_state=self.h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
-SCAN_VARIABLE = "FLASHDELTA_BACKWARD_SCAN_COLUMNS"
+def variant_settings(impl):
+    """The environment settings of impl: {} for 'ours', 'kept' and 'fla', else impl is a
+    variant of ours, 'NAME=VALUE+NAME=VALUE...'."""
+    if impl in ("ours", "kept", "fla"):
+        return {}
+    pairs = [p.split("=", 1) for p in impl.split("+")]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        sys.exit(f"bench_backward.py: a variant is NAME=VALUE pairs joined by '+', got {impl!r}")
+    return dict(pairs)
+
+
+@contextlib.contextmanager
+def environment_of(impl):
+    """impl's environment settings applied for the block, the previous values restored."""
+    settings = variant_settings(impl)
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def function_of(impl, mech):
-    """The function impl ('fla', 'ours', 'kept' or 'scan=W': ours with SCAN_VARIABLE=W)
-    calls, or None where it has none."""
+    """The function impl ('fla', 'ours', 'kept' or a variant of ours) calls, or None where it
+    has none."""
     if impl == "kept" and mech != "kda":
         return None
     if impl == "fla":
@@ -205,9 +233,10 @@ def reference_grads(torch, x):
     return torch.autograd.grad(loss, leaves)
 
 
-def accuracy(torch, case):
-    """fla's and our gradients (recomputed and kept chunk states) against the fp64 reference,
-    on the accuracy shape with the first case's mechanism and GVA ratio."""
+def accuracy(torch, case, variants=()):
+    """fla's and our gradients (recomputed and kept chunk states, and the variants of ours)
+    against the fp64 reference, on the accuracy shape with the first case's mechanism and GVA
+    ratio."""
     _, mech, _, _, H, HV, _ = case
     s = ACCURACY_SHAPE
     x = Inputs(torch, mech, s["B"], s["T"], s["H"], s["H"] * HV // H, seed=1)
@@ -216,11 +245,13 @@ def accuracy(torch, case):
     ref = reference_grads(torch, x)
     torch.cuda.synchronize()
     res["reference_s"] = time.perf_counter() - t0
-    for impl in ("ours", "kept", "fla"):
+    res["variants"] = list(variants)
+    for impl in ["ours", "kept", *variants, "fla"]:
         if function_of(impl, mech) is None:
             continue
         try:
-            step_of(impl, torch, x)()
+            with environment_of(impl):
+                step_of(impl, torch, x)()
             res[impl] = {n: max_rel(torch, got, r) for n, got, r in zip(GRADS, x.grads(), ref)}
         except Exception as e:  # noqa: BLE001 (fail soft)
             res[impl + "_error"] = error_text(e)
@@ -237,33 +268,26 @@ def run_case(torch, timer, case, args):
     row = dict(name=name, mechanism=mech, B=B, T=T, H=H, HV=HV, K=x.K, V=x.V,
                target_speedup=target)
     grads = {}
-    scans = [f"scan={w}" for w in filter(None, args.scan_columns.split(","))]
+    variants = list(filter(None, args.variants.split(",")))
     # Ours first: should fla's kernels leave the CUDA context broken, ours is measured.
-    for impl in ["ours", "kept", *scans, "fla"]:
+    for impl in ["ours", "kept", *variants, "fla"]:
         if function_of(impl, mech) is None:
             continue
-        saved = os.environ.get(SCAN_VARIABLE)
-        if impl.startswith("scan="):
-            os.environ[SCAN_VARIABLE] = impl[len("scan="):]
         try:
-            step = step_of(impl, torch, x)
-            t0 = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            row[impl + "_first_call_s"] = time.perf_counter() - t0  # compile / autotune
-            t = timer.per_call(lambda i: step(), 1, args.reps, args.warmup)
-            row[impl + "_ms"] = t["median"] * 1e3
-            row[impl + "_p10_ms"], row[impl + "_p90_ms"] = t["p10"] * 1e3, t["p90"] * 1e3
-            row[impl + "_peak_mib"] = peak_extra_bytes(torch, x, step) / MIB
-            grads[impl] = x.grads()
+            with environment_of(impl):
+                step = step_of(impl, torch, x)
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                row[impl + "_first_call_s"] = time.perf_counter() - t0  # compile / autotune
+                t = timer.per_call(lambda i: step(), 1, args.reps, args.warmup)
+                row[impl + "_ms"] = t["median"] * 1e3
+                row[impl + "_p10_ms"], row[impl + "_p90_ms"] = t["p10"] * 1e3, t["p90"] * 1e3
+                row[impl + "_peak_mib"] = peak_extra_bytes(torch, x, step) / MIB
+                grads[impl] = x.grads()
         except Exception as e:  # noqa: BLE001 (fail soft)
             row[impl + "_error"] = error_text(e)
             traceback.print_exc()
-        finally:
-            if saved is None:
-                os.environ.pop(SCAN_VARIABLE, None)
-            else:
-                os.environ[SCAN_VARIABLE] = saved
         x.clear_grads()
     if "fla" in grads and "ours" in grads:
         row["grad_diff_vs_fla"] = {n: max_rel(torch, o, f)
@@ -274,7 +298,8 @@ def run_case(torch, timer, case, args):
             row["meets_target"] = row["speedup"] >= target
     if "fla_ms" in row and "kept_ms" in row:
         row["kept_speedup"] = row["fla_ms"] / row["kept_ms"]
-    for impl in ["kept", *scans]:
+    row["variants"] = variants
+    for impl in ["kept", *variants]:
         if "ours" in grads and impl in grads:
             row[impl + "_grad_diff_vs_ours"] = {
                 n: max_rel(torch, k, o) for n, k, o in zip(GRADS, grads[impl], grads["ours"])}
@@ -311,17 +336,17 @@ def table(rows, acc, gpu, args):
                      f"{fmt(diff, '9.1e')}{fmt(r.get('kept_ms'), '9.3f')}"
                      f"{fmt(r.get('kept_speedup'), '9.2f')}{fmt(r.get('kept_peak_mib'), '10.0f')}"
                      f"{fmt(kept_diff, '9.1e')}")
-        for impl in sorted(k[:-3] for k in r if k.startswith("scan=") and k.endswith("_ms")):
+        for impl in r.get("variants", []):
+            if impl + "_ms" not in r:
+                continue
             d = r.get(impl + "_grad_diff_vs_ours")
-            lines.append(f"    ours with {SCAN_VARIABLE}={impl[len('scan='):]}: "
-                         f"{r[impl + '_ms']:.3f} ms, speedup {fmt(r.get(impl + '_speedup'), '.2f')}"
-                         f", peak {fmt(r.get(impl + '_peak_mib'), '.0f')} MiB, gradients vs ours "
+            lines.append(f"    ours with {impl}: {r[impl + '_ms']:.3f} ms, speedup "
+                         f"{fmt(r.get(impl + '_speedup'), '.2f')}, peak "
+                         f"{fmt(r.get(impl + '_peak_mib'), '.0f')} MiB, gradients vs ours "
                          f"{fmt(max(d.values()) if d else None, '.1e')}")
-        for impl in ("fla", "ours", "kept"):
+        for impl in ["fla", "ours", "kept", *r.get("variants", [])]:
             if impl + "_error" in r:
                 lines.append(f"    {impl}: {one_line(r[impl + '_error'])}")
-        for impl in sorted(k[:-6] for k in r if k.startswith("scan=") and k.endswith("_error")):
-            lines.append(f"    {impl}: {one_line(r[impl + '_error'])}")
     lines.append("  (vs fla: the largest max |ours - fla| / max |fla| over the six gradients; kept:"
                  " ours with disable_recompute=True, the forward's chunk states kept; vs ours: its"
                  " largest difference from ours)")
@@ -334,7 +359,11 @@ def table(rows, acc, gpu, args):
             lines.append(f"{n:<8}{fmt(acc.get('fla', {}).get(n), '10.1e')}"
                          f"{fmt(acc.get('ours', {}).get(n), '10.1e')}"
                          f"{fmt(acc.get('kept', {}).get(n), '10.1e')}")
-        for impl in ("fla", "ours", "kept"):
+        for impl in acc.get("variants", []):
+            if impl in acc:
+                lines.append(f"  ours with {impl}: " + ", ".join(
+                    f"{n} {acc[impl][n]:.1e}" for n in GRADS))
+        for impl in ["fla", "ours", "kept", *acc.get("variants", [])]:
             if impl + "_error" in acc:
                 lines.append(f"    {impl}: {one_line(acc[impl + '_error'])}")
     return "\n".join(lines)
@@ -371,7 +400,7 @@ def main(argv=None):
     rows, acc = [], None
     if cases and not args.no_accuracy:
         t0 = time.perf_counter()
-        acc = accuracy(torch, cases[0])
+        acc = accuracy(torch, cases[0], list(filter(None, args.variants.split(","))))
         print(f"accuracy ({time.perf_counter() - t0:.1f} s): {json.dumps(acc)}", flush=True)
         save(args, rows, acc, gpu, torch)
     for case in [] if args.no_timing else cases:
