@@ -30,8 +30,10 @@
 #                                  run may need BUDGET_S=570 or --cases split over calls)
 #                  train-example   examples/train_kda.py --steps 100 (-> train_kda.txt)
 #                e.g. STAGES="deps configure build bench-backward" BUILD_TARGETS=_C
-#   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test binary
-#                (build-device/**/test_cuda_recurrent); 0: skip
+#   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test
+#                binaries (SANITIZE_BINARIES); 0: skip
+#   SANITIZE_BINARIES  which (default "test_cuda_recurrent test_cuda_chunk"; the backward's,
+#                test_cuda_backward, takes long under the sanitizers: give it a filter)
 #   SANITIZE_FILTER   --gtest_filter for the sanitizer runs (default: every test)
 #   BENCH_ARGS   extra arguments for bench_decode.py (e.g. "--cases kda_n1,kda_n256")
 #   BENCH_CHUNK_ARGS  extra arguments for bench_chunk.py (e.g. "--no-sweep")
@@ -61,6 +63,7 @@ export SANLOG=$OUT/sanitizer.log
 : >"$LOG"
 BUDGET_S=${BUDGET_S:-450}
 STAGES=${STAGES:-"info deps configure build ctest sanitize pytest bench bench-chunk kernel-bench overhead pytest-all"}
+export SANITIZE_BINARIES=${SANITIZE_BINARIES:-"test_cuda_recurrent test_cuda_chunk"}
 export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-}
 export BENCH_BACKWARD_ARGS=${BENCH_BACKWARD_ARGS:-}
 export JOBS=${JOBS:-$(nproc)}
@@ -180,7 +183,9 @@ stage_sanitize() {
   if [ "$SANITIZE" = 0 ]; then echo "SANITIZE=0: skipped"; return 77; fi
   local san bin bins filter=() rc=0 tool r each
   san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  bins=$(find "$BUILD" \( -name test_cuda_recurrent -o -name test_cuda_chunk \) -type f -perm -u+x)
+  local names=()
+  for bin in $SANITIZE_BINARIES; do names+=(${names[@]:+-o} -name "$bin"); done
+  bins=$(find "$BUILD" \( "${names[@]}" \) -type f -perm -u+x)
   if [ -z "$bins" ]; then echo "!! no GPU test binaries under $BUILD"; return 1; fi
   [ -n "$SANITIZE_FILTER" ] && filter=("--gtest_filter=$SANITIZE_FILTER")
   : >"$SANLOG"
