@@ -94,19 +94,22 @@ cuda::BackwardParams backward_params(const Problem& p, const BackwardArgs& a) {
   return b;
 }
 
-// Throws Error(unsupported) when the GPU lacks the per-block shared memory of the per-chunk
-// and scan kernels (about 102 KB: Hopper and A100 have it, GPUs with 99 KB per block do
-// not; 135 KB for the scans in registers at K = 128); called before anything is
-// launched.
-void require_shared_memory(bool scans_mma, int64_t K) {
-  const int64_t needed = std::max({cuda::backward_chunk_shared_bytes(),
-                                   cuda::backward_scan_shared_bytes(),
-                                   scans_mma ? cuda::backward_scans_mma_shared_bytes(K) : 0});
+// Shared memory per block the current device offers (opt-in); Error(runtime) without one.
+int64_t shared_memory_per_block() {
   int device = 0, available = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
           cudaSuccess)
     throw Error(ErrorCode::runtime, "the CUDA chunk backward: no usable CUDA device");
+  return available;
+}
+
+// Throws Error(unsupported) when the GPU lacks the per-block shared memory of the per-chunk
+// and tile-scan kernels (about 102 KB: Hopper and A100 have it, GPUs with 99 KB per block
+// do not); called before anything is launched.
+void require_shared_memory(int64_t available) {
+  const int64_t needed =
+      std::max(cuda::backward_chunk_shared_bytes(), cuda::backward_scan_shared_bytes());
   if (available < needed)
     throw Error(ErrorCode::unsupported,
                 "argument 'q': the CUDA chunk backward needs " + std::to_string(needed) +
@@ -272,8 +275,12 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   if (a.workspace != nullptr || a.workspace_bytes > 0)
     check_caller_workspace(a.workspace, a.workspace_bytes, bytes);
   require_sm80("the CUDA chunk backward");
-  const bool scans_mma = cuda_backward_scans_mma(p.K);
-  require_shared_memory(scans_mma, p.K);
+  const int64_t shared = shared_memory_per_block();
+  require_shared_memory(shared);
+  // The scans in registers where asked for and the GPU offers their shared memory (135 KB at
+  // K = 128), else the tile scans.
+  const bool scans_mma =
+      cuda_backward_scans_mma(p.K) && shared >= cuda::backward_scans_mma_shared_bytes(p.K);
   const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
   {
     const cuda::BackwardParams b = backward_params(p, a);

@@ -28,6 +28,31 @@ __device__ bool chunk_at(const BackwardParams& b, int64_t chunk, ChunkRef& ref, 
   return ref.len > 0;
 }
 
+// What a scan block walks: sequence n and value head hv of a grid of sequences x value heads
+// x `tiles` column tiles, and the sequence's chunks, one after another.
+struct ScanChunks {
+  int64_t n, hv;
+  Sequence seq;
+  ChunkRange chunks;
+
+  __device__ ScanChunks(const BackwardParams& b, int64_t tiles)
+      : n(blockIdx.x / (b.p.HV * tiles)), hv(blockIdx.x / tiles % b.p.HV) {
+    seq = sequence_of(b.p, n);
+    chunks = chunks_of(b, n);
+  }
+  // Tokens of chunk ci (0 past the sequence), its record and the buffer row of its first token.
+  __device__ int len(int64_t ci) const {
+    const int64_t left = seq.len - ci * kC;
+    return static_cast<int>(left <= 0 ? 0 : left < kC ? left : kC);
+  }
+  __device__ int64_t record(const BackwardParams& b, int64_t ci) const {
+    return (chunks.first + ci) * b.p.HV + hv;
+  }
+  __device__ int64_t row0(const BackwardParams& b, int64_t ci) const {
+    return seq.batch * b.p.T + seq.t0 + ci * kC;
+  }
+};
+
 // Operands of staged_product: element (i, j) of a float32 matrix in global or shared memory.
 // Rows: row-major with row stride ld (contiguous in j); Cols: its transpose (contiguous in i).
 struct Rows {

@@ -45,31 +45,11 @@ struct ColumnTile {
   }
 };
 
-// The scans' block: sequence n, value head hv, its columns, and the sequence's chunks.
+// The scans' block: its columns, sequence and value head, and the sequence's chunks.
 template <int kCols>
-struct ScanTile : ColumnTile<kCols> {
-  int64_t n, hv;
-  Sequence seq;
-  ChunkRange chunks;
-
-  __device__ explicit ScanTile(const BackwardParams& b) : ColumnTile<kCols>(b.p.V) {
-    const int64_t tiles = column_tiles(b.p.V, kCols);
-    n = blockIdx.x / (b.p.HV * tiles);
-    hv = blockIdx.x / tiles % b.p.HV;
-    seq = sequence_of(b.p, n);
-    chunks = chunks_of(b, n);
-  }
-  __device__ int64_t record(const BackwardParams& b, int64_t ci) const {
-    return (chunks.first + ci) * b.p.HV + hv;
-  }
-  __device__ int64_t row0(const BackwardParams& b, int64_t ci) const {
-    return seq.batch * b.p.T + seq.t0 + ci * kC;
-  }
-  // Tokens of chunk ci (0 past the sequence).
-  __device__ int len(int64_t ci) const {
-    const int64_t left = seq.len - ci * kC;
-    return static_cast<int>(left <= 0 ? 0 : left < kC ? left : kC);
-  }
+struct ScanTile : ColumnTile<kCols>, ScanChunks {
+  __device__ explicit ScanTile(const BackwardParams& b)
+      : ColumnTile<kCols>(b.p.V), ScanChunks(b, column_tiles(b.p.V, kCols)) {}
 };
 
 // Copies the block's tile of a K x V state (row-major, K-first) out of shared memory.

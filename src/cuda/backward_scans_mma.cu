@@ -9,8 +9,8 @@
 // They write what the tile scans (cuda/backward_scan.cu) write: the state entering every
 // chunk and v_new; dS' (the gradient of the state leaving every chunk), dv_new and the initial
 // state's gradient. A chunk's float32 record rows are staged in shared memory once and read
-// by every warp; the warps never wait for each other within a chunk. Products are m16n8k8
-// tf32 (rounded to nearest) with float32 sums, as everywhere in the backward.
+// by every warp; a warp's products read only the stage and its own registers. Products are
+// m16n8k8 tf32 (rounded to nearest) with float32 sums, as everywhere in the backward.
 //
 // A left operand taken from accumulators: m16n8k8 gives a lane the A elements at k-slots c
 // and c + 4 (c = lane % 4), while an n8 accumulator tile holds its columns 2c and 2c + 1. So
@@ -26,6 +26,10 @@ namespace {
 constexpr int kMmaColumns = 64;  // value columns per block, 16 per warp
 constexpr int kMmaThreads = 32 * kMmaColumns / 16;
 constexpr int kTokenTiles = kC / 8;
+
+__host__ __device__ inline int64_t mma_column_tiles(int64_t V) {
+  return (V + kMmaColumns - 1) / kMmaColumns;
+}
 
 // One chunk's operands. Row lengths are 4 mod 32 floats where a lane reads rows 2c and 2c + 1
 // at column g (the 32 lanes in distinct banks), 8 mod 32 where it reads a float2 at (row g,
@@ -104,32 +108,15 @@ __device__ __forceinline__ void times_kn(Acc (&acc)[kTiles], const uint32_t (&a)
 }
 
 // The scans' block: sequence n, value head hv, 64 columns from j0; this warp's 16 from jw.
-struct MmaScanBlock {
-  int64_t n, hv, j0, jw;
+struct MmaScanBlock : ScanChunks {
+  int64_t j0, jw;
   int wc;  // the warp's first column in the block's tile
-  Sequence seq;
-  ChunkRange chunks;
 
-  __device__ explicit MmaScanBlock(const BackwardParams& b) {
-    const int64_t tiles = (b.p.V + kMmaColumns - 1) / kMmaColumns;
-    n = blockIdx.x / (b.p.HV * tiles);
-    hv = blockIdx.x / tiles % b.p.HV;
-    j0 = blockIdx.x % tiles * kMmaColumns;
+  __device__ explicit MmaScanBlock(const BackwardParams& b)
+      : ScanChunks(b, mma_column_tiles(b.p.V)) {
+    j0 = blockIdx.x % mma_column_tiles(b.p.V) * kMmaColumns;
     wc = 16 * static_cast<int>(threadIdx.x / 32);
     jw = j0 + wc;
-    seq = sequence_of(b.p, n);
-    chunks = chunks_of(b, n);
-  }
-  // Tokens of chunk ci (0 past the sequence), its record and its first buffer row.
-  __device__ int len(int64_t ci) const {
-    const int64_t left = seq.len - ci * kC;
-    return static_cast<int>(left <= 0 ? 0 : left < kC ? left : kC);
-  }
-  __device__ int64_t record(const BackwardParams& b, int64_t ci) const {
-    return (chunks.first + ci) * b.p.HV + hv;
-  }
-  __device__ int64_t row0(const BackwardParams& b, int64_t ci) const {
-    return seq.batch * b.p.T + seq.t0 + ci * kC;
   }
   // Columns of the block's tile inside V.
   __device__ int cols(const BackwardParams& b) const {
@@ -335,7 +322,7 @@ __global__ void __launch_bounds__(kMmaThreads) dstates_mma_kernel(const Backward
 // One block per (sequence, value head, 64 columns) of kernel<KP>, with shared memory Shared.
 template <class Shared>
 void launch_mma_scan(void (*kernel)(BackwardParams), const BackwardParams& b, void* stream) {
-  const int64_t blocks = b.p.N * b.p.HV * ((b.p.V + kMmaColumns - 1) / kMmaColumns);
+  const int64_t blocks = b.p.N * b.p.HV * mma_column_tiles(b.p.V);
   if (blocks == 0) return;
   set_shared_bytes(kernel, sizeof(Shared));
   kernel<<<static_cast<unsigned>(blocks), kMmaThreads, sizeof(Shared),
