@@ -51,13 +51,19 @@
 #                minutes of autotuning per new shape; Triton keeps the winners there
 #                (*.autotune.json, keyed by Triton, GPU, kernel source and shape). The run
 #                leaves them in $OUT/triton-autotune.tgz: unpack it into .triton-cache and
-#                carry that folder in the next call, which then skips the tuning.
+#                carry that folder in the next call, which then skips the tuning; or commit
+#                it as bench/device/triton-autotune.tgz, which every run unpacks first (the
+#                results then outlive the session: only the repository does).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export ROOT=$PWD
 export OUT=${OUT:-$ROOT/device-out}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/.triton-cache}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$TRITON_CACHE_DIR"
+# Autotuning results committed by an earlier session (never overwriting newer ones carried).
+if [ -f bench/device/triton-autotune.tgz ]; then
+  tar xzf bench/device/triton-autotune.tgz -C "$TRITON_CACHE_DIR" --skip-old-files
+fi
 export LOG=$OUT/device-run.log
 export SANLOG=$OUT/sanitizer.log
 : >"$LOG"
