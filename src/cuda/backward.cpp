@@ -237,7 +237,7 @@ std::string env_setting(const char* name, std::initializer_list<const char*> all
                                                value + "'");
 }
 
-// Streaming multiprocessors of the current device (require_shared_memory checked there is one).
+// Streaming multiprocessors of the current device (shared_memory_per_block checked there is one).
 int sm_count() {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
