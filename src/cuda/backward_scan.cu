@@ -2,12 +2,14 @@
 // (sequence, value head, tile of kCols value columns) walks the sequence's chunks with a
 // K x kCols tile in shared memory. kCols is BackwardParams::scan_cols (32, 16 or 8): narrower
 // tiles give a few long sequences more blocks (each block's per-chunk rounds take about as
-// long at any width, so the scans' time falls with the blocks in parallel). `states` goes forward and keeps the state entering every
-// chunk and v_new = u - w S; `dstates` goes backward with the state gradient:
+// long at any width, so the scans' time falls with the blocks in parallel). `states` goes
+// forward and keeps the state entering every chunk and v_new = u - w S; `dstates` goes
+// backward with the state gradient:
 //   dv_new = A_qk^T dO + kg dS'        dS = (q e^Gamma)^T dO + e^(Gamma_end) dS' - w^T dv_new
 // keeping dS' (the gradient of the state leaving each chunk) and dv_new. With the forward's
 // states kept (BackwardArgs::chunk_states), `given_states` replaces `states`: one block per
 // (chunk, value head) copies the given state and forms v_new, all chunks in parallel.
+// (cuda/backward_scans_mma.cu has both scans with the state in registers, K <= 128.)
 // Every product is a staged_product on the tensor cores (tf32 operands, float32 sums): the
 // chunk's K-wide record rows stream through its double-buffered stage; the tile updates in
 // its epilogue. Updates of the tile are written transposed (rows = the tile's columns,
