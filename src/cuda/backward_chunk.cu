@@ -19,7 +19,7 @@ constexpr int kLd = kC + 1;  // C x C tiles in shared memory, padded against ban
 constexpr int kWarps = kBackwardThreads / 32;
 // Key channels staged per pass of the pairwise sums: records keeps its cumulative sums
 // long; grads needs room for its tables.
-constexpr int kRecordSlice = 32, kGradSlice = 16;
+constexpr int kRecordSlice = 32, kGradSlice = kPairChannels;
 
 // The chunk's rows of the buffers, for one value head: token-major buffers (inputs and
 // gradients, row r0 + i) and record-major ones (the chunk's own intermediates, row i of
@@ -269,6 +269,14 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
 // Grads' tables: the slice's channel is the products' column index (row length 8 mod 32).
 using GradTables = BlockTables<kGradSlice, kGradSlice + 8>;
 
+// The pairwise sums of a key slice: sums of d A_qk k e^.. (p1) and d A_kk k e^.. (p2) over
+// j <= i, and of both column terms over r >= i (q12), per row and channel.
+struct PairScratch {
+  KeySlice<kGradSlice> slice;
+  GradTables tables;
+  float p1[kC][kGradSlice + 1], p2[kC][kGradSlice + 1], q12[kC][kGradSlice + 1];
+};
+
 struct GradsShared {
   float daqk[kC][kLd];  // d A_qk (lower, diagonal included)
   float dakk[kC][kLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
@@ -279,15 +287,127 @@ struct GradsShared {
       float x[kC][kLd];   // d T T^T
       ProductStage<16> stage;
     } products;
-    // The pairwise sums of a key slice: sums of d A_qk k e^.. (p1) and d A_kk k e^.. (p2)
-    // over j <= i, and of both column terms over r >= i (q12), per row and channel.
-    struct {
-      KeySlice<kGradSlice> slice;
-      GradTables tables;
-      float p1[kC][kGradSlice + 1], p2[kC][kGradSlice + 1], q12[kC][kGradSlice + 1];
-    } pairs;
+    PairScratch pairs;
   };
 };
+
+// Adds the pairwise terms of d A_qk and d A_kk (row-major [i][j] in shared memory, zero
+// outside j <= i < len) over key channels c0 .. c0 + kGradSlice - 1 to the chunk's rows of dq,
+// dk and dg (cuda/backward_blocks.cuh): row sums (their i side) and column sums (j side).
+// Pairs inside a 16-row block one by one; the blocks below the diagonal on the tensor cores,
+// each product's rows scaled back by their own e^(Gamma - rho) factor in its epilogue. Starts
+// with a barrier (the scratch's last use and the dA writes are behind it).
+__device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[kLd],
+                               const float (*dakk)[kLd], PairScratch& pr) {
+  const BackwardWorkspace& ws = x.b.ws;
+  const int K = static_cast<int>(x.b.p.K), len = x.len, warp = threadIdx.x / 32;
+  const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
+  constexpr int kRowGroups = kBackwardThreads / kGradSlice;
+  constexpr int kColTiles = kGradSlice / 8;
+  constexpr int kRowJobs = 2 * (kBlocks - 1) * kColTiles, kColJobs = (kBlocks - 1) * kColTiles;
+  __syncthreads();
+  stage_slice(x, c0, pr.slice);
+  __syncthreads();
+  const KeySlice<kGradSlice>& s = pr.slice;
+  fill_block_tables(s, len, pr.tables);
+  for (int i = rg; i < kC; i += kRowGroups) {
+    const int first = i / kBlock * kBlock, last = min(first + kBlock, len);
+    const float gi = s.g[i][cc];
+    float p1 = 0.f, p2 = 0.f, q12 = 0.f;
+    for (int j = first; j <= i && i < len; ++j) {
+      const float f = __expf(gi - s.g[j][cc]) * s.k[j][cc];
+      p1 = fmaf(daqk[i][j], f, p1);
+      p2 = fmaf(dakk[i][j], f, p2);
+    }
+    for (int r = i; r < last; ++r) {
+      const float t = daqk[r][i] * s.q[r][cc] + dakk[r][i] * s.k[r][cc];
+      q12 = fmaf(t, __expf(s.g[r][cc] - gi), q12);
+    }
+    pr.p1[i][cc] = p1;
+    pr.p2[i][cc] = p2;
+    pr.q12[i][cc] = q12;
+  }
+  __syncthreads();
+  const GradTables& t = pr.tables;
+  for (int job = warp; job < kRowJobs + kColJobs; job += kWarps) {
+    const int n0 = job % kColTiles * 8;
+    if (job < kRowJobs) {
+      // Rows of block I: sum over j < 16 I of dA[i][j] k~_I[j] (which: A_qk or A_kk).
+      const int which = job / kColTiles / (kBlocks - 1), I = 1 + job / kColTiles % (kBlocks - 1);
+      if (kBlock * I >= len) continue;
+      const float(*dA)[kLd] = which ? dakk : daqk;
+      Acc acc;
+      tile_product(
+          acc, 2 * I, [&](int m, int k) { return dA[kBlock * I + m][k]; },
+          [&](int k, int n) { return t.cols[column_base(I) + k][n0 + n]; });
+      float(*out)[kGradSlice + 1] = which ? pr.p2 : pr.p1;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = kBlock * I + acc_row(r), n = n0 + acc_col(r);
+        if (i < len) out[i][n] += acc.d[r] * __expf(s.g[i][n] - s.g[kBlock * I][n]);
+      }
+    } else {
+      // Rows j of block J: sum over blocks I > J of e^(rho_I - Gamma_j) times the sum over
+      // r in I of dA_qk[r][j] q^_I[r] + dA_kk[r][j] k^_I[r].
+      const int J = (job - kRowJobs) / kColTiles;
+      float total[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int I = J + 1; I < kBlocks && kBlock * I < len; ++I) {
+        Acc acc;
+        const int r0 = kBlock * I, j0 = kBlock * J, t0 = r0 - kBlock;
+        tile_product(
+            acc, 2, [&](int m, int k) { return daqk[r0 + k][j0 + m]; },
+            [&](int k, int n) { return t.rows[0][t0 + k][n0 + n]; });
+        tile_product(
+            acc, 2, [&](int m, int k) { return dakk[r0 + k][j0 + m]; },
+            [&](int k, int n) { return t.rows[1][t0 + k][n0 + n]; });
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int j = j0 + acc_row(r), n = n0 + acc_col(r);
+          total[r] += acc.d[r] * __expf(s.g[r0][n] - s.g[j][n]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pr.q12[kBlock * J + acc_row(r)][n0 + acc_col(r)] += total[r];
+    }
+  }
+  __syncthreads();
+  const int c = c0 + cc;
+  if (c >= K) return;
+  for (int i = rg; i < len; i += kRowGroups) {
+    const float p1 = pr.p1[i][cc], p2 = pr.p2[i][cc], q12 = pr.q12[i][cc];
+    const float qi = s.q[i][cc], ki = s.k[i][cc];
+    x.k_row(ws.dq, i)[c] += p1;
+    x.k_row(ws.dk, i)[c] += p2 + q12;
+    x.k_row(ws.dg, i)[c] += qi * p1 + ki * p2 - ki * q12;
+  }
+}
+
+// Gamma = cumsum(g) inside the chunk: g's gradient is the reverse cumulative sum, from the
+// chunk-end term end_term(c) down the rows, for channels [c_begin, c_end). Rows are loaded
+// kRun at a time, so the loads do not wait on each other.
+template <class EndTerm>
+__device__ void reverse_cumsum_dg(const ChunkRows& x, int c_begin, int c_end,
+                                  const EndTerm& end_term) {
+  constexpr int kRun = 16;
+  const BackwardWorkspace& ws = x.b.ws;
+  const int len = x.len;
+  for (int c = c_begin + static_cast<int>(threadIdx.x); c < c_end; c += blockDim.x) {
+    float run = end_term(c);
+    for (int top = kC; top > 0; top -= kRun) {
+      float col[kRun];
+#pragma unroll
+      for (int i = 0; i < kRun; ++i) {
+        const int row = top - kRun + i;
+        col[i] = row < len ? x.k_row(ws.dg, row)[c] : 0.f;
+      }
+#pragma unroll
+      for (int i = kRun - 1; i >= 0; --i) {
+        run += col[i];
+        if (top - kRun + i < len) x.k_row(ws.dg, top - kRun + i)[c] = run;
+      }
+    }
+  }
+}
 
 __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const BackwardParams b) {
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
@@ -336,7 +456,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
     for (int i = lane; i < len; i += 32) t += x.k_rec(ws.dw, i)[c];
     s = lane_sum<1, 16>(s);
     t = lane_sum<1, 16>(t);
-    if (lane == 0) sh.dgamma[c] = decay[c] * s + t;
+    if (lane == 0) {
+      sh.dgamma[c] = decay[c] * s + t;
+      if (b.pairs_split) ws.dgamma[rec * K + c] = sh.dgamma[c];
+    }
   }
 
   if (b.p.delta) {
@@ -385,112 +508,53 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
       x.v_row(ws.dv, idx / V)[idx % V] = x.v_rec(ws.dvn, idx / V)[idx % V];
   }
 
-  // The pairwise terms of A_qk and A_kk, per key slice (cuda/backward_blocks.cuh): row sums
-  // (their i side) and column sums (j side). Pairs inside a 16-row block one by one; the
-  // blocks below the diagonal on the tensor cores, each product's rows scaled back by their
-  // own e^(Gamma - rho) factor in its epilogue.
-  const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
-  constexpr int kRowGroups = kBackwardThreads / kGradSlice;
-  constexpr int kColTiles = kGradSlice / 8;
-  constexpr int kRowJobs = 2 * (kBlocks - 1) * kColTiles, kColJobs = (kBlocks - 1) * kColTiles;
-  auto& pr = sh.pairs;
-  for (int c0 = 0; c0 < K; c0 += kGradSlice) {
-    __syncthreads();
-    stage_slice(x, c0, pr.slice);
-    __syncthreads();
-    const KeySlice<kGradSlice>& s = pr.slice;
-    fill_block_tables(s, len, pr.tables);
-    for (int i = rg; i < kC; i += kRowGroups) {
-      const int first = i / kBlock * kBlock, last = min(first + kBlock, len);
-      const float gi = s.g[i][cc];
-      float p1 = 0.f, p2 = 0.f, q12 = 0.f;
-      for (int j = first; j <= i && i < len; ++j) {
-        const float f = __expf(gi - s.g[j][cc]) * s.k[j][cc];
-        p1 = fmaf(sh.daqk[i][j], f, p1);
-        p2 = fmaf(sh.dakk[i][j], f, p2);
-      }
-      for (int r = i; r < last; ++r) {
-        const float t = sh.daqk[r][i] * s.q[r][cc] + sh.dakk[r][i] * s.k[r][cc];
-        q12 = fmaf(t, __expf(s.g[r][cc] - gi), q12);
-      }
-      pr.p1[i][cc] = p1;
-      pr.p2[i][cc] = p2;
-      pr.q12[i][cc] = q12;
+  if (b.pairs_split) {
+    // pairs_kernel adds the pairwise terms and sums dg: d A_qk and d A_kk go to the
+    // records' A_qk and kdot tiles, dead from here on.
+    float* daqk = ws.aqk + rec * kC * kC;
+    float* dakk = ws.kdot + rec * kC * kC;
+    for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) {
+      daqk[idx] = sh.daqk[idx / kC][idx % kC];
+      dakk[idx] = sh.dakk[idx / kC][idx % kC];
     }
-    __syncthreads();
-    const GradTables& t = pr.tables;
-    for (int job = warp; job < kRowJobs + kColJobs; job += kWarps) {
-      const int n0 = job % kColTiles * 8;
-      if (job < kRowJobs) {
-        // Rows of block I: sum over j < 16 I of dA[i][j] k~_I[j] (which: A_qk or A_kk).
-        const int which = job / kColTiles / (kBlocks - 1), I = 1 + job / kColTiles % (kBlocks - 1);
-        if (kBlock * I >= len) continue;
-        const float(*dA)[kLd] = which ? sh.dakk : sh.daqk;
-        Acc acc;
-        tile_product(
-            acc, 2 * I, [&](int m, int k) { return dA[kBlock * I + m][k]; },
-            [&](int k, int n) { return t.cols[column_base(I) + k][n0 + n]; });
-        float(*out)[kGradSlice + 1] = which ? pr.p2 : pr.p1;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = kBlock * I + acc_row(r), n = n0 + acc_col(r);
-          if (i < len) out[i][n] += acc.d[r] * __expf(s.g[i][n] - s.g[kBlock * I][n]);
-        }
-      } else {
-        // Rows j of block J: sum over blocks I > J of e^(rho_I - Gamma_j) times the sum over
-        // r in I of dA_qk[r][j] q^_I[r] + dA_kk[r][j] k^_I[r].
-        const int J = (job - kRowJobs) / kColTiles;
-        float total[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int I = J + 1; I < kBlocks && kBlock * I < len; ++I) {
-          Acc acc;
-          const int r0 = kBlock * I, j0 = kBlock * J, t0 = r0 - kBlock;
-          tile_product(
-              acc, 2, [&](int m, int k) { return sh.daqk[r0 + k][j0 + m]; },
-              [&](int k, int n) { return t.rows[0][t0 + k][n0 + n]; });
-          tile_product(
-              acc, 2, [&](int m, int k) { return sh.dakk[r0 + k][j0 + m]; },
-              [&](int k, int n) { return t.rows[1][t0 + k][n0 + n]; });
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int j = j0 + acc_row(r), n = n0 + acc_col(r);
-            total[r] += acc.d[r] * __expf(s.g[r0][n] - s.g[j][n]);
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < 4; ++r) pr.q12[kBlock * J + acc_row(r)][n0 + acc_col(r)] += total[r];
-      }
-    }
-    __syncthreads();
-    const int c = c0 + cc;
-    if (c >= K) continue;
-    for (int i = rg; i < len; i += kRowGroups) {
-      const float p1 = pr.p1[i][cc], p2 = pr.p2[i][cc], q12 = pr.q12[i][cc];
-      const float qi = s.q[i][cc], ki = s.k[i][cc];
-      x.k_row(ws.dq, i)[c] += p1;
-      x.k_row(ws.dk, i)[c] += p2 + q12;
-      x.k_row(ws.dg, i)[c] += qi * p1 + ki * p2 - ki * q12;
-    }
+    return;
   }
+  for (int c0 = 0; c0 < K; c0 += kGradSlice) add_pair_terms(x, c0, sh.daqk, sh.dakk, sh.pairs);
   __syncthreads();
-  // Gamma = cumsum(g) inside the chunk: g's gradient is the reverse cumulative sum. Rows are
-  // loaded kRun at a time, so the loads do not wait on each other.
-  constexpr int kRun = 16;
-  for (int c = threadIdx.x; c < K; c += blockDim.x) {
-    float run = sh.dgamma[c];
-    for (int top = kC; top > 0; top -= kRun) {
-      float col[kRun];
-#pragma unroll
-      for (int i = 0; i < kRun; ++i) {
-        const int row = top - kRun + i;
-        col[i] = row < len ? x.k_row(ws.dg, row)[c] : 0.f;
-      }
-#pragma unroll
-      for (int i = kRun - 1; i >= 0; --i) {
-        run += col[i];
-        if (top - kRun + i < len) x.k_row(ws.dg, top - kRun + i)[c] = run;
-      }
-    }
+  reverse_cumsum_dg(x, 0, K, [&](int c) { return sh.dgamma[c]; });
+}
+
+// One block per (record, slice of kGradSlice key channels), after grads_kernel in its
+// pairs_split form: the slice's pairwise terms (add_pair_terms) from the d A_qk, d A_kk and
+// d Gamma_end grads left in the workspace, then the slice's reverse cumulative sum of dg.
+struct PairsShared {
+  float daqk[kC][kLd], dakk[kC][kLd];
+  PairScratch pairs;
+};
+
+__global__ void __launch_bounds__(kBackwardThreads) pairs_kernel(const BackwardParams b) {
+  const int K = static_cast<int>(b.p.K), slices = (K + kGradSlice - 1) / kGradSlice;
+  const int64_t rec = blockIdx.x / slices, hv = rec % b.p.HV;
+  const int c0 = static_cast<int>(blockIdx.x % slices) * kGradSlice;
+  ChunkRef ref;
+  int64_t r0 = 0;
+  if (!chunk_at(b, rec / b.p.HV, ref, r0)) return;
+  const ChunkRows x{b, r0, rec, hv, hv / b.p.group, ref.len};
+  const int len = ref.len;
+  extern __shared__ __align__(16) unsigned char smem[];
+  PairsShared& sh = *reinterpret_cast<PairsShared*>(smem);
+  const float* daqk = b.ws.aqk + rec * kC * kC;
+  const float* dakk = b.ws.kdot + rec * kC * kC;
+  for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) {
+    const int i = idx / kC, j = idx % kC;
+    const bool in = i < len && j < len;
+    sh.daqk[i][j] = in ? daqk[idx] : 0.f;
+    sh.dakk[i][j] = in ? dakk[idx] : 0.f;
   }
+  add_pair_terms(x, c0, sh.daqk, sh.dakk, sh.pairs);
+  __syncthreads();  // every row of the slice's dg is written before the sums read it
+  const float* dgamma = b.ws.dgamma + rec * K;
+  reverse_cumsum_dg(x, c0, min(c0 + kGradSlice, K), [&](int c) { return dgamma[c]; });
 }
 
 // One block per record; both kernels keep more than the 48 KB of static shared memory.
@@ -514,6 +578,14 @@ void launch_backward_records(const BackwardParams& b, void* stream) {
 
 void launch_backward_grads(const BackwardParams& b, void* stream) {
   launch_per_record<GradsShared>(grads_kernel, b, stream);
+}
+
+void launch_backward_pairs(const BackwardParams& b, void* stream) {
+  const int64_t blocks = b.max_chunks * b.p.HV * ((b.p.K + kGradSlice - 1) / kGradSlice);
+  if (blocks == 0) return;
+  set_shared_bytes(pairs_kernel, sizeof(PairsShared));
+  pairs_kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, sizeof(PairsShared),
+                 static_cast<cudaStream_t>(stream)>>>(b);
 }
 
 }  // namespace flashdelta::detail::cuda

@@ -35,5 +35,10 @@ int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms);
 // `tiles`, the tile scans; `mma`, the registers where K <= 128. Any other value throws
 // Error(invalid_argument) naming the variable.
 bool cuda_backward_scans_mma(int64_t K);
+// Whether the backward's pairwise gate terms (and dg's cumulative sum) run as their own stage,
+// one block per (chunk, value head, 16 key channels) (cuda/backward_chunk.cu), rather than
+// inside the per-chunk gradient kernel: FLASHDELTA_BACKWARD_PAIRS unset or `fused`, inside;
+// `split`, their own stage. Any other value throws Error(invalid_argument).
+bool cuda_backward_pairs_split();
 
 }  // namespace flashdelta::detail

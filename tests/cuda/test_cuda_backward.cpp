@@ -434,6 +434,82 @@ std::vector<CaseConfig> mma_grid() {
 INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardMmaGrid, ::testing::ValuesIn(mma_grid()),
                          [](const auto& info) { return describe(info.param); });
 
+constexpr const char* kPairs = "FLASHDELTA_BACKWARD_PAIRS";
+
+// Host only: the pairwise terms as their own stage where asked for.
+TEST(CudaBackwardPairsSplit, FollowsTheEnvironmentVariable) {
+  for (const char* fused : {static_cast<const char*>(nullptr), "", "fused"}) {
+    const ScopedEnv setting(kPairs, fused);
+    EXPECT_FALSE(detail::cuda_backward_pairs_split());
+  }
+  {
+    const ScopedEnv split(kPairs, "split");
+    EXPECT_TRUE(detail::cuda_backward_pairs_split());
+  }
+  const ScopedEnv wrong(kPairs, "1");
+  try {
+    detail::cuda_backward_pairs_split();
+    ADD_FAILURE() << "accepted '1'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(kPairs), std::string::npos) << e.what();
+  }
+}
+
+// The pairwise terms as their own stage (pairs_kernel, cuda/backward_chunk.cu) on the whole
+// grid.
+class CudaBackwardPairsGrid : public ::testing::TestWithParam<CaseConfig> {};
+
+TEST_P(CudaBackwardPairsGrid, MatchesReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv split(kPairs, "split");
+  expect_gradients_match(make_backward_case(GetParam()), describe(GetParam()) + ", pairs split");
+}
+
+INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardPairsGrid, ::testing::ValuesIn(backward_grid()),
+                         [](const auto& info) { return describe(info.param); });
+
+// Beyond the grid: every gate form through the fused transforms, strong gates, varlen, the
+// linear write, the state scans in registers beside it, bitwise determinism, and bitwise the
+// same gradients as the fused form (the same sums in the same order, handed over in float32).
+TEST(CudaBackward, PairsSplitGateFormsVarlenAndDeterminism) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv split(kPairs, "split");
+  uint64_t seed = 8000;
+  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
+    for (int form = 0; form < 4; ++form) {
+      CaseConfig c = gate_form_case(m, form, 150, seed++);
+      c.K = c.V = 64;
+      expect_gradients_match(make_backward_case(c), std::string("pairs split, ") +
+                                                        mechanism_name(m) + " gate form " +
+                                                        std::to_string(form));
+    }
+  const CaseConfig strong{.T = 150, .K = 64, .V = 32, .gate_min = -1000.0, .seed = seed++};
+  expect_gradients_match(make_backward_case(strong), "pairs split, gates to -1000");
+  const CaseConfig varlen{.mechanism = Mechanism::gla, .T = 337, .H = 2, .HV = 4, .K = 40,
+                          .V = 48, .dtype = DType::bf16, .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
+                          .seed = seed++};
+  expect_gradients_match(make_backward_case(varlen), "pairs split, varlen linear write");
+  const CaseConfig big{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128,
+                       .dtype = DType::bf16, .qk_l2norm = true, .seed = seed++};
+  const BackwardCase b = make_backward_case(big);
+  {
+    const ScopedEnv mma(kScans, "mma");
+    expect_gradients_match(b, "pairs split with the scans in registers");
+  }
+  Gradients fused;
+  {
+    const ScopedEnv unset(kPairs, nullptr);
+    fused = cuda_gradients(b);
+  }
+  const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
+  for (size_t i = 0; i < kNumSlots; ++i) {
+    EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kGradInputs[i].name << " differs";
+    EXPECT_EQ(first.t[i].bytes, fused.t[i].bytes)
+        << "d" << kGradInputs[i].name << " differs from the fused form";
+  }
+}
+
 // The same beyond the grid: varlen with empty and one-token sequences over more than one
 // 64-column tile, no state gradient flowing in, K not a multiple of 4 (element-wise staging),
 // and bitwise determinism.
