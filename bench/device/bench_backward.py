@@ -33,8 +33,10 @@ process, each reported with its largest gradient difference from ours: a comma-s
 list of variants, each NAME=VALUE pairs joined by '+', e.g.
     --variants FLASHDELTA_BACKWARD_SCANS=mma,FLASHDELTA_BACKWARD_SCAN_COLUMNS=auto
 (FLASHDELTA_BACKWARD_SCANS=mma: the scans with the state in tensor-core registers;
-FLASHDELTA_BACKWARD_SCAN_COLUMNS: the tile scans' columns per block, 32 when unset, which
-sums every output column in the same order at any width: expected difference 0).
+FLASHDELTA_BACKWARD_PAIRS=split: the pairwise gate terms as their own stage, the same sums:
+expected difference 0; FLASHDELTA_BACKWARD_SCAN_COLUMNS: the tile scans' columns per block,
+32 when unset, which sums every output column in the same order at any width: expected
+difference 0).
 
 Accuracy (first case, at B=2 T=1024 H=4 with the same options, so that fp64 is affordable):
 dq, dk, dv, dg, dbeta, dh0 of fla and of FlashDelta against torch autograd of an fp64
