@@ -531,6 +531,8 @@ struct PairsShared {
   float daqk[kC][kLd], dakk[kC][kLd];
   PairScratch pairs;
 };
+// The host checks the device offers grads' shared memory (backward_chunk_shared_bytes).
+static_assert(sizeof(PairsShared) <= sizeof(GradsShared), "pairs needs no more than grads");
 
 __global__ void __launch_bounds__(kBackwardThreads) pairs_kernel(const BackwardParams b) {
   const int K = static_cast<int>(b.p.K), slices = (K + kGradSlice - 1) / kGradSlice;
