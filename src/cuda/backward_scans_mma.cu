@@ -76,6 +76,13 @@ __device__ void stage_rows(float* dst, int ld, int width, const float* src, int6
   }
 }
 
+// The record's decay per key into dst (zeros past K).
+template <int KP>
+__device__ void stage_decay(const BackwardParams& b, int64_t rec, float* dst) {
+  for (int e = threadIdx.x; e < KP; e += blockDim.x)
+    dst[e] = e < b.p.K ? b.ws.decay[rec * b.p.K + e] : 0.f;
+}
+
 // The A fragment of dO^T (the warp's 16 columns from `col0` x tokens 8 kt ..) in the
 // permuted k order.
 template <int KP>
@@ -223,8 +230,7 @@ __global__ void __launch_bounds__(kMmaThreads) states_mma_kernel(const BackwardP
     stage_rows(&sh.kg[0][0], KP + 4, KP, b.ws.kg + rec * kC * K, K, len, Ki);
     stage_rows(&sh.u[0][0], kMmaColumns + 4, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V,
                len, blk.cols(b));
-    for (int e = threadIdx.x; e < KP; e += blockDim.x)
-      sh.decay[e] = e < K ? b.ws.decay[rec * K + e] : 0.f;
+    stage_decay<KP>(b, rec, sh.decay);
     commit_async();
     // While the stage lands: the state entering the chunk.
     S.store_record(b, blk.jw, b.ws.states + rec * K * V);
@@ -274,8 +280,7 @@ __global__ void __launch_bounds__(kMmaThreads) dstates_mma_kernel(const Backward
     stage_rows(&sh.aqk[0][0], kC + 4, kC, b.ws.aqk + rec * kC * kC, kC, len, kC);
     stage_rows(&sh.dout[0][0], kMmaColumns + 4, kMmaColumns,
                b.ws.dout + (r0 * HV + blk.hv) * V + blk.j0, HV * V, len, blk.cols(b));
-    for (int e = threadIdx.x; e < KP; e += blockDim.x)
-      sh.decay[e] = e < K ? b.ws.decay[rec * K + e] : 0.f;
+    stage_decay<KP>(b, rec, sh.decay);
     commit_async();
     // While the stage lands: dS', the gradient of the state leaving the chunk.
     S.store_record(b, blk.jw, b.ws.dstates + rec * K * V);
