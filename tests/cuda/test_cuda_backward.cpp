@@ -3,7 +3,8 @@
 // to 256, GVA, both state layouts, every input dtype, varlen with empty and one-token
 // sequences, the fused transforms in every gate form, strong and -inf gates, the forward's
 // states kept (BackwardArgs::chunk_states); gradients bitwise identical across runs; bad
-// schedules refused. Skipped on machines without a GPU.
+// schedules refused; the opt-in forms (FLASHDELTA_BACKWARD_SCAN_COLUMNS, _SCANS, _PAIRS; their
+// selection runs on the host too). Skipped on machines without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -319,7 +320,7 @@ class ScopedEnv {
 constexpr const char* kScanColumns = "FLASHDELTA_BACKWARD_SCAN_COLUMNS";
 
 // Host arithmetic only (runs without a GPU): the scans' tile width by the environment.
-TEST(CudaBackwardScanColumns, FollowTheEnvironmentVariable) {
+TEST(CudaBackwardScanColumns, FollowsTheEnvironmentVariable) {
   {
     const ScopedEnv unset(kScanColumns, nullptr);
     EXPECT_EQ(detail::cuda_backward_scan_columns(1, 128, 132), 32);
