@@ -164,10 +164,14 @@ struct MmaState {
         store_float(s.data, dtype, state_offset(s, blk.n, blk.hv, key, col), x);
       });
   }
-  // To a record's K x V float32 K-first slab of the workspace.
-  __device__ void store_record(const BackwardParams& b, int64_t jw, float* out) {
+  // To a record's K x V float32 K-first slab of the workspace, while the chunk's stage (its
+  // copies queued by every thread) lands; returns once it has landed for every thread.
+  __device__ void store_record_while_staging(const BackwardParams& b, int64_t jw, float* out) {
+    commit_async();
     const int64_t V = b.p.V;
     for_each(b, jw, [&](float& x, int key, int64_t col) { out[key * V + col] = x; });
+    wait_async<0>();
+    __syncthreads();
   }
   // acc *= decay along the keys.
   __device__ void decay(const float* d) {
@@ -231,11 +235,8 @@ __global__ void __launch_bounds__(kMmaThreads) states_mma_kernel(const BackwardP
     stage_rows(&sh.u[0][0], kMmaColumns + 4, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V,
                len, blk.cols(b));
     stage_decay<KP>(b, rec, sh.decay);
-    commit_async();
-    // While the stage lands: the state entering the chunk.
-    S.store_record(b, blk.jw, b.ws.states + rec * K * V);
-    wait_async<0>();
-    __syncthreads();
+    // The state entering the chunk, written while the stage lands.
+    S.store_record_while_staging(b, blk.jw, b.ws.states + rec * K * V);
 
     // v_new^T = u^T - S^T w^T (the linear rule: v_new = u).
     Acc vn[kTokenTiles];
@@ -281,11 +282,8 @@ __global__ void __launch_bounds__(kMmaThreads) dstates_mma_kernel(const Backward
     stage_rows(&sh.dout[0][0], kMmaColumns + 4, kMmaColumns,
                b.ws.dout + (r0 * HV + blk.hv) * V + blk.j0, HV * V, len, blk.cols(b));
     stage_decay<KP>(b, rec, sh.decay);
-    commit_async();
-    // While the stage lands: dS', the gradient of the state leaving the chunk.
-    S.store_record(b, blk.jw, b.ws.dstates + rec * K * V);
-    wait_async<0>();
-    __syncthreads();
+    // dS', the gradient of the state leaving the chunk, written while the stage lands.
+    S.store_record_while_staging(b, blk.jw, b.ws.dstates + rec * K * V);
 
     // dv_new^T = dO^T A_qk + dS'^T kg^T. A_qk[r][i] is zero for i > r: k-step kt (tokens
     // 8 kt ..) reaches the token tiles nt <= kt only.

@@ -319,6 +319,22 @@ class ScopedEnv {
 
 constexpr const char* kScanColumns = "FLASHDELTA_BACKWARD_SCAN_COLUMNS";
 
+// With environment variable `name` set to `bad`, call() throws Error(invalid_argument) whose
+// message names the variable and the value.
+template <class F>
+void expect_rejected(const char* name, const char* bad, const F& call) {
+  const ScopedEnv wrong(name, bad);
+  try {
+    call();
+    ADD_FAILURE() << name << ": accepted '" << bad << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::string("'") + bad + "'"), std::string::npos)
+        << e.what();
+  }
+}
+
 // Host arithmetic only (runs without a GPU): the scans' tile width by the environment.
 TEST(CudaBackwardScanColumns, FollowsTheEnvironmentVariable) {
   {
@@ -345,18 +361,8 @@ TEST(CudaBackwardScanColumns, FollowsTheEnvironmentVariable) {
     const ScopedEnv forced(kScanColumns, width);
     EXPECT_EQ(detail::cuda_backward_scan_columns(1000, 128, 132), std::stoi(width));
   }
-  for (const char* bad : {"4", "64", "Auto", "16 ", "x"}) {
-    const ScopedEnv wrong(kScanColumns, bad);
-    try {
-      detail::cuda_backward_scan_columns(1, 128, 132);
-      ADD_FAILURE() << "accepted '" << bad << "'";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-      EXPECT_NE(std::string(e.what()).find(kScanColumns), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(std::string("'") + bad + "'"), std::string::npos)
-          << e.what();
-    }
-  }
+  for (const char* bad : {"4", "64", "Auto", "16 ", "x"})
+    expect_rejected(kScanColumns, bad, [] { detail::cuda_backward_scan_columns(1, 128, 132); });
 }
 
 // The scans at every tile width: the same gradients, bit for bit, as the widest (each output
@@ -405,14 +411,7 @@ TEST(CudaBackwardScansMma, FollowsTheEnvironmentVariable) {
     EXPECT_TRUE(detail::cuda_backward_scans_mma(128));
     EXPECT_FALSE(detail::cuda_backward_scans_mma(129));  // past its shared memory: tiles
   }
-  const ScopedEnv wrong(kScans, "MMA");
-  try {
-    detail::cuda_backward_scans_mma(128);
-    ADD_FAILURE() << "accepted 'MMA'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find(kScans), std::string::npos) << e.what();
-  }
+  expect_rejected(kScans, "MMA", [] { detail::cuda_backward_scans_mma(128); });
 }
 
 // The scans in registers (cuda/backward_scans_mma.cu) on the grid's cases with K <= 128
@@ -447,14 +446,7 @@ TEST(CudaBackwardPairsSplit, FollowsTheEnvironmentVariable) {
     const ScopedEnv split(kPairs, "split");
     EXPECT_TRUE(detail::cuda_backward_pairs_split());
   }
-  const ScopedEnv wrong(kPairs, "1");
-  try {
-    detail::cuda_backward_pairs_split();
-    ADD_FAILURE() << "accepted '1'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find(kPairs), std::string::npos) << e.what();
-  }
+  expect_rejected(kPairs, "1", [] { detail::cuda_backward_pairs_split(); });
 }
 
 // The pairwise terms as their own stage (pairs_kernel, cuda/backward_chunk.cu) on the whole
