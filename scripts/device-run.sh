@@ -88,7 +88,7 @@ export CMAKE_POLICY_VERSION_MINIMUM=3.5
 START=$SECONDS
 
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
-declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=150 [sanitize]=150
+declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=240 [sanitize]=150
                 [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
                 [kernel-bench]=60 [overhead]=40 [pytest-all]=150)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
