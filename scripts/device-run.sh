@@ -10,6 +10,7 @@
 #                bench-backward: bench/device/bench_backward.py; opt-in)
 #   train_kda.txt  a short KDA training run, FlashDelta vs fla (stage train-example:
 #                examples/train_kda.py; opt-in)
+#   profile_backward.txt  the training step's kernel times (stage profile-backward; opt-in)
 # A stage that fails is reported and the later ones still run where they can. Every stage
 # has a timeout drawn from one time budget (BUDGET_S) that keeps a minimum for the stages
 # after it, so the whole run ends in time; the benchmark skips the cases it has no time for.
@@ -29,6 +30,8 @@
 #                                  backward vs fla; fla autotunes every new shape, so a full
 #                                  run may need BUDGET_S=570 or --cases split over calls)
 #                  train-example   examples/train_kda.py --steps 100 (-> train_kda.txt)
+#                  profile-backward  bench/device/profile_backward.py (kernel times per
+#                                  step, ours and fla; PROFILE_BACKWARD_ARGS)
 #                e.g. STAGES="deps configure build bench-backward" BUILD_TARGETS=_C
 #   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test
 #                binaries (SANITIZE_BINARIES); 0: skip
@@ -71,7 +74,7 @@ BUDGET_S=${BUDGET_S:-450}
 STAGES=${STAGES:-"info deps configure build ctest sanitize pytest bench bench-chunk kernel-bench overhead pytest-all"}
 export SANITIZE_BINARIES=${SANITIZE_BINARIES:-"test_cuda_recurrent test_cuda_chunk"}
 export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-}
-export BENCH_BACKWARD_ARGS=${BENCH_BACKWARD_ARGS:-}
+export BENCH_BACKWARD_ARGS=${BENCH_BACKWARD_ARGS:-} PROFILE_BACKWARD_ARGS=${PROFILE_BACKWARD_ARGS:-}
 export JOBS=${JOBS:-$(nproc)}
 export CUDA_ARCH=${CUDA_ARCH:-90a}
 export BUILD_TYPE=${BUILD_TYPE:-Release}
@@ -89,10 +92,10 @@ START=$SECONDS
 
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=240 [sanitize]=150
-                [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
+                [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240 [profile-backward]=300
                 [kernel-bench]=60 [overhead]=40 [pytest-all]=150)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
-                [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60
+                [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60 [profile-backward]=60
                 [kernel-bench]=10 [overhead]=15 [pytest-all]=0)
 
 log() { echo "$*" | tee -a "$LOG"; }
@@ -233,6 +236,12 @@ stage_bench-backward() {
   # a stage cut short by its timeout still leaves the cases it finished.
   # shellcheck disable=SC2086
   FLA_FLASH_KDA=0 python3 bench/device/bench_backward.py --out "$OUT" $BENCH_BACKWARD_ARGS
+}
+
+stage_profile-backward() {
+  # Opt-in: torch.profiler's kernel times of a training step, ours and fla.
+  # shellcheck disable=SC2086
+  FLA_FLASH_KDA=0 python3 bench/device/profile_backward.py --out "$OUT" $PROFILE_BACKWARD_ARGS
 }
 
 stage_train-example() {

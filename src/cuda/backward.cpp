@@ -51,7 +51,6 @@ Carver layout(cuda::BackwardParams& b, bool varlen) {
   const int64_t tile = cuda::kChunk * cuda::kChunk;
   for (float** p : {&w.aqk, &w.tm, &w.kdot}) c.add(*p, records * tile);
   c.add(w.decay, records * K);
-  c.add(w.dgamma, records * K);
   c.add(w.states, records * K * V);
   c.add(w.dstates, records * K * V);
   return c;
@@ -136,14 +135,12 @@ void run_stages(const cuda::BackwardParams& b, bool varlen, void* stream) {
                                              : cuda::launch_backward_states;
   const Launch dstates =
       b.scans_mma ? cuda::launch_backward_dstates_mma : cuda::launch_backward_dstates;
-  const Launch pairs = b.pairs_split ? cuda::launch_backward_pairs : nullptr;
   const std::pair<Launch, const char*> stages[] = {
       {cuda::launch_backward_inputs, "inputs"},   {cuda::launch_backward_records, "records"},
       {states, "states"},                         {dstates, "dstates"},
-      {cuda::launch_backward_grads, "grads"},     {pairs, "pairs"},
-      {cuda::launch_backward_outputs, "outputs"}, {cuda::launch_backward_params, "params"}};
+      {cuda::launch_backward_grads, "grads"},     {cuda::launch_backward_outputs, "outputs"},
+      {cuda::launch_backward_params, "params"}};
   for (const auto& [launch, name] : stages) {
-    if (!launch) continue;
     launch(b, stream);
     check_kernel_launch((std::string("CUDA backward ") + name).c_str());
   }
@@ -253,8 +250,7 @@ int sm_count() {
 int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms) {
   const std::string setting =
       env_setting("FLASHDELTA_BACKWARD_SCAN_COLUMNS", {"auto", "32", "16", "8"});
-  if (setting.empty()) return cuda::kScanColumnWidths[0];
-  if (setting == "auto") {
+  if (setting.empty() || setting == "auto") {
     for (const int cols : cuda::kScanColumnWidths)
       if (scans * ((V + cols - 1) / cols) >= sms) return cols;
     return std::end(cuda::kScanColumnWidths)[-1];
@@ -263,11 +259,7 @@ int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms) {
 }
 
 bool cuda_backward_scans_mma(int64_t K) {
-  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma"}) == "mma" && K <= 128;
-}
-
-bool cuda_backward_pairs_split() {
-  return env_setting("FLASHDELTA_BACKWARD_PAIRS", {"fused", "split"}) == "split";
+  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma"}) != "tiles" && K <= 128;
 }
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
@@ -284,30 +276,24 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   require_sm80("the CUDA chunk backward");
   const int64_t shared = shared_memory_per_block();
   require_shared_memory(shared);
-  // The scans in registers where asked for and the GPU offers their shared memory (135 KB at
-  // K = 128), else the tile scans.
+  // The scans in registers unless the tile scans are asked for or the GPU lacks their shared
+  // memory (170 KB at K = 128).
   const bool scans_mma =
       cuda_backward_scans_mma(p.K) && shared >= cuda::backward_scans_mma_shared_bytes(p.K);
   const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
-  const bool pairs_split = cuda_backward_pairs_split();
   {
     const cuda::BackwardParams b = backward_params(p, a);
     // The kept-states pass runs one block per record (records); the scans one per sequence,
     // value head and column tile.
     const int64_t records = b.max_chunks * pass_heads * p.group,
                   scan_tiles = p.N * pass_heads * p.group * ((p.V + scan_cols - 1) / scan_cols),
-                  param_blocks = pass_heads * p.group * (p.K + 1),
-                  pair_blocks =
-                      pairs_split ? records * ((p.K + cuda::kPairChannels - 1) / cuda::kPairChannels)
-                                  : 0;
-    if (records > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX ||
-        pair_blocks > INT_MAX)
+                  param_blocks = pass_heads * p.group * (p.K + 1);
+    if (records > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX)
       throw Error(ErrorCode::unsupported,
                   "argument 'q': the CUDA chunk backward runs at most 2^31 - 1 blocks per "
                   "kernel, got " + std::to_string(records) + " chunk records, " +
                       std::to_string(scan_tiles) + " scan tiles, " +
-                      std::to_string(param_blocks) + " gate-parameter sums and " +
-                      std::to_string(pair_blocks) + " pair slices");
+                      std::to_string(param_blocks) + " gate-parameter sums");
   }
 
   const StreamWorkspace memory("CUDA chunk backward", bytes, a.workspace, a.workspace_bytes,
@@ -317,7 +303,6 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     cuda::BackwardParams b = backward_params(ps, as);
     b.scan_cols = scan_cols;
     b.scans_mma = scans_mma;
-    b.pairs_split = pairs_split;
     const Carver regions = layout(b, varlen);
     if (regions.total() > 0) {
       regions.carve(memory.data());

@@ -19,7 +19,7 @@ constexpr int kLd = kC + 1;  // C x C tiles in shared memory, padded against ban
 constexpr int kWarps = kBackwardThreads / 32;
 // Key channels staged per pass of the pairwise sums: records keeps its cumulative sums
 // long; grads needs room for its tables.
-constexpr int kRecordSlice = 32, kGradSlice = kPairChannels;
+constexpr int kRecordSlice = 32, kGradSlice = 16;
 
 // The chunk's rows of the buffers, for one value head: token-major buffers (inputs and
 // gradients, row r0 + i) and record-major ones (the chunk's own intermediates, row i of
@@ -458,7 +458,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
     t = lane_sum<1, 16>(t);
     if (lane == 0) {
       sh.dgamma[c] = decay[c] * s + t;
-      if (b.pairs_split) ws.dgamma[rec * K + c] = sh.dgamma[c];
     }
   }
 
@@ -508,55 +507,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
       x.v_row(ws.dv, idx / V)[idx % V] = x.v_rec(ws.dvn, idx / V)[idx % V];
   }
 
-  if (b.pairs_split) {
-    // pairs_kernel adds the pairwise terms and sums dg: d A_qk and d A_kk go to the
-    // records' A_qk and kdot tiles, dead from here on.
-    float* daqk = ws.aqk + rec * kC * kC;
-    float* dakk = ws.kdot + rec * kC * kC;
-    for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) {
-      daqk[idx] = sh.daqk[idx / kC][idx % kC];
-      dakk[idx] = sh.dakk[idx / kC][idx % kC];
-    }
-    return;
-  }
   for (int c0 = 0; c0 < K; c0 += kGradSlice) add_pair_terms(x, c0, sh.daqk, sh.dakk, sh.pairs);
   __syncthreads();
   reverse_cumsum_dg(x, 0, K, [&](int c) { return sh.dgamma[c]; });
-}
-
-// One block per (record, slice of kGradSlice key channels), after grads_kernel in its
-// pairs_split form: the slice's pairwise terms (add_pair_terms) from the d A_qk, d A_kk and
-// d Gamma_end grads left in the workspace, then the slice's reverse cumulative sum of dg.
-struct PairsShared {
-  float daqk[kC][kLd], dakk[kC][kLd];
-  PairScratch pairs;
-};
-// The host checks the device offers grads' shared memory (backward_chunk_shared_bytes).
-static_assert(sizeof(PairsShared) <= sizeof(GradsShared), "pairs needs no more than grads");
-
-__global__ void __launch_bounds__(kBackwardThreads) pairs_kernel(const BackwardParams b) {
-  const int K = static_cast<int>(b.p.K), slices = (K + kGradSlice - 1) / kGradSlice;
-  const int64_t rec = blockIdx.x / slices, hv = rec % b.p.HV;
-  const int c0 = static_cast<int>(blockIdx.x % slices) * kGradSlice;
-  ChunkRef ref;
-  int64_t r0 = 0;
-  if (!chunk_at(b, rec / b.p.HV, ref, r0)) return;
-  const ChunkRows x{b, r0, rec, hv, hv / b.p.group, ref.len};
-  const int len = ref.len;
-  extern __shared__ __align__(16) unsigned char smem[];
-  PairsShared& sh = *reinterpret_cast<PairsShared*>(smem);
-  const float* daqk = b.ws.aqk + rec * kC * kC;
-  const float* dakk = b.ws.kdot + rec * kC * kC;
-  for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) {
-    const int i = idx / kC, j = idx % kC;
-    const bool in = i < len && j < len;
-    sh.daqk[i][j] = in ? daqk[idx] : 0.f;
-    sh.dakk[i][j] = in ? dakk[idx] : 0.f;
-  }
-  add_pair_terms(x, c0, sh.daqk, sh.dakk, sh.pairs);
-  __syncthreads();  // every row of the slice's dg is written before the sums read it
-  const float* dgamma = b.ws.dgamma + rec * K;
-  reverse_cumsum_dg(x, c0, min(c0 + kGradSlice, K), [&](int c) { return dgamma[c]; });
 }
 
 // One block per record; both kernels keep more than the 48 KB of static shared memory.
@@ -580,14 +533,6 @@ void launch_backward_records(const BackwardParams& b, void* stream) {
 
 void launch_backward_grads(const BackwardParams& b, void* stream) {
   launch_per_record<GradsShared>(grads_kernel, b, stream);
-}
-
-void launch_backward_pairs(const BackwardParams& b, void* stream) {
-  const int64_t blocks = b.max_chunks * b.p.HV * ((b.p.K + kGradSlice - 1) / kGradSlice);
-  if (blocks == 0) return;
-  set_shared_bytes(pairs_kernel, sizeof(PairsShared));
-  pairs_kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, sizeof(PairsShared),
-                 static_cast<cudaStream_t>(stream)>>>(b);
 }
 
 }  // namespace flashdelta::detail::cuda

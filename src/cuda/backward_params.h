@@ -17,9 +17,7 @@
 //   dstates   the same, chunks in reverse: the state gradient leaving every chunk and dv_new
 // With scans_mma (K <= 128) the two scans run per (sequence, value head, 64 columns) with the
 // state in tensor-core accumulators (cuda/backward_scans_mma.cu).
-//   grads     per (chunk, value head), in parallel: everything else (notes (h)); with
-//             pairs_split all but the pairwise gate terms of d A_qk and d A_kk and dg's
-//             cumulative sum, which `pairs` does per (chunk, value head, 16 key channels)
+//   grads     per (chunk, value head), in parallel: everything else (notes (h))
 //   outputs   per token: GVA sums, the transforms' derivatives, the gradients in their dtypes
 //   params    dA_log and ddt_bias, summed over tokens in a fixed order
 // No atomics anywhere: every float is written by one thread in a fixed order, so the
@@ -56,16 +54,10 @@ struct BackwardWorkspace {
   float *aqk = nullptr, *tm = nullptr, *kdot = nullptr;  // per record, C x C
   float* decay = nullptr;                                // per record, K
   float *states = nullptr, *dstates = nullptr;           // per record, K x V (K-first)
-  // pairs_split: d Gamma_end per record (K); d A_qk and d A_kk go to aqk and kdot, which the
-  // stages after grads no longer read.
-  float* dgamma = nullptr;
   // Gradients of the transformed inputs, per value head.
   float *dq = nullptr, *dk = nullptr, *dg = nullptr, *dv = nullptr, *dbeta = nullptr;
   float* dA_log_part = nullptr;  // per value head and token
 };
-
-// Key channels per slice of the pairwise gate terms (one `pairs` block each).
-inline constexpr int kPairChannels = 16;
 
 // Value columns per block of the sequential scans, widest first (BackwardParams::scan_cols).
 inline constexpr int kScanColumnWidths[] = {32, 16, 8};
@@ -74,7 +66,6 @@ struct BackwardParams {
   RecurrentParams p;  // sizes, options, q k v g beta, A_log, dt_bias, cu_seqlens, state_in
   int scan_cols = kScanColumnWidths[0];  // one of kScanColumnWidths (backward_scan_columns)
   bool scans_mma = false;                // the scans in registers (K <= 128)
-  bool pairs_split = false;              // the pairwise terms as their own stage
   DType state_in_dtype = DType::f32;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;
@@ -109,7 +100,6 @@ void launch_backward_dstates(const BackwardParams& b, void* stream);
 void launch_backward_states_mma(const BackwardParams& b, void* stream);
 void launch_backward_dstates_mma(const BackwardParams& b, void* stream);
 void launch_backward_grads(const BackwardParams& b, void* stream);
-void launch_backward_pairs(const BackwardParams& b, void* stream);
 void launch_backward_outputs(const BackwardParams& b, void* stream);
 void launch_backward_params(const BackwardParams& b, void* stream);
 

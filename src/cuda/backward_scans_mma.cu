@@ -1,8 +1,13 @@
 // The two sequential scans of the CUDA backward (stages `states` and `dstates`,
 // cuda/backward_params.h) in the forward state kernel's form (cuda/chunk_state.cu), for
-// K <= 128: one block per (sequence, value head, 64 value columns), each warp carrying 16
-// columns of the state or its gradient, transposed (16 x KP keys), in float32 tensor-core
-// accumulators through the chunks. `states`, first to last chunk:
+// K <= 128: one block per (sequence, value head, 64 value columns), each pair of warps
+// carrying 16 columns of the state or its gradient, transposed, in float32 tensor-core
+// accumulators through the chunks: one warp the first KP / 2 keys, its partner the rest.
+// Sums over the keys (S^T w^T, dS'^T kg^T) are added across the pair through shared memory.
+// Halving each warp's chain of dependent products per chunk and doubling the warps per SM is
+// what the scans' per-chunk latency (the whole of their time at B = 1) asks for. While a
+// chunk is computed, the next chunk's record is prefetched into L2. `states`, first to last
+// chunk:
 //     v_new^T = u^T - S^T w^T                  S^T = S^T diag(decay) + v_new^T kg
 // `dstates`, last to first:
 //     dv_new^T = dO^T A_qk + dS'^T kg^T        dS^T = dS'^T diag(decay) + dO^T qg - dv_new^T w
@@ -23,9 +28,14 @@
 namespace flashdelta::detail::cuda {
 namespace {
 
-constexpr int kMmaColumns = 64;  // value columns per block, 16 per warp
-constexpr int kMmaThreads = 32 * kMmaColumns / 16;
+constexpr int kMmaColumns = 64;  // value columns per block, 16 per pair of warps
+constexpr int kKeyHalves = 2;    // warps per 16 columns, each over its share of the keys
+constexpr int kMmaWarps = kMmaColumns / 16 * kKeyHalves;
+constexpr int kMmaThreads = 32 * kMmaWarps;
 constexpr int kTokenTiles = kC / 8;
+
+// A warp's partial sums of a 16-column x kC-token tile, for its partner to add.
+using Exchange = float4[kMmaWarps][kTokenTiles][32];
 
 __host__ __device__ inline int64_t mma_column_tiles(int64_t V) {
   return (V + kMmaColumns - 1) / kMmaColumns;
@@ -40,6 +50,7 @@ struct alignas(16) StatesShared {
   float kg[kC][KP + 4];          // [token][key]
   float u[kC][kMmaColumns + 4];  // [token][column]
   float decay[KP];
+  Exchange xch;
 };
 
 template <int KP>
@@ -50,6 +61,7 @@ struct alignas(16) DstatesShared {
   float aqk[kC][kC + 4];            // [r][i], zero right of the diagonal
   float dout[kC][kMmaColumns + 4];  // [token][column]
   float decay[KP];
+  Exchange xch;
 };
 
 // Queues the kC x width block of dst (row length ld): rows < rows and columns < cols from a
@@ -73,6 +85,16 @@ __device__ void stage_rows(float* dst, int ld, int width, const float* src, int6
       else
         d[e] = 0.f;
     }
+  }
+}
+
+// Queues L2 prefetches of `rows` rows of row_floats floats from p (row stride `stride`), one
+// 128-byte line per thread at a time; nothing waits on them.
+__device__ void prefetch_rows(const float* p, int64_t stride, int rows, int64_t row_floats) {
+  const int64_t lines = (row_floats + 31) / 32;
+  for (int64_t idx = threadIdx.x; idx < rows * lines; idx += blockDim.x) {
+    const float* line = p + idx / lines * stride + idx % lines * 32;
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
   }
 }
 
@@ -114,15 +136,20 @@ __device__ __forceinline__ void times_kn(Acc (&acc)[kTiles], const uint32_t (&a)
     mma_tf32(acc[nt], a, to_tf32(r0[8 * nt]), to_tf32(r0[ld + 8 * nt]));
 }
 
-// The scans' block: sequence n, value head hv, 64 columns from j0; this warp's 16 from jw.
+// The scans' block: sequence n, value head hv, 64 columns from j0; this warp's 16 from jw,
+// and its share `half` of the keys. Warps w and w ^ 4 carry the same columns.
 struct MmaScanBlock : ScanChunks {
+  static_assert(kKeyHalves == 2 && kMmaColumns == 64, "warp w's partner is w ^ 4");
   int64_t j0, jw;
-  int wc;  // the warp's first column in the block's tile
+  int wc;    // the warp's first column in the block's tile
+  int half;  // 0: keys [0, KP / 2), 1: the rest
 
   __device__ explicit MmaScanBlock(const BackwardParams& b)
       : ScanChunks(b, mma_column_tiles(b.p.V)) {
+    const int warp = static_cast<int>(threadIdx.x / 32);
     j0 = blockIdx.x % mma_column_tiles(b.p.V) * kMmaColumns;
-    wc = 16 * static_cast<int>(threadIdx.x / 32);
+    wc = 16 * (warp % 4);
+    half = warp / 4;
     jw = j0 + wc;
   }
   // Columns of the block's tile inside V.
@@ -131,20 +158,24 @@ struct MmaScanBlock : ScanChunks {
   }
 };
 
-// A warp's 16 columns of a K x V state, transposed: acc[nt].d[e] is element (key 8 nt +
-// acc_col(e), column jw + acc_row(e)).
+// A warp's 16 columns x KP / 2 keys of a K x V state, transposed: acc[nt].d[e] is element
+// (key key0 + 8 nt + acc_col(e), column jw + acc_row(e)).
 template <int KP>
 struct MmaState {
-  Acc acc[KP / 8];
+  static constexpr int kKeys = KP / kKeyHalves;  // per warp
+  Acc acc[kKeys / 8];
+  int key0;
+
+  __device__ explicit MmaState(const MmaScanBlock& blk) : key0(blk.half * kKeys) {}
 
   // f(value, key, column) for each of this lane's elements inside K x V.
   template <class F>
   __device__ void for_each(const BackwardParams& b, int64_t jw, F&& f) {
 #pragma unroll
-    for (int nt = 0; nt < KP / 8; ++nt)
+    for (int nt = 0; nt < kKeys / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = 8 * nt + acc_col(e);
+        const int key = key0 + 8 * nt + acc_col(e);
         const int64_t col = jw + acc_row(e);
         if (key < b.p.K && col < b.p.V) f(acc[nt].d[e], key, col);
       }
@@ -173,25 +204,26 @@ struct MmaState {
     wait_async<0>();
     __syncthreads();
   }
-  // acc *= decay along the keys.
+  // acc *= decay along the keys (d indexed by key).
   __device__ void decay(const float* d) {
     const int c = threadIdx.x % 4;
 #pragma unroll
-    for (int nt = 0; nt < KP / 8; ++nt) {
-      const float2 x = *reinterpret_cast<const float2*>(&d[8 * nt + 2 * c]);
+    for (int nt = 0; nt < kKeys / 8; ++nt) {
+      const float2 x = *reinterpret_cast<const float2*>(&d[key0 + 8 * nt + 2 * c]);
       acc[nt].d[0] *= x.x, acc[nt].d[1] *= x.y, acc[nt].d[2] *= x.x, acc[nt].d[3] *= x.y;
     }
   }
 };
 
-// tokens[nt] += state^T . x^T over the keys for a row-major [token][key] operand x (row
-// length ld, 8 mod 32): the products that take the state as their left operand.
+// tokens[nt] += state^T . x^T over the warp's keys for a row-major [token][key] operand x
+// (row length ld, 8 mod 32): the products that take the state as their left operand.
 template <int KP>
 __device__ __forceinline__ void state_times_rows(Acc (&tokens)[kTokenTiles],
                                                  const MmaState<KP>& S, const float* x, int ld) {
   const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+  x += S.key0;
 #pragma unroll
-  for (int kt = 0; kt < KP / 8; ++kt) {
+  for (int kt = 0; kt < MmaState<KP>::kKeys / 8; ++kt) {
     uint32_t a[4];
     acc_fragment(S.acc[kt], 1.f, a);
 #pragma unroll
@@ -202,29 +234,48 @@ __device__ __forceinline__ void state_times_rows(Acc (&tokens)[kTokenTiles],
   }
 }
 
-// Calls f(value, token, column) for this lane's elements of a warp's 16 x 64 token tiles
-// that lie inside the chunk (token < len) and V.
-template <class F>
-__device__ void for_each_token(const Acc (&t)[kTokenTiles], const BackwardParams& b, int len,
-                               int64_t jw, F&& f) {
+// Adds the partner warp's partial sums (the other keys) to a 16-column x kC-token tile; both
+// warps end with the same sums (a + b == b + a in floating point).
+__device__ void add_partner(Acc (&t)[kTokenTiles], Exchange& xch) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int nt = 0; nt < kTokenTiles; ++nt)
+    xch[warp][nt][lane] = make_float4(t[nt].d[0], t[nt].d[1], t[nt].d[2], t[nt].d[3]);
+  // The pair's own barrier (ids 1-4; 0 is __syncthreads): 64 threads.
+  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + warp % 4) : "memory");
+#pragma unroll
+  for (int nt = 0; nt < kTokenTiles; ++nt) {
+    const float4 p = xch[warp ^ 4][nt][lane];
+    t[nt].d[0] += p.x, t[nt].d[1] += p.y, t[nt].d[2] += p.z, t[nt].d[3] += p.w;
+  }
+}
+
+// Calls f(value, token, column) for this lane's elements of the warp's half of a 16 x kC
+// token tile (the partner writes the other) that lie inside the chunk (token < len) and V.
+template <class F>
+__device__ void for_each_token(const Acc (&t)[kTokenTiles], const BackwardParams& b, int len,
+                               const MmaScanBlock& blk, F&& f) {
+  constexpr int kHalf = kTokenTiles / kKeyHalves;
+#pragma unroll
+  for (int nt = 0; nt < kTokenTiles; ++nt) {
+    if (nt / kHalf != blk.half) continue;  // constant register indices: no local memory
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = 8 * nt + acc_col(e);
-      const int64_t col = jw + acc_row(e);
+      const int64_t col = blk.jw + acc_row(e);
       if (i < len && col < b.p.V) f(t[nt].d[e], i, col);
     }
+  }
 }
 
 template <int KP>
-__global__ void __launch_bounds__(kMmaThreads) states_mma_kernel(const BackwardParams b) {
+__global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const BackwardParams b) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<StatesShared<KP>*>(smem);
   const MmaScanBlock blk(b);
   const int64_t K = b.p.K, V = b.p.V;
   const int Ki = static_cast<int>(K);
-  MmaState<KP> S;
+  MmaState<KP> S(blk);
   S.load(b, b.p.state_in, b.state_in_dtype, blk);
   for (int64_t ci = 0; ci < blk.chunks.count; ++ci) {
     const int len = blk.len(ci);
@@ -235,19 +286,28 @@ __global__ void __launch_bounds__(kMmaThreads) states_mma_kernel(const BackwardP
     stage_rows(&sh.u[0][0], kMmaColumns + 4, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V,
                len, blk.cols(b));
     stage_decay<KP>(b, rec, sh.decay);
+    if (const int next = blk.len(ci + 1); next > 0) {
+      const int64_t r = blk.record(b, ci + 1);
+      if (b.p.delta) prefetch_rows(b.ws.w + r * kC * K, K, next, K);
+      prefetch_rows(b.ws.kg + r * kC * K, K, next, K);
+      prefetch_rows(b.ws.u + r * kC * V + blk.j0, V, next, blk.cols(b));
+    }
     // The state entering the chunk, written while the stage lands.
     S.store_record_while_staging(b, blk.jw, b.ws.states + rec * K * V);
 
     // v_new^T = u^T - S^T w^T (the linear rule: v_new = u).
     Acc vn[kTokenTiles];
-    if (b.p.delta) state_times_rows(vn, S, &sh.w[0][0], KP + 8);
+    if (b.p.delta) {
+      state_times_rows(vn, S, &sh.w[0][0], KP + 8);
+      add_partner(vn, sh.xch);
+    }
 #pragma unroll
     for (int nt = 0; nt < kTokenTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         vn[nt].d[e] = sh.u[8 * nt + acc_col(e)][blk.wc + acc_row(e)] - vn[nt].d[e];
     float* out = b.ws.vn + rec * kC * V;
-    for_each_token(vn, b, len, blk.jw, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
+    for_each_token(vn, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
 
     // S^T = S^T diag(decay) + v_new^T kg.
     S.decay(sh.decay);
@@ -255,21 +315,21 @@ __global__ void __launch_bounds__(kMmaThreads) states_mma_kernel(const BackwardP
     for (int kt = 0; kt < kTokenTiles; ++kt) {
       uint32_t a[4];
       acc_fragment(vn[kt], 1.f, a);
-      times_kn(S.acc, a, &sh.kg[0][0], KP + 4, kt);
+      times_kn(S.acc, a, &sh.kg[0][S.key0], KP + 4, kt);
     }
     __syncthreads();  // every warp is done with the stage before the next chunk's copies
   }
 }
 
 template <int KP>
-__global__ void __launch_bounds__(kMmaThreads) dstates_mma_kernel(const BackwardParams b) {
+__global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const BackwardParams b) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<DstatesShared<KP>*>(smem);
   const MmaScanBlock blk(b);
   const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV;
   const int Ki = static_cast<int>(K);
   const int c = threadIdx.x % 4, g = threadIdx.x % 32 / 4;
-  MmaState<KP> S;  // dS^T
+  MmaState<KP> S(blk);  // dS^T
   S.load(b, b.d_final, b.d_final_dtype, blk);
   for (int64_t ci = blk.chunks.count - 1; ci >= 0; --ci) {
     const int len = blk.len(ci);
@@ -282,24 +342,35 @@ __global__ void __launch_bounds__(kMmaThreads) dstates_mma_kernel(const Backward
     stage_rows(&sh.dout[0][0], kMmaColumns + 4, kMmaColumns,
                b.ws.dout + (r0 * HV + blk.hv) * V + blk.j0, HV * V, len, blk.cols(b));
     stage_decay<KP>(b, rec, sh.decay);
+    if (const int next = ci > 0 ? blk.len(ci - 1) : 0; next > 0) {
+      const int64_t r = blk.record(b, ci - 1), q0 = blk.row0(b, ci - 1);
+      prefetch_rows(b.ws.kg + r * kC * K, K, next, K);
+      prefetch_rows(b.ws.qg + r * kC * K, K, next, K);
+      if (b.p.delta) prefetch_rows(b.ws.w + r * kC * K, K, next, K);
+      prefetch_rows(b.ws.aqk + r * kC * kC, kC, next, kC);
+      prefetch_rows(b.ws.dout + (q0 * HV + blk.hv) * V + blk.j0, HV * V, next, blk.cols(b));
+    }
     // dS', the gradient of the state leaving the chunk, written while the stage lands.
     S.store_record_while_staging(b, blk.jw, b.ws.dstates + rec * K * V);
 
-    // dv_new^T = dO^T A_qk + dS'^T kg^T. A_qk[r][i] is zero for i > r: k-step kt (tokens
-    // 8 kt ..) reaches the token tiles nt <= kt only.
+    // dv_new^T = dO^T A_qk + dS'^T kg^T, the first term by the first warp of the pair.
+    // A_qk[r][i] is zero for i > r: k-step kt (tokens 8 kt ..) reaches token tiles nt <= kt.
     Acc dv[kTokenTiles];
+    if (blk.half == 0) {
 #pragma unroll
-    for (int kt = 0; kt < kTokenTiles; ++kt) {
-      uint32_t a[4];
-      dout_fragment(sh, kt, blk.wc, a);
-      const float* r = &sh.aqk[8 * kt + 2 * c][g];
+      for (int kt = 0; kt < kTokenTiles; ++kt) {
+        uint32_t a[4];
+        dout_fragment(sh, kt, blk.wc, a);
+        const float* r = &sh.aqk[8 * kt + 2 * c][g];
 #pragma unroll
-      for (int nt = 0; nt <= kt; ++nt)
-        mma_tf32(dv[nt], a, to_tf32(r[8 * nt]), to_tf32(r[kC + 4 + 8 * nt]));
+        for (int nt = 0; nt <= kt; ++nt)
+          mma_tf32(dv[nt], a, to_tf32(r[8 * nt]), to_tf32(r[kC + 4 + 8 * nt]));
+      }
     }
     state_times_rows(dv, S, &sh.kg[0][0], KP + 8);
+    add_partner(dv, sh.xch);
     float* out = b.ws.dvn + rec * kC * V;
-    for_each_token(dv, b, len, blk.jw, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
+    for_each_token(dv, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
 
     // dS^T = dS'^T diag(decay) + dO^T qg - dv_new^T w.
     S.decay(sh.decay);
@@ -307,14 +378,14 @@ __global__ void __launch_bounds__(kMmaThreads) dstates_mma_kernel(const Backward
     for (int kt = 0; kt < kTokenTiles; ++kt) {
       uint32_t a[4];
       dout_fragment(sh, kt, blk.wc, a);
-      times_kn(S.acc, a, &sh.qg[0][0], KP + 4, kt);
+      times_kn(S.acc, a, &sh.qg[0][S.key0], KP + 4, kt);
     }
     if (b.p.delta) {
 #pragma unroll
       for (int kt = 0; kt < kTokenTiles; ++kt) {
         uint32_t a[4];
         acc_fragment(dv[kt], -1.f, a);
-        times_kn(S.acc, a, &sh.w[0][0], KP + 4, kt);
+        times_kn(S.acc, a, &sh.w[0][S.key0], KP + 4, kt);
       }
     }
     __syncthreads();  // every warp is done with the stage before the next chunk's copies

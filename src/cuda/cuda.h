@@ -26,19 +26,14 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& args);
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p);
 // Value columns per block of the backward's sequential scans, for `scans` (sequence, value
 // head) pairs of V columns on a GPU of `sms` SMs. The environment variable
-// FLASHDELTA_BACKWARD_SCAN_COLUMNS picks: unset, 32 (the width measured so far); `auto`, the
-// widest of 32, 16 and 8 whose blocks give every SM one (else 8); 32, 16 or 8, that width.
+// FLASHDELTA_BACKWARD_SCAN_COLUMNS picks: unset or `auto`, the widest of 32, 16 and 8 whose
+// blocks give every SM one (else 8); 32, 16 or 8, that width (the same gradients bit for bit).
 // Throws Error(invalid_argument) naming the variable for any other value.
 int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms);
 // Whether the backward's two sequential scans run with the state in tensor-core registers
-// (cuda/backward_scans_mma.cu) rather than as tile scans: FLASHDELTA_BACKWARD_SCANS unset or
-// `tiles`, the tile scans; `mma`, the registers where K <= 128. Any other value throws
-// Error(invalid_argument) naming the variable.
+// (cuda/backward_scans_mma.cu) rather than as tile scans (cuda/backward_scan.cu): where
+// K <= 128 unless FLASHDELTA_BACKWARD_SCANS is `tiles` (unset, empty or `mma`: the
+// registers). Any other value throws Error(invalid_argument) naming the variable.
 bool cuda_backward_scans_mma(int64_t K);
-// Whether the backward's pairwise gate terms (and dg's cumulative sum) run as their own stage,
-// one block per (chunk, value head, 16 key channels) (cuda/backward_chunk.cu), rather than
-// inside the per-chunk gradient kernel: FLASHDELTA_BACKWARD_PAIRS unset or `fused`, inside;
-// `split`, their own stage. Any other value throws Error(invalid_argument).
-bool cuda_backward_pairs_split();
 
 }  // namespace flashdelta::detail

@@ -3,7 +3,8 @@
 // to 256, GVA, both state layouts, every input dtype, varlen with empty and one-token
 // sequences, the fused transforms in every gate form, strong and -inf gates, the forward's
 // states kept (BackwardArgs::chunk_states); gradients bitwise identical across runs; bad
-// schedules refused; the opt-in forms (FLASHDELTA_BACKWARD_SCAN_COLUMNS, _SCANS, _PAIRS; their
+// schedules refused; both forms of the sequential scans (in registers, the default for
+// K <= 128, and the tile scans at every width: FLASHDELTA_BACKWARD_SCANS, _SCAN_COLUMNS; their
 // selection runs on the host too). Skipped on machines without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -337,17 +338,10 @@ void expect_rejected(const char* name, const char* bad, const F& call) {
 
 // Host arithmetic only (runs without a GPU): the scans' tile width by the environment.
 TEST(CudaBackwardScanColumns, FollowsTheEnvironmentVariable) {
-  {
-    const ScopedEnv unset(kScanColumns, nullptr);
-    EXPECT_EQ(detail::cuda_backward_scan_columns(1, 128, 132), 32);
-  }
-  {
-    const ScopedEnv empty(kScanColumns, "");
-    EXPECT_EQ(detail::cuda_backward_scan_columns(1, 128, 132), 32);
-  }
-  {
-    // The widest tile whose scans * ceil(V / width) blocks give each of the SMs one.
-    const ScopedEnv automatic(kScanColumns, "auto");
+  // Unset, empty or `auto`: the widest tile whose scans * ceil(V / width) blocks give each of
+  // the SMs one.
+  for (const char* automatic_setting : {static_cast<const char*>(nullptr), "", "auto"}) {
+    const ScopedEnv automatic(kScanColumns, automatic_setting);
     EXPECT_EQ(detail::cuda_backward_scan_columns(33, 128, 132), 32);   // 132 blocks
     EXPECT_EQ(detail::cuda_backward_scan_columns(32, 128, 132), 16);   // 128, then 256
     EXPECT_EQ(detail::cuda_backward_scan_columns(17, 128, 132), 16);   // 68, then 136
@@ -371,6 +365,7 @@ TEST(CudaBackwardScanColumns, FollowsTheEnvironmentVariable) {
 // V-first states and GVA.
 TEST(CudaBackward, ScanTilesOfEveryWidth) {
   FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv tiles("FLASHDELTA_BACKWARD_SCANS", "tiles");
   const CaseConfig cases[] = {
       {.B = 1, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
        .qk_l2norm = true, .seed = 7800},
@@ -399,113 +394,45 @@ TEST(CudaBackward, ScanTilesOfEveryWidth) {
 
 constexpr const char* kScans = "FLASHDELTA_BACKWARD_SCANS";
 
-// Host only: the scans in registers where asked for and K <= 128.
+// Host only: the scans in registers for K <= 128 unless the tile scans are asked for.
 TEST(CudaBackwardScansMma, FollowsTheEnvironmentVariable) {
-  for (const char* tiles : {static_cast<const char*>(nullptr), "", "tiles"}) {
-    const ScopedEnv setting(kScans, tiles);
-    EXPECT_FALSE(detail::cuda_backward_scans_mma(128));
-  }
-  {
-    const ScopedEnv mma(kScans, "mma");
+  for (const char* mma : {static_cast<const char*>(nullptr), "", "mma"}) {
+    const ScopedEnv setting(kScans, mma);
     EXPECT_TRUE(detail::cuda_backward_scans_mma(17));
     EXPECT_TRUE(detail::cuda_backward_scans_mma(128));
     EXPECT_FALSE(detail::cuda_backward_scans_mma(129));  // past its shared memory: tiles
   }
+  {
+    const ScopedEnv tiles(kScans, "tiles");
+    EXPECT_FALSE(detail::cuda_backward_scans_mma(128));
+  }
   expect_rejected(kScans, "MMA", [] { detail::cuda_backward_scans_mma(128); });
 }
 
-// The scans in registers (cuda/backward_scans_mma.cu) on the grid's cases with K <= 128
-// (larger K runs the tile scans).
-class CudaBackwardMmaGrid : public ::testing::TestWithParam<CaseConfig> {};
+// The tile scans (cuda/backward_scan.cu) on the grid's cases with K <= 128, where the default
+// is the scans in registers (larger K runs the tile scans in the grid itself).
+class CudaBackwardTileScansGrid : public ::testing::TestWithParam<CaseConfig> {};
 
-TEST_P(CudaBackwardMmaGrid, MatchesReference) {
+TEST_P(CudaBackwardTileScansGrid, MatchesReference) {
   FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv mma(kScans, "mma");
-  expect_gradients_match(make_backward_case(GetParam()), describe(GetParam()) + ", scans mma");
+  const ScopedEnv tiles(kScans, "tiles");
+  expect_gradients_match(make_backward_case(GetParam()), describe(GetParam()) + ", tile scans");
 }
 
-std::vector<CaseConfig> mma_grid() {
+std::vector<CaseConfig> small_key_grid() {
   std::vector<CaseConfig> grid;
   for (const CaseConfig& c : backward_grid())
     if (c.K <= 128) grid.push_back(c);
   return grid;
 }
 
-INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardMmaGrid, ::testing::ValuesIn(mma_grid()),
+INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardTileScansGrid,
+                         ::testing::ValuesIn(small_key_grid()),
                          [](const auto& info) { return describe(info.param); });
 
-constexpr const char* kPairs = "FLASHDELTA_BACKWARD_PAIRS";
-
-// Host only: the pairwise terms as their own stage where asked for.
-TEST(CudaBackwardPairsSplit, FollowsTheEnvironmentVariable) {
-  for (const char* fused : {static_cast<const char*>(nullptr), "", "fused"}) {
-    const ScopedEnv setting(kPairs, fused);
-    EXPECT_FALSE(detail::cuda_backward_pairs_split());
-  }
-  {
-    const ScopedEnv split(kPairs, "split");
-    EXPECT_TRUE(detail::cuda_backward_pairs_split());
-  }
-  expect_rejected(kPairs, "1", [] { detail::cuda_backward_pairs_split(); });
-}
-
-// The pairwise terms as their own stage (pairs_kernel, cuda/backward_chunk.cu) on the whole
-// grid.
-class CudaBackwardPairsGrid : public ::testing::TestWithParam<CaseConfig> {};
-
-TEST_P(CudaBackwardPairsGrid, MatchesReference) {
-  FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv split(kPairs, "split");
-  expect_gradients_match(make_backward_case(GetParam()), describe(GetParam()) + ", pairs split");
-}
-
-INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardPairsGrid, ::testing::ValuesIn(backward_grid()),
-                         [](const auto& info) { return describe(info.param); });
-
-// Beyond the grid: every gate form through the fused transforms, strong gates, varlen, the
-// linear write, the state scans in registers beside it, bitwise determinism, and bitwise the
-// same gradients as the fused form (the same sums in the same order, handed over in float32).
-TEST(CudaBackward, PairsSplitGateFormsVarlenAndDeterminism) {
-  FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv split(kPairs, "split");
-  uint64_t seed = 8000;
-  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
-    for (int form = 0; form < 4; ++form) {
-      CaseConfig c = gate_form_case(m, form, 150, seed++);
-      c.K = c.V = 64;
-      expect_gradients_match(make_backward_case(c), std::string("pairs split, ") +
-                                                        mechanism_name(m) + " gate form " +
-                                                        std::to_string(form));
-    }
-  const CaseConfig strong{.T = 150, .K = 64, .V = 32, .gate_min = -1000.0, .seed = seed++};
-  expect_gradients_match(make_backward_case(strong), "pairs split, gates to -1000");
-  const CaseConfig varlen{.mechanism = Mechanism::gla, .T = 337, .H = 2, .HV = 4, .K = 40,
-                          .V = 48, .dtype = DType::bf16, .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
-                          .seed = seed++};
-  expect_gradients_match(make_backward_case(varlen), "pairs split, varlen linear write");
-  const CaseConfig big{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128,
-                       .dtype = DType::bf16, .qk_l2norm = true, .seed = seed++};
-  const BackwardCase b = make_backward_case(big);
-  {
-    const ScopedEnv mma(kScans, "mma");
-    expect_gradients_match(b, "pairs split with the scans in registers");
-  }
-  Gradients fused;
-  {
-    const ScopedEnv unset(kPairs, nullptr);
-    fused = cuda_gradients(b);
-  }
-  const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
-  for (size_t i = 0; i < kNumSlots; ++i) {
-    EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kGradInputs[i].name << " differs";
-    EXPECT_EQ(first.t[i].bytes, fused.t[i].bytes)
-        << "d" << kGradInputs[i].name << " differs from the fused form";
-  }
-}
-
-// The same beyond the grid: varlen with empty and one-token sequences over more than one
-// 64-column tile, no state gradient flowing in, K not a multiple of 4 (element-wise staging),
-// and bitwise determinism.
+// The scans in registers beyond the grid: varlen with empty and one-token sequences over
+// more than one 64-column tile, no state gradient flowing in, K not a multiple of 4
+// (element-wise staging), bitwise determinism, and the default being this form.
 TEST(CudaBackward, ScansMmaVarlenPartialTilesKeptStatesAndDeterminism) {
   FLASHDELTA_REQUIRE_GPU();
   const ScopedEnv mma(kScans, "mma");
@@ -526,8 +453,16 @@ TEST(CudaBackward, ScansMmaVarlenPartialTilesKeptStatesAndDeterminism) {
   const BackwardCase b = make_backward_case(big);
   expect_gradients_match(b, "scans mma, K = V = 128");
   const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
-  for (size_t i = 0; i < kNumSlots; ++i)
+  Gradients by_default;
+  {
+    const ScopedEnv unset(kScans, nullptr);
+    by_default = cuda_gradients(b);
+  }
+  for (size_t i = 0; i < kNumSlots; ++i) {
     EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kGradInputs[i].name << " differs";
+    EXPECT_EQ(first.t[i].bytes, by_default.t[i].bytes)
+        << "d" << kGradInputs[i].name << ": the default is not the scans in registers";
+  }
 }
 
 TEST(CudaBackward, RunsTheChunkScheduleOnly) {
