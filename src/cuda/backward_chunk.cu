@@ -373,12 +373,26 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   __syncthreads();
   const int c = c0 + cc;
   if (c >= K) return;
-  for (int i = rg; i < len; i += kRowGroups) {
+  // Every row's dq, dk and dg loaded before any is stored: the loads in flight together.
+  constexpr int kRows = kC / kRowGroups;
+  float dq[kRows], dk[kRows], dg[kRows];
+#pragma unroll
+  for (int u = 0; u < kRows; ++u) {
+    const int i = rg + u * kRowGroups;
+    if (i >= len) continue;
+    dq[u] = x.k_row(ws.dq, i)[c];
+    dk[u] = x.k_row(ws.dk, i)[c];
+    dg[u] = x.k_row(ws.dg, i)[c];
+  }
+#pragma unroll
+  for (int u = 0; u < kRows; ++u) {
+    const int i = rg + u * kRowGroups;
+    if (i >= len) continue;
     const float p1 = pr.p1[i][cc], p2 = pr.p2[i][cc], q12 = pr.q12[i][cc];
     const float qi = s.q[i][cc], ki = s.k[i][cc];
-    x.k_row(ws.dq, i)[c] += p1;
-    x.k_row(ws.dk, i)[c] += p2 + q12;
-    x.k_row(ws.dg, i)[c] += qi * p1 + ki * p2 - ki * q12;
+    x.k_row(ws.dq, i)[c] = dq[u] + p1;
+    x.k_row(ws.dk, i)[c] = dk[u] + (p2 + q12);
+    x.k_row(ws.dg, i)[c] = dg[u] + (qi * p1 + ki * p2 - ki * q12);
   }
 }
 
@@ -435,17 +449,26 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   ProductStage<16>& st = sh.products.stage;
 
   // d(q e^Gamma) = dO S^T, to q and Gamma.
-  staged_product(len, K, V, dO, S_t, st, [&](int m, int n, float acc) {
-    x.k_row(ws.dq, m)[n] = acc * expf(gamma(m, n));
-    x.k_row(ws.dg, m)[n] = acc * x.k_rec(ws.qg, m)[n];
-  });
+  staged_product(
+      len, K, V, dO, S_t, st,
+      [&](int m, int n) { return make_float2(gamma(m, n), x.k_rec(ws.qg, m)[n]); },
+      [&](int m, int n, float acc, float2 in) {
+        x.k_row(ws.dq, m)[n] = acc * expf(in.x);
+        x.k_row(ws.dg, m)[n] = acc * in.y;
+      });
   // d(k e^(Gamma_end - Gamma)) = v_new dS^T, to k and Gamma; its Gamma_end part waits in dw.
-  staged_product(len, K, V, x.v_recs(ws.vn), dS_t, st, [&](int m, int n, float acc) {
-    x.k_row(ws.dk, m)[n] = acc * expf(gamma(len - 1, n) - gamma(m, n));
-    const float t = acc * x.k_rec(ws.kg, m)[n];
-    x.k_row(ws.dg, m)[n] -= t;
-    x.k_rec(ws.dw, m)[n] = t;
-  });
+  staged_product(
+      len, K, V, x.v_recs(ws.vn), dS_t, st,
+      [&](int m, int n) {
+        return make_float4(gamma(len - 1, n) - gamma(m, n), x.k_rec(ws.kg, m)[n],
+                           x.k_row(ws.dg, m)[n], 0.f);
+      },
+      [&](int m, int n, float acc, float4 in) {
+        x.k_row(ws.dk, m)[n] = acc * expf(in.x);
+        const float t = acc * in.y;
+        x.k_row(ws.dg, m)[n] = in.z - t;
+        x.k_rec(ws.dw, m)[n] = t;
+      });
   // d A_qk = tril(dO v_new^T).
   staged_product(len, len, V, dO, x.v_recs_t(ws.vn), st,
                  [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });
@@ -472,10 +495,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
     staged_product(len, len, K, x.k_recs(ws.dw), x.k_recs_t(ws.kb), st,
                    [&](int m, int n, float acc) { sh.products.dt[m][n] += acc; });
     // d(beta v) = T^T dv_new: dv, and beta's share kept in vb.
-    staged_product(len, V, len, T_t, x.v_recs(ws.dvn), st, [&](int m, int n, float acc) {
-      x.v_row(ws.dv, m)[n] = x.beta(m) * acc;
-      x.v_rec(ws.vb, m)[n] = acc * x.value(b.p.v, m, n);
-    });
+    staged_product(
+        len, V, len, T_t, x.v_recs(ws.dvn), st,
+        [&](int m, int n) { return make_float2(x.beta(m), x.value(b.p.v, m, n)); },
+        [&](int m, int n, float acc, float2 in) {
+          x.v_row(ws.dv, m)[n] = in.x * acc;
+          x.v_rec(ws.vb, m)[n] = acc * in.y;
+        });
     // d(beta k e^Gamma) = T^T dw: to k and Gamma, and beta's share kept in kb.
     staged_product(len, K, len, T_t, x.k_recs(ws.dw), st, [&](int m, int n, float acc) {
       float* kb = x.k_rec(ws.kb, m) + n;
