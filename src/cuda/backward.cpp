@@ -259,7 +259,12 @@ int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms) {
 }
 
 bool cuda_backward_scans_mma(int64_t K) {
-  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma"}) != "tiles" && K <= 128;
+  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma", "pipelined"}) != "tiles" &&
+         K <= 128;
+}
+
+bool cuda_backward_scans_pipelined() {
+  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma", "pipelined"}) == "pipelined";
 }
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
@@ -277,9 +282,11 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   const int64_t shared = shared_memory_per_block();
   require_shared_memory(shared);
   // The scans in registers unless the tile scans are asked for or the GPU lacks their shared
-  // memory (170 KB at K = 128).
+  // memory (170 KB at K = 128, 187 KB pipelined).
+  const bool scans_pipelined = cuda_backward_scans_pipelined();
   const bool scans_mma =
-      cuda_backward_scans_mma(p.K) && shared >= cuda::backward_scans_mma_shared_bytes(p.K);
+      cuda_backward_scans_mma(p.K) &&
+      shared >= cuda::backward_scans_mma_shared_bytes(p.K, scans_pipelined);
   const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
   {
     const cuda::BackwardParams b = backward_params(p, a);
@@ -303,6 +310,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     cuda::BackwardParams b = backward_params(ps, as);
     b.scan_cols = scan_cols;
     b.scans_mma = scans_mma;
+    b.scans_pipelined = scans_pipelined;
     const Carver regions = layout(b, varlen);
     if (regions.total() > 0) {
       regions.carve(memory.data());

@@ -66,6 +66,7 @@ struct BackwardParams {
   RecurrentParams p;  // sizes, options, q k v g beta, A_log, dt_bias, cu_seqlens, state_in
   int scan_cols = kScanColumnWidths[0];  // one of kScanColumnWidths (backward_scan_columns)
   bool scans_mma = false;                // the scans in registers (K <= 128)
+  bool scans_pipelined = false;          // ... staging the next chunk during this one
   DType state_in_dtype = DType::f32;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;
@@ -90,7 +91,7 @@ struct BackwardParams {
 // device offers it before launching anything).
 int64_t backward_chunk_shared_bytes();
 int64_t backward_scan_shared_bytes();
-int64_t backward_scans_mma_shared_bytes(int64_t K);  // K <= 128
+int64_t backward_scans_mma_shared_bytes(int64_t K, bool pipelined);  // K <= 128
 
 void launch_backward_inputs(const BackwardParams& b, void* stream);
 void launch_backward_records(const BackwardParams& b, void* stream);

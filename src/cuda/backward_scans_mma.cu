@@ -6,7 +6,9 @@
 // Sums over the keys (S^T w^T, dS'^T kg^T) are added across the pair through shared memory.
 // Halving each warp's chain of dependent products per chunk and doubling the warps per SM is
 // what the scans' per-chunk latency (the whole of their time at B = 1) asks for. While a
-// chunk is computed, the next chunk's record is prefetched into L2. `states`, first to last
+// chunk is computed, the next chunk's record is prefetched into L2; the pipelined form
+// (BackwardParams::scans_pipelined, opt-in until measured) also stages the next chunk's
+// operands into shared memory while this one computes. `states`, first to last
 // chunk:
 //     v_new^T = u^T - S^T w^T                  S^T = S^T diag(decay) + v_new^T kg
 // `dstates`, last to first:
@@ -53,13 +55,17 @@ struct alignas(16) StatesShared {
   Exchange xch;
 };
 
-template <int KP>
+// dO rows of a block's columns.
+using DoutTile = float[kC][kMmaColumns + 4];  // [token][column]
+
+// kDoutTiles = 2 for the pipelined scan: the next chunk's dO lands while this one's is read.
+template <int KP, int kDoutTiles = 1>
 struct alignas(16) DstatesShared {
-  float kg[kC][KP + 8];             // [token][key]
-  float qg[kC][KP + 4];             // [token][key]
-  float w[kC][KP + 4];              // [token][key]
-  float aqk[kC][kC + 4];            // [r][i], zero right of the diagonal
-  float dout[kC][kMmaColumns + 4];  // [token][column]
+  float kg[kC][KP + 8];   // [token][key]
+  float qg[kC][KP + 4];   // [token][key]
+  float w[kC][KP + 4];    // [token][key]
+  float aqk[kC][kC + 4];  // [r][i], zero right of the diagonal
+  DoutTile dout[kDoutTiles];
   float decay[KP];
   Exchange xch;
 };
@@ -107,14 +113,13 @@ __device__ void stage_decay(const BackwardParams& b, int64_t rec, float* dst) {
 
 // The A fragment of dO^T (the warp's 16 columns from `col0` x tokens 8 kt ..) in the
 // permuted k order.
-template <int KP>
-__device__ __forceinline__ void dout_fragment(const DstatesShared<KP>& sh, int kt, int col0,
+__device__ __forceinline__ void dout_fragment(const DoutTile& dout, int kt, int col0,
                                               uint32_t (&a)[4]) {
   const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4, t = 8 * kt + 2 * c;
-  a[0] = to_tf32(sh.dout[t][col0 + g]);
-  a[1] = to_tf32(sh.dout[t][col0 + g + 8]);
-  a[2] = to_tf32(sh.dout[t + 1][col0 + g]);
-  a[3] = to_tf32(sh.dout[t + 1][col0 + g + 8]);
+  a[0] = to_tf32(dout[t][col0 + g]);
+  a[1] = to_tf32(dout[t][col0 + g + 8]);
+  a[2] = to_tf32(dout[t + 1][col0 + g]);
+  a[3] = to_tf32(dout[t + 1][col0 + g + 8]);
 }
 
 // The A fragment of an accumulator tile (sign = -1 for its negative), in the permuted order.
@@ -197,10 +202,13 @@ struct MmaState {
   }
   // To a record's K x V float32 K-first slab of the workspace, while the chunk's stage (its
   // copies queued by every thread) lands; returns once it has landed for every thread.
-  __device__ void store_record_while_staging(const BackwardParams& b, int64_t jw, float* out) {
-    commit_async();
+  __device__ void store_record(const BackwardParams& b, int64_t jw, float* out) {
     const int64_t V = b.p.V;
     for_each(b, jw, [&](float& x, int key, int64_t col) { out[key * V + col] = x; });
+  }
+  __device__ void store_record_while_staging(const BackwardParams& b, int64_t jw, float* out) {
+    commit_async();
+    store_record(b, jw, out);
     wait_async<0>();
     __syncthreads();
   }
@@ -268,56 +276,211 @@ __device__ void for_each_token(const Acc (&t)[kTokenTiles], const BackwardParams
   }
 }
 
+// The states scan's operands of chunk ci: those of v_new (w, u) and those of the update
+// (kg, decay); zeros for an empty chunk.
+template <int KP>
+__device__ void stage_vn_operands(const BackwardParams& b, const MmaScanBlock& blk, int64_t ci,
+                                  StatesShared<KP>& sh) {
+  const int64_t K = b.p.K, V = b.p.V, rec = blk.record(b, ci);
+  const int len = blk.len(ci);
+  if (b.p.delta) stage_rows(&sh.w[0][0], KP + 8, KP, b.ws.w + rec * kC * K, K, len, int(K));
+  stage_rows(&sh.u[0][0], kMmaColumns + 4, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V, len,
+             blk.cols(b));
+}
+template <int KP>
+__device__ void stage_update_operands(const BackwardParams& b, const MmaScanBlock& blk,
+                                      int64_t ci, StatesShared<KP>& sh) {
+  const int64_t K = b.p.K, rec = blk.record(b, ci);
+  const int len = blk.len(ci);
+  stage_rows(&sh.kg[0][0], KP + 4, KP, b.ws.kg + rec * kC * K, K, len, int(K));
+  if (len > 0) stage_decay<KP>(b, rec, sh.decay);
+}
+// L2 prefetches of chunk ci's operands (none past the sequence).
+__device__ void prefetch_states_operands(const BackwardParams& b, const MmaScanBlock& blk,
+                                         int64_t ci) {
+  const int len = ci >= 0 ? blk.len(ci) : 0;
+  if (len == 0) return;
+  const int64_t K = b.p.K, V = b.p.V, r = blk.record(b, ci);
+  if (b.p.delta) prefetch_rows(b.ws.w + r * kC * K, K, len, K);
+  prefetch_rows(b.ws.kg + r * kC * K, K, len, K);
+  prefetch_rows(b.ws.u + r * kC * V + blk.j0, V, len, blk.cols(b));
+}
+
+// v_new^T = u^T - S^T w^T (the linear rule: v_new = u), summed over the pair's keys.
+template <int KP>
+__device__ void vn_phase(const BackwardParams& b, const MmaScanBlock& blk, const MmaState<KP>& S,
+                         StatesShared<KP>& sh, Acc (&vn)[kTokenTiles]) {
+  if (b.p.delta) {
+    state_times_rows(vn, S, &sh.w[0][0], KP + 8);
+    add_partner(vn, sh.xch);
+  }
+#pragma unroll
+  for (int nt = 0; nt < kTokenTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      vn[nt].d[e] = sh.u[8 * nt + acc_col(e)][blk.wc + acc_row(e)] - vn[nt].d[e];
+}
+
+// v_new out; S^T = S^T diag(decay) + v_new^T kg.
+template <int KP>
+__device__ void state_update_phase(const BackwardParams& b, const MmaScanBlock& blk, int len,
+                                   int64_t rec, MmaState<KP>& S, const StatesShared<KP>& sh,
+                                   const Acc (&vn)[kTokenTiles]) {
+  const int64_t V = b.p.V;
+  float* out = b.ws.vn + rec * kC * V;
+  for_each_token(vn, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
+  S.decay(sh.decay);
+#pragma unroll
+  for (int kt = 0; kt < kTokenTiles; ++kt) {
+    uint32_t a[4];
+    acc_fragment(vn[kt], 1.f, a);
+    times_kn(S.acc, a, &sh.kg[0][S.key0], KP + 4, kt);
+  }
+}
+
 template <int KP>
 __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const BackwardParams b) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<StatesShared<KP>*>(smem);
   const MmaScanBlock blk(b);
   const int64_t K = b.p.K, V = b.p.V;
-  const int Ki = static_cast<int>(K);
   MmaState<KP> S(blk);
   S.load(b, b.p.state_in, b.state_in_dtype, blk);
   for (int64_t ci = 0; ci < blk.chunks.count; ++ci) {
     const int len = blk.len(ci);
     if (len == 0) continue;  // defensive, as in the tile scan
     const int64_t rec = blk.record(b, ci);
-    if (b.p.delta) stage_rows(&sh.w[0][0], KP + 8, KP, b.ws.w + rec * kC * K, K, len, Ki);
-    stage_rows(&sh.kg[0][0], KP + 4, KP, b.ws.kg + rec * kC * K, K, len, Ki);
-    stage_rows(&sh.u[0][0], kMmaColumns + 4, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V,
-               len, blk.cols(b));
-    stage_decay<KP>(b, rec, sh.decay);
-    if (const int next = blk.len(ci + 1); next > 0) {
-      const int64_t r = blk.record(b, ci + 1);
-      if (b.p.delta) prefetch_rows(b.ws.w + r * kC * K, K, next, K);
-      prefetch_rows(b.ws.kg + r * kC * K, K, next, K);
-      prefetch_rows(b.ws.u + r * kC * V + blk.j0, V, next, blk.cols(b));
-    }
+    stage_vn_operands(b, blk, ci, sh);
+    stage_update_operands(b, blk, ci, sh);
+    prefetch_states_operands(b, blk, ci + 1);
     // The state entering the chunk, written while the stage lands.
     S.store_record_while_staging(b, blk.jw, b.ws.states + rec * K * V);
-
-    // v_new^T = u^T - S^T w^T (the linear rule: v_new = u).
     Acc vn[kTokenTiles];
-    if (b.p.delta) {
-      state_times_rows(vn, S, &sh.w[0][0], KP + 8);
-      add_partner(vn, sh.xch);
-    }
-#pragma unroll
-    for (int nt = 0; nt < kTokenTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        vn[nt].d[e] = sh.u[8 * nt + acc_col(e)][blk.wc + acc_row(e)] - vn[nt].d[e];
-    float* out = b.ws.vn + rec * kC * V;
-    for_each_token(vn, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
+    vn_phase(b, blk, S, sh, vn);
+    state_update_phase(b, blk, len, rec, S, sh, vn);
+    __syncthreads();  // every warp is done with the stage before the next chunk's copies
+  }
+}
 
-    // S^T = S^T diag(decay) + v_new^T kg.
-    S.decay(sh.decay);
+// The same scan with the next chunk's operands landing while this one computes, in two
+// cp.async groups: w and u (queued once v_new has read them, so they land during the
+// update) and kg and the decay (queued after the update, landing during the next v_new).
+// The same products in the same order: bitwise the same results.
+template <int KP>
+__global__ void __launch_bounds__(kMmaThreads, 1)
+    states_mma_pipelined_kernel(const BackwardParams b) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto& sh = *reinterpret_cast<StatesShared<KP>*>(smem);
+  const MmaScanBlock blk(b);
+  const int64_t K = b.p.K, V = b.p.V, count = blk.chunks.count;
+  MmaState<KP> S(blk);
+  S.load(b, b.p.state_in, b.state_in_dtype, blk);
+  if (count > 0) {
+    stage_vn_operands(b, blk, 0, sh);
+    commit_async();
+    stage_update_operands(b, blk, 0, sh);
+    commit_async();
+  }
+  for (int64_t ci = 0; ci < count; ++ci) {
+    const int len = blk.len(ci);  // 0 only for a malformed table: computes nothing
+    const int64_t rec = blk.record(b, ci);
+    prefetch_states_operands(b, blk, ci + 2);
+    if (len > 0) S.store_record(b, blk.jw, b.ws.states + rec * K * V);
+    wait_async<1>();  // w and u of chunk ci
+    __syncthreads();
+    Acc vn[kTokenTiles];
+    if (len > 0) vn_phase(b, blk, S, sh, vn);
+    wait_async<0>();  // kg and the decay of chunk ci
+    __syncthreads();  // ... landed for every thread, and every warp is done with w and u
+    if (ci + 1 < count) stage_vn_operands(b, blk, ci + 1, sh);
+    commit_async();
+    if (len > 0) state_update_phase(b, blk, len, rec, S, sh, vn);
+    __syncthreads();  // every warp is done with kg and the decay
+    if (ci + 1 < count) stage_update_operands(b, blk, ci + 1, sh);
+    commit_async();
+  }
+}
+
+// The dstates scan's operands of chunk ci: those of dv_new (kg, A_qk, dO into tile `tile`)
+// and those of the update (qg, w, decay); zeros for an empty chunk.
+template <int KP, int kTiles>
+__device__ void stage_dv_operands(const BackwardParams& b, const MmaScanBlock& blk, int64_t ci,
+                                  int tile, DstatesShared<KP, kTiles>& sh) {
+  const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV, rec = blk.record(b, ci);
+  const int len = blk.len(ci);
+  stage_rows(&sh.kg[0][0], KP + 8, KP, b.ws.kg + rec * kC * K, K, len, int(K));
+  stage_rows(&sh.aqk[0][0], kC + 4, kC, b.ws.aqk + rec * kC * kC, kC, len, kC);
+  stage_rows(&sh.dout[tile][0][0], kMmaColumns + 4, kMmaColumns,
+             b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0, HV * V, len, blk.cols(b));
+}
+template <int KP, int kTiles>
+__device__ void stage_dstate_update_operands(const BackwardParams& b, const MmaScanBlock& blk,
+                                             int64_t ci, DstatesShared<KP, kTiles>& sh) {
+  const int64_t K = b.p.K, rec = blk.record(b, ci);
+  const int len = blk.len(ci);
+  stage_rows(&sh.qg[0][0], KP + 4, KP, b.ws.qg + rec * kC * K, K, len, int(K));
+  if (b.p.delta) stage_rows(&sh.w[0][0], KP + 4, KP, b.ws.w + rec * kC * K, K, len, int(K));
+  if (len > 0) stage_decay<KP>(b, rec, sh.decay);
+}
+__device__ void prefetch_dstates_operands(const BackwardParams& b, const MmaScanBlock& blk,
+                                          int64_t ci) {
+  const int len = ci >= 0 ? blk.len(ci) : 0;
+  if (len == 0) return;
+  const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV, r = blk.record(b, ci);
+  prefetch_rows(b.ws.kg + r * kC * K, K, len, K);
+  prefetch_rows(b.ws.qg + r * kC * K, K, len, K);
+  if (b.p.delta) prefetch_rows(b.ws.w + r * kC * K, K, len, K);
+  prefetch_rows(b.ws.aqk + r * kC * kC, kC, len, kC);
+  prefetch_rows(b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0, HV * V, len,
+                blk.cols(b));
+}
+
+// dv_new^T = dO^T A_qk + dS'^T kg^T, the first term by the first warp of the pair, the second
+// summed over the pair's keys. A_qk[r][i] is zero for i > r: k-step kt (tokens 8 kt ..)
+// reaches token tiles nt <= kt.
+template <int KP, int kTiles>
+__device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S,
+                         DstatesShared<KP, kTiles>& sh, const DoutTile& dout,
+                         Acc (&dv)[kTokenTiles]) {
+  const int c = threadIdx.x % 4, g = threadIdx.x % 32 / 4;
+  if (blk.half == 0) {
 #pragma unroll
     for (int kt = 0; kt < kTokenTiles; ++kt) {
       uint32_t a[4];
-      acc_fragment(vn[kt], 1.f, a);
-      times_kn(S.acc, a, &sh.kg[0][S.key0], KP + 4, kt);
+      dout_fragment(dout, kt, blk.wc, a);
+      const float* r = &sh.aqk[8 * kt + 2 * c][g];
+#pragma unroll
+      for (int nt = 0; nt <= kt; ++nt)
+        mma_tf32(dv[nt], a, to_tf32(r[8 * nt]), to_tf32(r[kC + 4 + 8 * nt]));
     }
-    __syncthreads();  // every warp is done with the stage before the next chunk's copies
+  }
+  state_times_rows(dv, S, &sh.kg[0][0], KP + 8);
+  add_partner(dv, sh.xch);
+}
+
+// dv_new out; dS^T = dS'^T diag(decay) + dO^T qg - dv_new^T w.
+template <int KP, int kTiles>
+__device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock& blk, int len,
+                                    int64_t rec, MmaState<KP>& S,
+                                    const DstatesShared<KP, kTiles>& sh, const DoutTile& dout,
+                                    const Acc (&dv)[kTokenTiles]) {
+  const int64_t V = b.p.V;
+  float* out = b.ws.dvn + rec * kC * V;
+  for_each_token(dv, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
+  S.decay(sh.decay);
+#pragma unroll
+  for (int kt = 0; kt < kTokenTiles; ++kt) {
+    uint32_t a[4];
+    dout_fragment(dout, kt, blk.wc, a);
+    times_kn(S.acc, a, &sh.qg[0][S.key0], KP + 4, kt);
+  }
+  if (b.p.delta) {
+#pragma unroll
+    for (int kt = 0; kt < kTokenTiles; ++kt) {
+      uint32_t a[4];
+      acc_fragment(dv[kt], -1.f, a);
+      times_kn(S.acc, a, &sh.w[0][S.key0], KP + 4, kt);
+    }
   }
 }
 
@@ -326,69 +489,62 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const Backw
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<DstatesShared<KP>*>(smem);
   const MmaScanBlock blk(b);
-  const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV;
-  const int Ki = static_cast<int>(K);
-  const int c = threadIdx.x % 4, g = threadIdx.x % 32 / 4;
+  const int64_t K = b.p.K, V = b.p.V;
   MmaState<KP> S(blk);  // dS^T
   S.load(b, b.d_final, b.d_final_dtype, blk);
   for (int64_t ci = blk.chunks.count - 1; ci >= 0; --ci) {
     const int len = blk.len(ci);
     if (len == 0) continue;  // defensive, as in the tile scan
-    const int64_t rec = blk.record(b, ci), r0 = blk.row0(b, ci);
-    stage_rows(&sh.kg[0][0], KP + 8, KP, b.ws.kg + rec * kC * K, K, len, Ki);
-    stage_rows(&sh.qg[0][0], KP + 4, KP, b.ws.qg + rec * kC * K, K, len, Ki);
-    if (b.p.delta) stage_rows(&sh.w[0][0], KP + 4, KP, b.ws.w + rec * kC * K, K, len, Ki);
-    stage_rows(&sh.aqk[0][0], kC + 4, kC, b.ws.aqk + rec * kC * kC, kC, len, kC);
-    stage_rows(&sh.dout[0][0], kMmaColumns + 4, kMmaColumns,
-               b.ws.dout + (r0 * HV + blk.hv) * V + blk.j0, HV * V, len, blk.cols(b));
-    stage_decay<KP>(b, rec, sh.decay);
-    if (const int next = ci > 0 ? blk.len(ci - 1) : 0; next > 0) {
-      const int64_t r = blk.record(b, ci - 1), q0 = blk.row0(b, ci - 1);
-      prefetch_rows(b.ws.kg + r * kC * K, K, next, K);
-      prefetch_rows(b.ws.qg + r * kC * K, K, next, K);
-      if (b.p.delta) prefetch_rows(b.ws.w + r * kC * K, K, next, K);
-      prefetch_rows(b.ws.aqk + r * kC * kC, kC, next, kC);
-      prefetch_rows(b.ws.dout + (q0 * HV + blk.hv) * V + blk.j0, HV * V, next, blk.cols(b));
-    }
+    const int64_t rec = blk.record(b, ci);
+    stage_dv_operands(b, blk, ci, 0, sh);
+    stage_dstate_update_operands(b, blk, ci, sh);
+    prefetch_dstates_operands(b, blk, ci - 1);
     // dS', the gradient of the state leaving the chunk, written while the stage lands.
     S.store_record_while_staging(b, blk.jw, b.ws.dstates + rec * K * V);
-
-    // dv_new^T = dO^T A_qk + dS'^T kg^T, the first term by the first warp of the pair.
-    // A_qk[r][i] is zero for i > r: k-step kt (tokens 8 kt ..) reaches token tiles nt <= kt.
     Acc dv[kTokenTiles];
-    if (blk.half == 0) {
-#pragma unroll
-      for (int kt = 0; kt < kTokenTiles; ++kt) {
-        uint32_t a[4];
-        dout_fragment(sh, kt, blk.wc, a);
-        const float* r = &sh.aqk[8 * kt + 2 * c][g];
-#pragma unroll
-        for (int nt = 0; nt <= kt; ++nt)
-          mma_tf32(dv[nt], a, to_tf32(r[8 * nt]), to_tf32(r[kC + 4 + 8 * nt]));
-      }
-    }
-    state_times_rows(dv, S, &sh.kg[0][0], KP + 8);
-    add_partner(dv, sh.xch);
-    float* out = b.ws.dvn + rec * kC * V;
-    for_each_token(dv, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
-
-    // dS^T = dS'^T diag(decay) + dO^T qg - dv_new^T w.
-    S.decay(sh.decay);
-#pragma unroll
-    for (int kt = 0; kt < kTokenTiles; ++kt) {
-      uint32_t a[4];
-      dout_fragment(sh, kt, blk.wc, a);
-      times_kn(S.acc, a, &sh.qg[0][S.key0], KP + 4, kt);
-    }
-    if (b.p.delta) {
-#pragma unroll
-      for (int kt = 0; kt < kTokenTiles; ++kt) {
-        uint32_t a[4];
-        acc_fragment(dv[kt], -1.f, a);
-        times_kn(S.acc, a, &sh.w[0][S.key0], KP + 4, kt);
-      }
-    }
+    dv_phase(blk, S, sh, sh.dout[0], dv);
+    dstate_update_phase(b, blk, len, rec, S, sh, sh.dout[0], dv);
     __syncthreads();  // every warp is done with the stage before the next chunk's copies
+  }
+  S.store(b, b.d_initial, b.d_initial_dtype, blk);
+}
+
+// The same scan with the next chunk's operands landing while this one computes, in two
+// cp.async groups: kg, A_qk and dO (queued once dv_new has read kg and A_qk, into the other
+// dO tile, so they land during the update) and qg, w and the decay (queued after the
+// update, landing during the next dv_new). Bitwise the same results.
+template <int KP>
+__global__ void __launch_bounds__(kMmaThreads, 1)
+    dstates_mma_pipelined_kernel(const BackwardParams b) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto& sh = *reinterpret_cast<DstatesShared<KP, 2>*>(smem);
+  const MmaScanBlock blk(b);
+  const int64_t K = b.p.K, V = b.p.V, last = blk.chunks.count - 1;
+  MmaState<KP> S(blk);  // dS^T
+  S.load(b, b.d_final, b.d_final_dtype, blk);
+  if (last >= 0) {
+    stage_dv_operands(b, blk, last, 0, sh);
+    commit_async();
+    stage_dstate_update_operands(b, blk, last, sh);
+    commit_async();
+  }
+  for (int64_t ci = last, tile = 0; ci >= 0; --ci, tile ^= 1) {
+    const int len = blk.len(ci);  // 0 only for a malformed table: computes nothing
+    const int64_t rec = blk.record(b, ci);
+    prefetch_dstates_operands(b, blk, ci - 2);
+    if (len > 0) S.store_record(b, blk.jw, b.ws.dstates + rec * K * V);
+    wait_async<1>();  // kg, A_qk and dO of chunk ci
+    __syncthreads();
+    Acc dv[kTokenTiles];
+    if (len > 0) dv_phase(blk, S, sh, sh.dout[tile], dv);
+    wait_async<0>();  // qg, w and the decay of chunk ci
+    __syncthreads();  // ... landed for every thread, and every warp is done with kg and A_qk
+    if (ci > 0) stage_dv_operands(b, blk, ci - 1, static_cast<int>(tile ^ 1), sh);
+    commit_async();
+    if (len > 0) dstate_update_phase(b, blk, len, rec, S, sh, sh.dout[tile], dv);
+    __syncthreads();  // every warp is done with qg, w, the decay and this dO tile
+    if (ci > 0) stage_dstate_update_operands(b, blk, ci - 1, sh);
+    commit_async();
   }
   S.store(b, b.d_initial, b.d_initial_dtype, blk);
 }
@@ -405,16 +561,27 @@ void launch_mma_scan(void (*kernel)(BackwardParams), const BackwardParams& b, vo
 
 }  // namespace
 
-int64_t backward_scans_mma_shared_bytes(int64_t K) {
-  return K <= 64 ? sizeof(DstatesShared<64>) : sizeof(DstatesShared<128>);  // the larger
+int64_t backward_scans_mma_shared_bytes(int64_t K, bool pipelined) {
+  // dstates' is the larger.
+  if (pipelined) return K <= 64 ? sizeof(DstatesShared<64, 2>) : sizeof(DstatesShared<128, 2>);
+  return K <= 64 ? sizeof(DstatesShared<64>) : sizeof(DstatesShared<128>);
 }
 
 void launch_backward_states_mma(const BackwardParams& b, void* stream) {
-  if (b.p.K <= 64) return launch_mma_scan<StatesShared<64>>(states_mma_kernel<64>, b, stream);
-  launch_mma_scan<StatesShared<128>>(states_mma_kernel<128>, b, stream);
+  const bool pipe = b.scans_pipelined;
+  if (b.p.K <= 64)
+    return launch_mma_scan<StatesShared<64>>(
+        pipe ? states_mma_pipelined_kernel<64> : states_mma_kernel<64>, b, stream);
+  launch_mma_scan<StatesShared<128>>(
+      pipe ? states_mma_pipelined_kernel<128> : states_mma_kernel<128>, b, stream);
 }
 
 void launch_backward_dstates_mma(const BackwardParams& b, void* stream) {
+  if (b.scans_pipelined) {
+    if (b.p.K <= 64)
+      return launch_mma_scan<DstatesShared<64, 2>>(dstates_mma_pipelined_kernel<64>, b, stream);
+    return launch_mma_scan<DstatesShared<128, 2>>(dstates_mma_pipelined_kernel<128>, b, stream);
+  }
   if (b.p.K <= 64) return launch_mma_scan<DstatesShared<64>>(dstates_mma_kernel<64>, b, stream);
   launch_mma_scan<DstatesShared<128>>(dstates_mma_kernel<128>, b, stream);
 }

@@ -394,19 +394,23 @@ TEST(CudaBackward, ScanTilesOfEveryWidth) {
 
 constexpr const char* kScans = "FLASHDELTA_BACKWARD_SCANS";
 
-// Host only: the scans in registers for K <= 128 unless the tile scans are asked for.
+// Host only: the scans in registers for K <= 128 unless the tile scans are asked for;
+// pipelined only where asked for.
 TEST(CudaBackwardScansMma, FollowsTheEnvironmentVariable) {
-  for (const char* mma : {static_cast<const char*>(nullptr), "", "mma"}) {
+  for (const char* mma : {static_cast<const char*>(nullptr), "", "mma", "pipelined"}) {
     const ScopedEnv setting(kScans, mma);
     EXPECT_TRUE(detail::cuda_backward_scans_mma(17));
     EXPECT_TRUE(detail::cuda_backward_scans_mma(128));
     EXPECT_FALSE(detail::cuda_backward_scans_mma(129));  // past its shared memory: tiles
+    EXPECT_EQ(detail::cuda_backward_scans_pipelined(), mma && std::string(mma) == "pipelined");
   }
   {
     const ScopedEnv tiles(kScans, "tiles");
     EXPECT_FALSE(detail::cuda_backward_scans_mma(128));
+    EXPECT_FALSE(detail::cuda_backward_scans_pipelined());
   }
   expect_rejected(kScans, "MMA", [] { detail::cuda_backward_scans_mma(128); });
+  expect_rejected(kScans, "pipeline", [] { detail::cuda_backward_scans_pipelined(); });
 }
 
 // The tile scans (cuda/backward_scan.cu) on the grid's cases with K <= 128, where the default
@@ -430,39 +434,67 @@ INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardTileScansGrid,
                          ::testing::ValuesIn(small_key_grid()),
                          [](const auto& info) { return describe(info.param); });
 
-// The scans in registers beyond the grid: varlen with empty and one-token sequences over
-// more than one 64-column tile, no state gradient flowing in, K not a multiple of 4
-// (element-wise staging), bitwise determinism, and the default being this form.
+// The scans in registers, pipelined (opt-in), on the same cases.
+class CudaBackwardPipelinedScansGrid : public ::testing::TestWithParam<CaseConfig> {};
+
+TEST_P(CudaBackwardPipelinedScansGrid, MatchesReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv pipelined(kScans, "pipelined");
+  expect_gradients_match(make_backward_case(GetParam()),
+                         describe(GetParam()) + ", scans pipelined");
+}
+
+INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardPipelinedScansGrid,
+                         ::testing::ValuesIn(small_key_grid()),
+                         [](const auto& info) { return describe(info.param); });
+
+// The scans in registers, plain and pipelined, beyond the grid: varlen with empty and
+// one-token sequences over more than one 64-column tile, no state gradient flowing in, K not
+// a multiple of 4 (element-wise staging), kept states, bitwise determinism, the default being
+// the plain form, and the pipelined form giving bitwise its gradients (the same products in
+// the same order).
 TEST(CudaBackward, ScansMmaVarlenPartialTilesKeptStatesAndDeterminism) {
   FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv mma(kScans, "mma");
-  const CaseConfig varlen{.T = 337, .H = 2, .HV = 4, .K = 64, .V = 100, .dtype = DType::bf16,
-                          .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
-                          .layout = StateLayout::v_first, .seed = 7900};
-  expect_gradients_match(make_backward_case(varlen), "scans mma, varlen");
-  const CaseConfig odd{.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130, .K = 18,
-                       .V = 70, .dtype = DType::f16, .qk_l2norm = true, .seed = 7901};
-  expect_gradients_match(make_backward_case(odd, false), "scans mma, K = 18, no d_final");
-  // The kept states replace the states scan; the state-gradient scan still runs in registers.
-  const CaseConfig kept{.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4,
-                        .K = 64, .V = 48, .dtype = DType::f16, .seqlens = {0, 1, 200, 65},
-                        .layout = StateLayout::v_first, .seed = 7903};
-  expect_gradients_match(with_kept_states(kept), "scans mma, kept states");
   const CaseConfig big{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128,
                        .dtype = DType::bf16, .qk_l2norm = true, .seed = 7902};
   const BackwardCase b = make_backward_case(big);
-  expect_gradients_match(b, "scans mma, K = V = 128");
-  const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
+  Gradients plain;
+  for (const char* form : {"mma", "pipelined"}) {
+    const ScopedEnv setting(kScans, form);
+    const std::string name = std::string("scans ") + form;
+    const CaseConfig varlen{.T = 337, .H = 2, .HV = 4, .K = 64, .V = 100, .dtype = DType::bf16,
+                            .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
+                            .layout = StateLayout::v_first, .seed = 7900};
+    expect_gradients_match(make_backward_case(varlen), name + ", varlen");
+    const CaseConfig odd{.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130, .K = 18,
+                         .V = 70, .dtype = DType::f16, .qk_l2norm = true, .seed = 7901};
+    expect_gradients_match(make_backward_case(odd, false), name + ", K = 18, no d_final");
+    // The kept states replace the states scan; the state-gradient scan still runs.
+    const CaseConfig kept{.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4,
+                          .K = 64, .V = 48, .dtype = DType::f16, .seqlens = {0, 1, 200, 65},
+                          .layout = StateLayout::v_first, .seed = 7903};
+    expect_gradients_match(with_kept_states(kept), name + ", kept states");
+    expect_gradients_match(b, name + ", K = V = 128");
+    const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
+    for (size_t i = 0; i < kNumSlots; ++i)
+      EXPECT_EQ(first.t[i].bytes, second.t[i].bytes)
+          << name << ": d" << kGradInputs[i].name << " differs between runs";
+    if (std::string(form) == "mma") {
+      plain = first;
+    } else {
+      for (size_t i = 0; i < kNumSlots; ++i)
+        EXPECT_EQ(first.t[i].bytes, plain.t[i].bytes)
+            << name << ": d" << kGradInputs[i].name << " differs from the plain form";
+    }
+  }
   Gradients by_default;
   {
     const ScopedEnv unset(kScans, nullptr);
     by_default = cuda_gradients(b);
   }
-  for (size_t i = 0; i < kNumSlots; ++i) {
-    EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kGradInputs[i].name << " differs";
-    EXPECT_EQ(first.t[i].bytes, by_default.t[i].bytes)
+  for (size_t i = 0; i < kNumSlots; ++i)
+    EXPECT_EQ(by_default.t[i].bytes, plain.t[i].bytes)
         << "d" << kGradInputs[i].name << ": the default is not the scans in registers";
-  }
 }
 
 TEST(CudaBackward, RunsTheChunkScheduleOnly) {
