@@ -33,7 +33,9 @@ process, each reported with its largest gradient difference from ours: a comma-s
 list of variants, each NAME=VALUE pairs joined by '+', e.g.
     --variants FLASHDELTA_BACKWARD_SCANS=tiles,FLASHDELTA_BACKWARD_SCAN_COLUMNS=32
 (FLASHDELTA_BACKWARD_SCANS=tiles: the tile scans instead of the scans with the state in
-tensor-core registers, the default for K <= 128; FLASHDELTA_BACKWARD_SCAN_COLUMNS: the tile
+tensor-core registers, the default for K <= 128; =pipelined: those scans staging the next
+chunk while computing this one, the same sums: expected difference 0;
+FLASHDELTA_BACKWARD_SCAN_COLUMNS: the tile
 scans' columns per block, `auto` when unset, which sums every output column in the same order
 at any width: expected difference 0).
 
