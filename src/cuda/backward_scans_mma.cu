@@ -104,11 +104,15 @@ __device__ void prefetch_rows(const float* p, int64_t stride, int rows, int64_t 
   }
 }
 
-// The record's decay per key into dst (zeros past K).
+// Queues the record's decay per key into dst (zeros past K), with the stage's copies.
 template <int KP>
 __device__ void stage_decay(const BackwardParams& b, int64_t rec, float* dst) {
-  for (int e = threadIdx.x; e < KP; e += blockDim.x)
-    dst[e] = e < b.p.K ? b.ws.decay[rec * b.p.K + e] : 0.f;
+  for (int e = threadIdx.x; e < KP; e += blockDim.x) {
+    if (e < b.p.K)
+      copy_async<4>(dst + e, b.ws.decay + rec * b.p.K + e, 4);
+    else
+      dst[e] = 0.f;
+  }
 }
 
 // The A fragment of dO^T (the warp's 16 columns from `col0` x tokens 8 kt ..) in the
@@ -200,12 +204,13 @@ struct MmaState {
         store_float(s.data, dtype, state_offset(s, blk.n, blk.hv, key, col), x);
       });
   }
-  // To a record's K x V float32 K-first slab of the workspace, while the chunk's stage (its
-  // copies queued by every thread) lands; returns once it has landed for every thread.
+  // To a record's K x V float32 K-first slab of the workspace.
   __device__ void store_record(const BackwardParams& b, int64_t jw, float* out) {
     const int64_t V = b.p.V;
     for_each(b, jw, [&](float& x, int key, int64_t col) { out[key * V + col] = x; });
   }
+  // The same while the chunk's stage (its copies queued by every thread) lands; returns once
+  // it has landed for every thread.
   __device__ void store_record_while_staging(const BackwardParams& b, int64_t jw, float* out) {
     commit_async();
     store_record(b, jw, out);
@@ -298,7 +303,7 @@ __device__ void stage_update_operands(const BackwardParams& b, const MmaScanBloc
 // L2 prefetches of chunk ci's operands (none past the sequence).
 __device__ void prefetch_states_operands(const BackwardParams& b, const MmaScanBlock& blk,
                                          int64_t ci) {
-  const int len = ci >= 0 ? blk.len(ci) : 0;
+  const int len = ci < blk.chunks.count ? blk.len(ci) : 0;
   if (len == 0) return;
   const int64_t K = b.p.K, V = b.p.V, r = blk.record(b, ci);
   if (b.p.delta) prefetch_rows(b.ws.w + r * kC * K, K, len, K);
@@ -373,16 +378,17 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
   auto& sh = *reinterpret_cast<StatesShared<KP>*>(smem);
   const MmaScanBlock blk(b);
   const int64_t K = b.p.K, V = b.p.V, count = blk.chunks.count;
-  MmaState<KP> S(blk);
-  S.load(b, b.p.state_in, b.state_in_dtype, blk);
-  if (count > 0) {
+  if (count > 0) {  // the first chunk's operands land while the initial state loads
     stage_vn_operands(b, blk, 0, sh);
     commit_async();
     stage_update_operands(b, blk, 0, sh);
     commit_async();
+    prefetch_states_operands(b, blk, 1);
   }
+  MmaState<KP> S(blk);
+  S.load(b, b.p.state_in, b.state_in_dtype, blk);
   for (int64_t ci = 0; ci < count; ++ci) {
-    const int len = blk.len(ci);  // 0 only for a malformed table: computes nothing
+    const int len = blk.len(ci);  // > 0 for every chunk of the table; 0 would compute nothing
     const int64_t rec = blk.record(b, ci);
     prefetch_states_operands(b, blk, ci + 2);
     if (len > 0) S.store_record(b, blk.jw, b.ws.states + rec * K * V);
@@ -520,16 +526,17 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
   auto& sh = *reinterpret_cast<DstatesShared<KP, 2>*>(smem);
   const MmaScanBlock blk(b);
   const int64_t K = b.p.K, V = b.p.V, last = blk.chunks.count - 1;
-  MmaState<KP> S(blk);  // dS^T
-  S.load(b, b.d_final, b.d_final_dtype, blk);
-  if (last >= 0) {
+  if (last >= 0) {  // the last chunk's operands land while the final gradient loads
     stage_dv_operands(b, blk, last, 0, sh);
     commit_async();
     stage_dstate_update_operands(b, blk, last, sh);
     commit_async();
+    prefetch_dstates_operands(b, blk, last - 1);
   }
+  MmaState<KP> S(blk);  // dS^T
+  S.load(b, b.d_final, b.d_final_dtype, blk);
   for (int64_t ci = last, tile = 0; ci >= 0; --ci, tile ^= 1) {
-    const int len = blk.len(ci);  // 0 only for a malformed table: computes nothing
+    const int len = blk.len(ci);  // > 0 for every chunk of the table; 0 would compute nothing
     const int64_t rec = blk.record(b, ci);
     prefetch_dstates_operands(b, blk, ci - 2);
     if (len > 0) S.store_record(b, blk.jw, b.ws.dstates + rec * K * V);
