@@ -51,6 +51,7 @@ Carver layout(cuda::BackwardParams& b, bool varlen) {
   const int64_t tile = cuda::kChunk * cuda::kChunk;
   for (float** p : {&w.aqk, &w.tm, &w.kdot}) c.add(*p, records * tile);
   c.add(w.decay, records * K);
+  c.add(w.dgamma, records * K);
   c.add(w.states, records * K * V);
   c.add(w.dstates, records * K * V);
   return c;
@@ -109,7 +110,8 @@ int64_t shared_memory_per_block() {
 // do not); called before anything is launched.
 void require_shared_memory(int64_t available) {
   const int64_t needed =
-      std::max(cuda::backward_chunk_shared_bytes(), cuda::backward_scan_shared_bytes());
+      std::max({cuda::backward_chunk_shared_bytes(), cuda::backward_scan_shared_bytes(),
+                cuda::backward_keys_shared_bytes()});
   if (available < needed)
     throw Error(ErrorCode::unsupported,
                 "argument 'q': the CUDA chunk backward needs " + std::to_string(needed) +
@@ -135,12 +137,14 @@ void run_stages(const cuda::BackwardParams& b, bool varlen, void* stream) {
                                              : cuda::launch_backward_states;
   const Launch dstates =
       b.scans_mma ? cuda::launch_backward_dstates_mma : cuda::launch_backward_dstates;
+  const Launch keys = b.grads_split ? cuda::launch_backward_keys : nullptr;
   const std::pair<Launch, const char*> stages[] = {
       {cuda::launch_backward_inputs, "inputs"},   {cuda::launch_backward_records, "records"},
       {states, "states"},                         {dstates, "dstates"},
-      {cuda::launch_backward_grads, "grads"},     {cuda::launch_backward_outputs, "outputs"},
-      {cuda::launch_backward_params, "params"}};
+      {keys, "keys"},                             {cuda::launch_backward_grads, "grads"},
+      {cuda::launch_backward_outputs, "outputs"}, {cuda::launch_backward_params, "params"}};
   for (const auto& [launch, name] : stages) {
+    if (!launch) continue;
     launch(b, stream);
     check_kernel_launch((std::string("CUDA backward ") + name).c_str());
   }
@@ -263,6 +267,10 @@ bool cuda_backward_scans_mma(int64_t K) {
          K <= 128;
 }
 
+bool cuda_backward_grads_split() {
+  return env_setting("FLASHDELTA_BACKWARD_GRADS", {"fused", "split"}) == "split";
+}
+
 bool cuda_backward_scans_pipelined() {
   return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma", "pipelined"}) == "pipelined";
 }
@@ -284,21 +292,22 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   // The scans in registers unless the tile scans are asked for or the GPU lacks their shared
   // memory (170 KB at K = 128, 187 KB pipelined).
   const bool scans_pipelined = cuda_backward_scans_pipelined();
+  const bool grads_split = cuda_backward_grads_split();
   const bool scans_mma =
       cuda_backward_scans_mma(p.K) &&
       shared >= cuda::backward_scans_mma_shared_bytes(p.K, scans_pipelined);
   const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
   {
     const cuda::BackwardParams b = backward_params(p, a);
-    // The kept-states pass runs one block per record (records); the scans one per sequence,
-    // value head and column tile.
-    const int64_t records = b.max_chunks * pass_heads * p.group,
+    // The kept-states pass runs one block per record (records), `keys` one per record and 64
+    // keys; the scans one per sequence, value head and column tile.
+    const int64_t record_tiles = b.max_chunks * pass_heads * p.group * ((p.K + 63) / 64),
                   scan_tiles = p.N * pass_heads * p.group * ((p.V + scan_cols - 1) / scan_cols),
                   param_blocks = pass_heads * p.group * (p.K + 1);
-    if (records > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX)
+    if (record_tiles > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX)
       throw Error(ErrorCode::unsupported,
                   "argument 'q': the CUDA chunk backward runs at most 2^31 - 1 blocks per "
-                  "kernel, got " + std::to_string(records) + " chunk records, " +
+                  "kernel, got " + std::to_string(record_tiles) + " chunk records x key tiles, " +
                       std::to_string(scan_tiles) + " scan tiles, " +
                       std::to_string(param_blocks) + " gate-parameter sums");
   }
@@ -311,6 +320,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     b.scan_cols = scan_cols;
     b.scans_mma = scans_mma;
     b.scans_pipelined = scans_pipelined;
+    b.grads_split = grads_split;
     const Carver regions = layout(b, varlen);
     if (regions.total() > 0) {
       regions.carve(memory.data());

@@ -21,38 +21,6 @@ constexpr int kWarps = kBackwardThreads / 32;
 // long; grads needs room for its tables.
 constexpr int kRecordSlice = 32, kGradSlice = 16;
 
-// The chunk's rows of the buffers, for one value head: token-major buffers (inputs and
-// gradients, row r0 + i) and record-major ones (the chunk's own intermediates, row i of
-// record rec, contiguous).
-struct ChunkRows {
-  const BackwardParams& b;
-  int64_t r0, rec, hv, h;
-  int len;
-  __device__ float* k_row(float* buf, int i) const {
-    return buf + ((r0 + i) * b.p.HV + hv) * b.p.K;
-  }
-  __device__ float* v_row(float* buf, int i) const {
-    return buf + ((r0 + i) * b.p.HV + hv) * b.p.V;
-  }
-  __device__ float* k_rec(float* buf, int i) const { return buf + (rec * kC + i) * b.p.K; }
-  __device__ float* v_rec(float* buf, int i) const { return buf + (rec * kC + i) * b.p.V; }
-  __device__ const float* key_head(const float* buf, int i) const {
-    return buf + ((r0 + i) * b.H + h) * b.p.K;
-  }
-  __device__ float beta(int i) const { return b.ws.beta[(r0 + i) * b.p.HV + hv]; }
-  __device__ float value(const TokenTensor& x, int i, int j) const {
-    return load_float(x.data, x.dtype, token_row_offset(x, r0 + i, b.p.T, hv) + j * x.stride[3]);
-  }
-  // Product operands: the chunk's rows of a buffer, or their transpose.
-  __device__ Rows v_rows(const float* buf) const {
-    return {buf + (r0 * b.p.HV + hv) * b.p.V, b.p.HV * b.p.V};
-  }
-  __device__ Rows k_recs(const float* buf) const { return {buf + rec * kC * b.p.K, b.p.K}; }
-  __device__ Rows v_recs(const float* buf) const { return {buf + rec * kC * b.p.V, b.p.V}; }
-  __device__ Cols k_recs_t(const float* buf) const { return {buf + rec * kC * b.p.K, b.p.K}; }
-  __device__ Cols v_recs_t(const float* buf) const { return {buf + rec * kC * b.p.V, b.p.V}; }
-};
-
 // Channels [c0, c0 + kW) of the chunk's rows (zeros past len / K).
 template <int kW>
 struct KeySlice {
@@ -448,47 +416,52 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   const Cols S_t{S, V}, dS_t{dS, V};
   ProductStage<16>& st = sh.products.stage;
 
-  // d(q e^Gamma) = dO S^T, to q and Gamma.
-  staged_product(
-      len, K, V, dO, S_t, st,
-      [&](int m, int n) { return make_float2(gamma(m, n), x.k_rec(ws.qg, m)[n]); },
-      [&](int m, int n, float acc, float2 in) {
-        x.k_row(ws.dq, m)[n] = acc * expf(in.x);
-        x.k_row(ws.dg, m)[n] = acc * in.y;
-      });
-  // d(k e^(Gamma_end - Gamma)) = v_new dS^T, to k and Gamma; its Gamma_end part waits in dw.
-  staged_product(
-      len, K, V, x.v_recs(ws.vn), dS_t, st,
-      [&](int m, int n) {
-        return make_float4(gamma(len - 1, n) - gamma(m, n), x.k_rec(ws.kg, m)[n],
-                           x.k_row(ws.dg, m)[n], 0.f);
-      },
-      [&](int m, int n, float acc, float4 in) {
-        x.k_row(ws.dk, m)[n] = acc * expf(in.x);
-        const float t = acc * in.y;
-        x.k_row(ws.dg, m)[n] = in.z - t;
-        x.k_rec(ws.dw, m)[n] = t;
-      });
+  if (b.grads_split) {
+    // keys_kernel took the products over V: dq, dk, dg and dw are written, d Gamma_end waits
+    // in the workspace.
+    for (int c = threadIdx.x; c < K; c += blockDim.x) sh.dgamma[c] = ws.dgamma[rec * K + c];
+  } else {
+    // d(q e^Gamma) = dO S^T, to q and Gamma.
+    staged_product(
+        len, K, V, dO, S_t, st,
+        [&](int m, int n) { return make_float2(gamma(m, n), x.k_rec(ws.qg, m)[n]); },
+        [&](int m, int n, float acc, float2 in) {
+          x.k_row(ws.dq, m)[n] = acc * expf(in.x);
+          x.k_row(ws.dg, m)[n] = acc * in.y;
+        });
+    // d(k e^(Gamma_end - Gamma)) = v_new dS^T, to k and Gamma; its Gamma_end part waits in dw.
+    staged_product(
+        len, K, V, x.v_recs(ws.vn), dS_t, st,
+        [&](int m, int n) {
+          return make_float4(gamma(len - 1, n) - gamma(m, n), x.k_rec(ws.kg, m)[n],
+                             x.k_row(ws.dg, m)[n], 0.f);
+        },
+        [&](int m, int n, float acc, float4 in) {
+          x.k_row(ws.dk, m)[n] = acc * expf(in.x);
+          const float t = acc * in.y;
+          x.k_row(ws.dg, m)[n] = in.z - t;
+          x.k_rec(ws.dw, m)[n] = t;
+        });
+    // d Gamma_end = e^Gamma_end sum_j dS S + the kg terms: one warp per channel.
+    for (int c = warp; c < K; c += kWarps) {
+      float s = 0.f, t = 0.f;
+      for (int j = lane; j < V; j += 32) s = fmaf(dS[c * V + j], S[c * V + j], s);
+      for (int i = lane; i < len; i += 32) t += x.k_rec(ws.dw, i)[c];
+      s = lane_sum<1, 16>(s);
+      t = lane_sum<1, 16>(t);
+      if (lane == 0) sh.dgamma[c] = decay[c] * s + t;
+    }
+    // v_new = u - w S: dw = -dv_new S^T (after the d Gamma_end sums read dw).
+    if (b.p.delta)
+      staged_product(len, K, V, x.v_recs(ws.dvn), S_t, st,
+                     [&](int m, int n, float acc) { x.k_rec(ws.dw, m)[n] = -acc; });
+  }
   // d A_qk = tril(dO v_new^T).
   staged_product(len, len, V, dO, x.v_recs_t(ws.vn), st,
                  [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });
-  // d Gamma_end = e^Gamma_end sum_j dS S + the kg terms: one warp per channel.
-  for (int c = warp; c < K; c += kWarps) {
-    float s = 0.f, t = 0.f;
-    for (int j = lane; j < V; j += 32) s = fmaf(dS[c * V + j], S[c * V + j], s);
-    for (int i = lane; i < len; i += 32) t += x.k_rec(ws.dw, i)[c];
-    s = lane_sum<1, 16>(s);
-    t = lane_sum<1, 16>(t);
-    if (lane == 0) {
-      sh.dgamma[c] = decay[c] * s + t;
-    }
-  }
 
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
-    // v_new = u - w S: dw = -dv_new S^T (after the d Gamma_end sums read dw).
-    staged_product(len, K, V, x.v_recs(ws.dvn), S_t, st,
-                   [&](int m, int n, float acc) { x.k_rec(ws.dw, m)[n] = -acc; });
     // dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
     staged_product(len, len, V, x.v_recs(ws.dvn), x.v_recs_t(ws.vb), st,
                    [&](int m, int n, float acc) { sh.products.dt[m][n] = acc; });

@@ -53,6 +53,18 @@ struct ScanChunks {
   }
 };
 
+// Element offset of head `head` at buffer row `row` (batch * T + t) of a token tensor.
+__device__ __forceinline__ int64_t token_row_offset(const TokenTensor& x, int64_t row, int64_t T,
+                                                    int64_t head) {
+  return row / T * x.stride[0] + row % T * x.stride[1] + head * x.stride[2];
+}
+
+// Element offset of (slot n, head hv, key i, value j) of a state tensor (either layout).
+__device__ __forceinline__ int64_t state_offset(const StateTensor& s, int64_t n, int64_t hv,
+                                                int64_t i, int64_t j) {
+  return n * s.slot_stride + hv * s.head_stride + i * s.key_stride + j * s.value_stride;
+}
+
 // Operands of staged_product: element (i, j) of a float32 matrix in global or shared memory.
 // Rows: row-major with row stride ld (contiguous in j); Cols: its transpose (contiguous in i).
 struct Rows {
@@ -66,6 +78,38 @@ struct Cols {
   const float* p;
   int64_t ld;
   __device__ __forceinline__ const float* at(int i, int j) const { return p + j * ld + i; }
+};
+
+// The chunk's rows of the buffers, for one value head: token-major buffers (inputs and
+// gradients, row r0 + i) and record-major ones (the chunk's own intermediates, row i of
+// record rec, contiguous).
+struct ChunkRows {
+  const BackwardParams& b;
+  int64_t r0, rec, hv, h;
+  int len;
+  __device__ float* k_row(float* buf, int i) const {
+    return buf + ((r0 + i) * b.p.HV + hv) * b.p.K;
+  }
+  __device__ float* v_row(float* buf, int i) const {
+    return buf + ((r0 + i) * b.p.HV + hv) * b.p.V;
+  }
+  __device__ float* k_rec(float* buf, int i) const { return buf + (rec * kC + i) * b.p.K; }
+  __device__ float* v_rec(float* buf, int i) const { return buf + (rec * kC + i) * b.p.V; }
+  __device__ const float* key_head(const float* buf, int i) const {
+    return buf + ((r0 + i) * b.H + h) * b.p.K;
+  }
+  __device__ float beta(int i) const { return b.ws.beta[(r0 + i) * b.p.HV + hv]; }
+  __device__ float value(const TokenTensor& x, int i, int j) const {
+    return load_float(x.data, x.dtype, token_row_offset(x, r0 + i, b.p.T, hv) + j * x.stride[3]);
+  }
+  // Product operands: the chunk's rows of a buffer, or their transpose.
+  __device__ Rows v_rows(const float* buf) const {
+    return {buf + (r0 * b.p.HV + hv) * b.p.V, b.p.HV * b.p.V};
+  }
+  __device__ Rows k_recs(const float* buf) const { return {buf + rec * kC * b.p.K, b.p.K}; }
+  __device__ Rows v_recs(const float* buf) const { return {buf + rec * kC * b.p.V, b.p.V}; }
+  __device__ Cols k_recs_t(const float* buf) const { return {buf + rec * kC * b.p.K, b.p.K}; }
+  __device__ Cols v_recs_t(const float* buf) const { return {buf + rec * kC * b.p.V, b.p.V}; }
 };
 
 // Products have at most kC rows (a chunk's tokens) and kMaxCols columns (K or V), taken
@@ -234,18 +278,6 @@ template <class Kernel>
 void set_shared_bytes(Kernel kernel, size_t bytes) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        static_cast<int>(bytes));
-}
-
-// Element offset of head `head` at buffer row `row` (batch * T + t) of a token tensor.
-__device__ __forceinline__ int64_t token_row_offset(const TokenTensor& x, int64_t row, int64_t T,
-                                                    int64_t head) {
-  return row / T * x.stride[0] + row % T * x.stride[1] + head * x.stride[2];
-}
-
-// Element offset of (slot n, head hv, key i, value j) of a state tensor (either layout).
-__device__ __forceinline__ int64_t state_offset(const StateTensor& s, int64_t n, int64_t hv,
-                                                int64_t i, int64_t j) {
-  return n * s.slot_stride + hv * s.head_stride + i * s.key_stride + j * s.value_stride;
 }
 
 }  // namespace

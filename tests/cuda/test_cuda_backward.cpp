@@ -4,8 +4,9 @@
 // sequences, the fused transforms in every gate form, strong and -inf gates, the forward's
 // states kept (BackwardArgs::chunk_states); gradients bitwise identical across runs; bad
 // schedules refused; both forms of the sequential scans (in registers, the default for
-// K <= 128, and the tile scans at every width: FLASHDELTA_BACKWARD_SCANS, _SCAN_COLUMNS; their
-// selection runs on the host too). Skipped on machines without a GPU.
+// K <= 128, plain or pipelined, and the tile scans at every width: FLASHDELTA_BACKWARD_SCANS,
+// _SCAN_COLUMNS) and the products over V as their own stage (FLASHDELTA_BACKWARD_GRADS); their
+// selection runs on the host too. Skipped on machines without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -495,6 +496,77 @@ TEST(CudaBackward, ScansMmaVarlenPartialTilesKeptStatesAndDeterminism) {
   for (size_t i = 0; i < kNumSlots; ++i)
     EXPECT_EQ(by_default.t[i].bytes, plain.t[i].bytes)
         << "d" << kGradInputs[i].name << ": the default is not the scans in registers";
+}
+
+constexpr const char* kGrads = "FLASHDELTA_BACKWARD_GRADS";
+
+// Host only: the products over V in their own stage only where asked for.
+TEST(CudaBackwardGradsSplit, FollowsTheEnvironmentVariable) {
+  for (const char* fused : {static_cast<const char*>(nullptr), "", "fused"}) {
+    const ScopedEnv setting(kGrads, fused);
+    EXPECT_FALSE(detail::cuda_backward_grads_split());
+  }
+  {
+    const ScopedEnv split(kGrads, "split");
+    EXPECT_TRUE(detail::cuda_backward_grads_split());
+  }
+  expect_rejected(kGrads, "Split", [] { detail::cuda_backward_grads_split(); });
+}
+
+// The key gradients' products over V as their own stage (keys_kernel, cuda/backward_keys.cu)
+// on the whole grid: K up to 256 (several key tiles), V up to 256 (several slices), V not a
+// multiple of 16, every mechanism (the linear write stages no dv_new).
+class CudaBackwardSplitGradsGrid : public ::testing::TestWithParam<CaseConfig> {};
+
+TEST_P(CudaBackwardSplitGradsGrid, MatchesReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv split(kGrads, "split");
+  expect_gradients_match(make_backward_case(GetParam()), describe(GetParam()) + ", grads split");
+}
+
+INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardSplitGradsGrid,
+                         ::testing::ValuesIn(backward_grid()),
+                         [](const auto& info) { return describe(info.param); });
+
+// Beyond the grid: varlen with empty and one-token sequences, GVA, K not a multiple of 4
+// (element-wise staging) with no state gradient flowing in, kept states, the tile scans
+// beside it, every gate form through the fused transforms, and bitwise determinism.
+TEST(CudaBackward, GradsSplitVarlenGvaKeptStatesAndDeterminism) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv split(kGrads, "split");
+  uint64_t seed = 8100;
+  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
+    for (int form = 0; form < 4; ++form) {
+      CaseConfig c = gate_form_case(m, form, 150, seed++);
+      c.K = c.V = 64;
+      expect_gradients_match(make_backward_case(c), std::string("grads split, ") +
+                                                        mechanism_name(m) + " gate form " +
+                                                        std::to_string(form));
+    }
+  const CaseConfig varlen{.mechanism = Mechanism::gla, .T = 337, .H = 2, .HV = 4, .K = 40,
+                          .V = 48, .dtype = DType::bf16, .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
+                          .seed = seed++};
+  expect_gradients_match(make_backward_case(varlen), "grads split, varlen linear write");
+  const CaseConfig odd{.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130, .K = 18,
+                       .V = 70, .dtype = DType::f16, .qk_l2norm = true, .seed = seed++};
+  expect_gradients_match(make_backward_case(odd, false), "grads split, K = 18, no d_final");
+  const CaseConfig kept{.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4,
+                        .K = 64, .V = 48, .dtype = DType::f16, .seqlens = {0, 1, 200, 65},
+                        .layout = StateLayout::v_first, .seed = seed++};
+  expect_gradients_match(with_kept_states(kept), "grads split, kept states");
+  const CaseConfig wide{.T = 200, .H = 1, .HV = 2, .K = 192, .V = 100, .dtype = DType::bf16,
+                        .qk_l2norm = true, .seed = seed++};
+  {
+    const ScopedEnv tiles(kScans, "tiles");
+    expect_gradients_match(make_backward_case(wide), "grads split, K = 192, tile scans");
+  }
+  const CaseConfig big{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128,
+                       .dtype = DType::bf16, .qk_l2norm = true, .seed = seed++};
+  const BackwardCase b = make_backward_case(big);
+  expect_gradients_match(b, "grads split, K = V = 128");
+  const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
+  for (size_t i = 0; i < kNumSlots; ++i)
+    EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kGradInputs[i].name << " differs";
 }
 
 TEST(CudaBackward, RunsTheChunkScheduleOnly) {

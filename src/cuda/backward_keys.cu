@@ -1,0 +1,179 @@
+// The key gradients' products over V of the CUDA backward (stage `keys`, before `grads`, when
+// BackwardParams::grads_split; cuda/backward_params.h). Per (chunk, value head, 64-key tile),
+// the three products that sum over the value columns,
+//     A1 = dO S^T,   A2 = v_new dS^T,   A3 = dv_new S^T          (kC x 64 keys each),
+// accumulate together in tensor-core registers over 16-column slices of V (dO, v_new, dv_new,
+// S and dS staged together, double-buffered), and each gradient they feed is written once:
+//     dq = A1 e^Gamma,   dk = A2 e^(Gamma_end - Gamma),   dg = A1 qg - A2 kg,   dw = -A3,
+//     d Gamma_end = decay * (sum over V of dS S) + (sum over the chunk's rows of A2 kg),
+// the last from the same staged slices. grads_kernel does the same products one after
+// another, each its own round of staged slices and its own read-modify-write epilogue; with
+// grads_split it skips them and reads these. Products are m16n8k8 tf32 with float32 sums,
+// summed over V in the order grads sums them; the dGamma_end sums in another order.
+#include <cuda_runtime.h>
+
+#include "cuda/backward_common.cuh"
+#include "cuda/transforms.cuh"
+
+namespace flashdelta::detail::cuda {
+namespace {
+
+constexpr int kKeyTile = 64;                // keys per block
+constexpr int kKeysWarps = kC / 16;         // warp w: token rows 16 w .. 16 w + 15
+constexpr int kKeysThreads = 32 * kKeysWarps;
+constexpr int kVSlice = 16;                 // value columns per staged slice
+constexpr int kSliceLd = kVSlice + 4;       // [row][v] rows: a fragment's lanes in distinct banks
+constexpr int kKeyTiles8 = kKeyTile / 8;    // n8 tiles per warp
+
+__host__ __device__ inline int64_t key_tiles(int64_t K) { return (K + kKeyTile - 1) / kKeyTile; }
+
+struct alignas(16) KeysStage {
+  float a[3][kC][kSliceLd];        // dO, v_new, dv_new: [token][v]
+  float b[2][kKeyTile][kSliceLd];  // S, dS: [key][v]
+};
+
+struct KeysShared {
+  KeysStage stage[2];
+  float colsum[kKeysWarps][kKeyTile];  // per warp: its rows' sum of A2 kg per key
+};
+
+__global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams b) {
+  const int64_t tiles = key_tiles(b.p.K);
+  const int64_t rec = blockIdx.x / tiles, hv = rec % b.p.HV;
+  const int k0 = static_cast<int>(blockIdx.x % tiles) * kKeyTile;
+  ChunkRef ref;
+  int64_t r0 = 0;
+  if (!chunk_at(b, rec / b.p.HV, ref, r0)) return;
+  const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV;
+  const int len = ref.len, keys = static_cast<int>(K - k0 < kKeyTile ? K - k0 : kKeyTile);
+  const int Vi = static_cast<int>(V);
+  const BackwardWorkspace& ws = b.ws;
+  extern __shared__ __align__(16) unsigned char smem[];
+  KeysShared& sh = *reinterpret_cast<KeysShared*>(smem);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int m0 = 16 * warp;
+
+  const float* dout = ws.dout + (r0 * HV + hv) * V;  // token rows, stride HV V
+  const float* vn = ws.vn + rec * kC * V;            // record rows, stride V
+  const float* dvn = ws.dvn + rec * kC * V;
+  const float* S = ws.states + rec * K * V + k0 * V;  // the tile's keys, stride V
+  const float* dS = ws.dstates + rec * K * V + k0 * V;
+  auto stage = [&](int s) {
+    KeysStage& st = sh.stage[s & 1];
+    const int l0 = s * kVSlice;
+    stage_operand<kVSlice, true>([&](int m, int l) { return dout + m * HV * V + l; }, len, kC,
+                                 Vi, l0, false, &st.a[0][0][0], kSliceLd);
+    stage_operand<kVSlice, true>([&](int m, int l) { return vn + m * V + l; }, len, kC, Vi, l0,
+                                 false, &st.a[1][0][0], kSliceLd);
+    if (b.p.delta)
+      stage_operand<kVSlice, true>([&](int m, int l) { return dvn + m * V + l; }, len, kC, Vi,
+                                   l0, false, &st.a[2][0][0], kSliceLd);
+    stage_operand<kVSlice, true>([&](int n, int l) { return S + n * V + l; }, keys, kKeyTile,
+                                 Vi, l0, false, &st.b[0][0][0], kSliceLd);
+    stage_operand<kVSlice, true>([&](int n, int l) { return dS + n * V + l; }, keys, kKeyTile,
+                                 Vi, l0, false, &st.b[1][0][0], kSliceLd);
+  };
+
+  Acc a1[kKeyTiles8], a2[kKeyTiles8], a3[kKeyTiles8];
+  // sum over V of dS S for key threadIdx.x / 2, this thread's half of each slice's columns.
+  const int dss_key = threadIdx.x / 2, dss_half = threadIdx.x % 2;
+  float dss = 0.f;
+  const int slices = (Vi + kVSlice - 1) / kVSlice;
+  stage(0);
+  commit_async();
+  for (int s = 0; s < slices; ++s) {
+    if (s + 1 < slices) stage(s + 1);
+    commit_async();
+    wait_async<1>();
+    __syncthreads();
+    const KeysStage& st = sh.stage[s & 1];
+    auto ea = [&](int which, int m, int k) { return to_tf32(st.a[which][m][k]); };
+#pragma unroll
+    for (int kk = 0; kk < kVSlice; kk += 8) {
+      uint32_t f[3][4] = {};
+      const int operands = b.p.delta ? 3 : 2;  // dv_new is staged for the delta rule only
+#pragma unroll
+      for (int which = 0; which < 3; ++which) {
+        if (which >= operands) continue;
+        f[which][0] = ea(which, m0 + g, kk + c);
+        f[which][1] = ea(which, m0 + g + 8, kk + c);
+        f[which][2] = ea(which, m0 + g, kk + c + 4);
+        f[which][3] = ea(which, m0 + g + 8, kk + c + 4);
+      }
+#pragma unroll
+      for (int nt = 0; nt < kKeyTiles8; ++nt) {
+        const int n = 8 * nt + g;
+        const uint32_t s0 = to_tf32(st.b[0][n][kk + c]), s1 = to_tf32(st.b[0][n][kk + c + 4]);
+        const uint32_t d0 = to_tf32(st.b[1][n][kk + c]), d1 = to_tf32(st.b[1][n][kk + c + 4]);
+        mma_tf32(a1[nt], f[0], s0, s1);
+        mma_tf32(a2[nt], f[1], d0, d1);
+        if (b.p.delta) mma_tf32(a3[nt], f[2], s0, s1);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVSlice / 2; ++j) {
+      const int l = dss_half * (kVSlice / 2) + j;
+      dss = fmaf(st.b[1][dss_key][l], st.b[0][dss_key][l], dss);
+    }
+    __syncthreads();
+  }
+  wait_async<0>();
+  dss += __shfl_xor_sync(0xffffffffu, dss, 1);  // both halves of the key's columns
+
+  // The gradients, one output tile at a time with its reads issued before its stores.
+  const ChunkRows x{b, r0, rec, hv, hv / b.p.group, len};
+  float col[kKeyTiles8][2] = {};  // this lane's rows' A2 kg, per key column 8 nt + 2c + e
+#pragma unroll
+  for (int nt = 0; nt < kKeyTiles8; ++nt) {
+    float4 in[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int m = m0 + acc_row(r), n = 8 * nt + acc_col(r), key = k0 + n;
+      if (m < len && n < keys)
+        in[r] = make_float4(x.k_rec(ws.gamma, m)[key], x.k_rec(ws.qg, m)[key],
+                            x.k_rec(ws.kg, m)[key], x.k_rec(ws.gamma, len - 1)[key]);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int m = m0 + acc_row(r), n = 8 * nt + acc_col(r), key = k0 + n;
+      if (m >= len || n >= keys) continue;
+      const float t = __fmul_rn(a2[nt].d[r], in[r].z);
+      x.k_row(ws.dq, m)[key] = a1[nt].d[r] * expf(in[r].x);
+      x.k_row(ws.dk, m)[key] = a2[nt].d[r] * expf(in[r].w - in[r].x);
+      x.k_row(ws.dg, m)[key] = __fmul_rn(a1[nt].d[r], in[r].y) - t;
+      if (b.p.delta) x.k_rec(ws.dw, m)[key] = -a3[nt].d[r];
+      col[nt][r % 2] += t;
+    }
+  }
+  // Column sums of A2 kg: over the lane's two rows (above), the warp's 8 row pairs (lanes
+  // with the same c), then the warps in order.
+#pragma unroll
+  for (int nt = 0; nt < kKeyTiles8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float v = lane_sum<4, 16>(col[nt][e]);
+      if (g == 0) sh.colsum[warp][8 * nt + 2 * c + e] = v;
+    }
+  __syncthreads();
+  if (dss_half == 0 && dss_key < keys) {
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < kKeysWarps; ++w) t += sh.colsum[w][dss_key];
+    const int64_t key = k0 + dss_key;
+    ws.dgamma[rec * K + key] = ws.decay[rec * K + key] * dss + t;
+  }
+}
+
+}  // namespace
+
+int64_t backward_keys_shared_bytes() { return sizeof(KeysShared); }
+
+void launch_backward_keys(const BackwardParams& b, void* stream) {
+  const int64_t blocks = b.max_chunks * b.p.HV * key_tiles(b.p.K);
+  if (blocks == 0) return;
+  set_shared_bytes(keys_kernel, sizeof(KeysShared));
+  keys_kernel<<<static_cast<unsigned>(blocks), kKeysThreads, sizeof(KeysShared),
+                static_cast<cudaStream_t>(stream)>>>(b);
+}
+
+}  // namespace flashdelta::detail::cuda
