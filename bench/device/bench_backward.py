@@ -35,6 +35,8 @@ list of variants, each NAME=VALUE pairs joined by '+', e.g.
 (FLASHDELTA_BACKWARD_SCANS=tiles: the tile scans instead of the scans with the state in
 tensor-core registers, the default for K <= 128; =pipelined: those scans staging the next
 chunk while computing this one, the same sums: expected difference 0;
+FLASHDELTA_BACKWARD_GRADS=split: the products over V feeding dq, dk, dg and dw as their own
+stage, the same products (dGamma_end summed in another order);
 FLASHDELTA_BACKWARD_SCAN_COLUMNS: the tile
 scans' columns per block, `auto` when unset, which sums every output column in the same order
 at any width: expected difference 0).
