@@ -299,9 +299,10 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
   {
     const cuda::BackwardParams b = backward_params(p, a);
-    // The kept-states pass runs one block per record (records), `keys` one per record and 64
-    // keys; the scans one per sequence, value head and column tile.
-    const int64_t record_tiles = b.max_chunks * pass_heads * p.group * ((p.K + 63) / 64),
+    // The per-chunk stages run one block per record, `keys` one per record and key tile; the
+    // scans one per sequence, value head and column tile.
+    const int64_t key_tiles = (p.K + cuda::kKeysTile - 1) / cuda::kKeysTile;
+    const int64_t record_tiles = b.max_chunks * pass_heads * p.group * key_tiles,
                   scan_tiles = p.N * pass_heads * p.group * ((p.V + scan_cols - 1) / scan_cols),
                   param_blocks = pass_heads * p.group * (p.K + 1);
     if (record_tiles > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX)

@@ -18,12 +18,14 @@
 namespace flashdelta::detail::cuda {
 namespace {
 
-constexpr int kKeyTile = 64;                // keys per block
+constexpr int kKeyTile = kKeysTile;         // keys per block (cuda/backward_params.h)
 constexpr int kKeysWarps = kC / 16;         // warp w: token rows 16 w .. 16 w + 15
 constexpr int kKeysThreads = 32 * kKeysWarps;
 constexpr int kVSlice = 16;                 // value columns per staged slice
 constexpr int kSliceLd = kVSlice + 4;       // [row][v] rows: a fragment's lanes in distinct banks
 constexpr int kKeyTiles8 = kKeyTile / 8;    // n8 tiles per warp
+
+static_assert(kKeysThreads == 2 * kKeyTile, "two threads per key sum dS S (dss below)");
 
 __host__ __device__ inline int64_t key_tiles(int64_t K) { return (K + kKeyTile - 1) / kKeyTile; }
 

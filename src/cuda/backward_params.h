@@ -63,6 +63,9 @@ struct BackwardWorkspace {
   float* dA_log_part = nullptr;  // per value head and token
 };
 
+// Keys per block of the `keys` stage.
+inline constexpr int kKeysTile = 64;
+
 // Value columns per block of the sequential scans, widest first (BackwardParams::scan_cols).
 inline constexpr int kScanColumnWidths[] = {32, 16, 8};
 
