@@ -92,11 +92,11 @@ START=$SECONDS
 
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=240 [sanitize]=150
-                [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240 [profile-backward]=300
-                [kernel-bench]=60 [overhead]=40 [pytest-all]=150)
+                [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
+                [profile-backward]=300 [kernel-bench]=60 [overhead]=40 [pytest-all]=150)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
-                [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60 [profile-backward]=60
-                [kernel-bench]=10 [overhead]=15 [pytest-all]=0)
+                [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60
+                [profile-backward]=60 [kernel-bench]=10 [overhead]=15 [pytest-all]=0)
 
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }

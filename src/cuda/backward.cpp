@@ -262,18 +262,19 @@ int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms) {
   return std::stoi(setting);
 }
 
-bool cuda_backward_scans_mma(int64_t K) {
-  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma", "pipelined"}) != "tiles" &&
-         K <= 128;
+namespace {
+std::string scans_setting() {
+  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma", "pipelined"});
 }
+}  // namespace
+
+bool cuda_backward_scans_mma(int64_t K) { return scans_setting() != "tiles" && K <= 128; }
 
 bool cuda_backward_grads_split() {
   return env_setting("FLASHDELTA_BACKWARD_GRADS", {"fused", "split"}) == "split";
 }
 
-bool cuda_backward_scans_pipelined() {
-  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma", "pipelined"}) == "pipelined";
-}
+bool cuda_backward_scans_pipelined() { return scans_setting() == "pipelined"; }
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
   return workspace_bytes(p, heads_per_pass(p));
@@ -290,7 +291,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   const int64_t shared = shared_memory_per_block();
   require_shared_memory(shared);
   // The scans in registers unless the tile scans are asked for or the GPU lacks their shared
-  // memory (170 KB at K = 128, 187 KB pipelined).
+  // memory (170 KB at K = 128, 188 KB pipelined).
   const bool scans_pipelined = cuda_backward_scans_pipelined();
   const bool grads_split = cuda_backward_grads_split();
   const bool scans_mma =
@@ -299,16 +300,16 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
   {
     const cuda::BackwardParams b = backward_params(p, a);
-    // The per-chunk stages run one block per record, `keys` one per record and key tile; the
-    // scans one per sequence, value head and column tile.
-    const int64_t key_tiles = (p.K + cuda::kKeysTile - 1) / cuda::kKeysTile;
+    // The per-chunk stages run one block per record (`keys`, with grads_split, one per record
+    // and key tile); the scans one per sequence, value head and column tile.
+    const int64_t key_tiles = grads_split ? (p.K + cuda::kKeysTile - 1) / cuda::kKeysTile : 1;
     const int64_t record_tiles = b.max_chunks * pass_heads * p.group * key_tiles,
                   scan_tiles = p.N * pass_heads * p.group * ((p.V + scan_cols - 1) / scan_cols),
                   param_blocks = pass_heads * p.group * (p.K + 1);
     if (record_tiles > INT_MAX || scan_tiles > INT_MAX || param_blocks > INT_MAX)
       throw Error(ErrorCode::unsupported,
                   "argument 'q': the CUDA chunk backward runs at most 2^31 - 1 blocks per "
-                  "kernel, got " + std::to_string(record_tiles) + " chunk records x key tiles, " +
+                  "kernel, got " + std::to_string(record_tiles) + " per-chunk blocks, " +
                       std::to_string(scan_tiles) + " scan tiles, " +
                       std::to_string(param_blocks) + " gate-parameter sums");
   }

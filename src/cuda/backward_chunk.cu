@@ -1,7 +1,8 @@
 // The per-chunk stages of the CUDA backward (cuda/backward_params.h), one block per
 // (chunk, value head), all chunks in parallel: `records` recomputes the forward's chunk
 // matrices, `grads` takes the chunk-entry state and the state gradient leaving the chunk (from
-// the scans) to the gradients of the transformed inputs. The math is bench/model/
+// the scans) to the gradients of the transformed inputs (with grads_split the products over V
+// come from `keys`, cuda/backward_keys.cu). The math is bench/model/
 // chunk_backward.py term by term; Gamma is natural-log here and every e^(Gamma_i - Gamma_j)
 // is formed pairwise (an exponent <= 0 for j <= i: no factorisation, nothing to overflow).
 // Global operands pass through shared memory in coalesced slices (staged_product, the key
@@ -365,16 +366,14 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
 }
 
 // Gamma = cumsum(g) inside the chunk: g's gradient is the reverse cumulative sum, from the
-// chunk-end term end_term(c) down the rows, for channels [c_begin, c_end). Rows are loaded
-// kRun at a time, so the loads do not wait on each other.
-template <class EndTerm>
-__device__ void reverse_cumsum_dg(const ChunkRows& x, int c_begin, int c_end,
-                                  const EndTerm& end_term) {
+// chunk-end term dgamma_end[c] down the rows. Rows are loaded kRun at a time, so the loads do
+// not wait on each other.
+__device__ void reverse_cumsum_dg(const ChunkRows& x, const float* dgamma_end) {
   constexpr int kRun = 16;
   const BackwardWorkspace& ws = x.b.ws;
-  const int len = x.len;
-  for (int c = c_begin + static_cast<int>(threadIdx.x); c < c_end; c += blockDim.x) {
-    float run = end_term(c);
+  const int len = x.len, K = static_cast<int>(x.b.p.K);
+  for (int c = threadIdx.x; c < K; c += blockDim.x) {
+    float run = dgamma_end[c];
     for (int top = kC; top > 0; top -= kRun) {
       float col[kRun];
 #pragma unroll
@@ -508,7 +507,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
 
   for (int c0 = 0; c0 < K; c0 += kGradSlice) add_pair_terms(x, c0, sh.daqk, sh.dakk, sh.pairs);
   __syncthreads();
-  reverse_cumsum_dg(x, 0, K, [&](int c) { return sh.dgamma[c]; });
+  reverse_cumsum_dg(x, sh.dgamma);
 }
 
 // One block per record; both kernels keep more than the 48 KB of static shared memory.

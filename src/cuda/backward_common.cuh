@@ -178,9 +178,9 @@ __device__ void stage_operand(const At& at, int O, int extent, int L, int l0, bo
 // operand. `load` returns what epi reads from global memory (any type): a lane loads for all
 // four elements of an output tile before it stores any, so those loads are in flight together
 // (the compiler cannot move a load past a store that may alias it; two tiles at a time spill
-// grads_kernel past its 128 registers). Slice s + 1 is in flight
-// while slice s is multiplied. Starts and ends with a block barrier, so operands written just
-// before and arrays the epilogue writes are safe to use around it.
+// grads_kernel past its 128 registers). Slice s + 1 is in flight while slice s is multiplied.
+// Starts and ends with a block barrier, so operands written just before and arrays the
+// epilogue writes are safe to use around it.
 template <int kL, class A, class Bm, class Load, class Epi>
 __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
                                ProductStage<kL>& st, const Load& load, const Epi& epi) {
@@ -261,9 +261,9 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
   __syncthreads();
 }
 
-// staged_product whose epilogue epi(m, n, value) reads nothing from global memory before it
-// stores (or whose reads are few enough not to matter).
 struct NoLoad {};
+// staged_product whose epilogue epi(m, n, value) reads nothing from global memory before it
+// stores, or whose reads, batched, would spill registers (grads' T^T dw epilogue).
 template <int kL, class A, class Bm, class Epi>
 __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
                                ProductStage<kL>& st, const Epi& epi) {

@@ -18,36 +18,36 @@
 namespace flashdelta::detail::cuda {
 namespace {
 
-constexpr int kKeyTile = kKeysTile;         // keys per block (cuda/backward_params.h)
-constexpr int kKeysWarps = kC / 16;         // warp w: token rows 16 w .. 16 w + 15
+// Keys per block: kKeysTile (cuda/backward_params.h).
+constexpr int kKeysWarps = kC / 16;  // warp w: token rows 16 w .. 16 w + 15
 constexpr int kKeysThreads = 32 * kKeysWarps;
-constexpr int kVSlice = 16;                 // value columns per staged slice
-constexpr int kSliceLd = kVSlice + 4;       // [row][v] rows: a fragment's lanes in distinct banks
-constexpr int kKeyTiles8 = kKeyTile / 8;    // n8 tiles per warp
+constexpr int kVSlice = 16;                // value columns per staged slice
+constexpr int kSliceLd = kVSlice + 4;      // [row][v] rows: a fragment's lanes in distinct banks
+constexpr int kKeyTiles8 = kKeysTile / 8;  // n8 tiles per warp
 
-static_assert(kKeysThreads == 2 * kKeyTile, "two threads per key sum dS S (dss below)");
+static_assert(kKeysThreads == 2 * kKeysTile, "two threads per key sum dS S (dss below)");
 
-__host__ __device__ inline int64_t key_tiles(int64_t K) { return (K + kKeyTile - 1) / kKeyTile; }
+__host__ __device__ inline int64_t key_tiles(int64_t K) { return (K + kKeysTile - 1) / kKeysTile; }
 
 struct alignas(16) KeysStage {
   float a[3][kC][kSliceLd];        // dO, v_new, dv_new: [token][v]
-  float b[2][kKeyTile][kSliceLd];  // S, dS: [key][v]
+  float b[2][kKeysTile][kSliceLd];  // S, dS: [key][v]
 };
 
 struct KeysShared {
   KeysStage stage[2];
-  float colsum[kKeysWarps][kKeyTile];  // per warp: its rows' sum of A2 kg per key
+  float colsum[kKeysWarps][kKeysTile];  // per warp: its rows' sum of A2 kg per key
 };
 
 __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams b) {
   const int64_t tiles = key_tiles(b.p.K);
   const int64_t rec = blockIdx.x / tiles, hv = rec % b.p.HV;
-  const int k0 = static_cast<int>(blockIdx.x % tiles) * kKeyTile;
+  const int k0 = static_cast<int>(blockIdx.x % tiles) * kKeysTile;
   ChunkRef ref;
   int64_t r0 = 0;
   if (!chunk_at(b, rec / b.p.HV, ref, r0)) return;
   const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV;
-  const int len = ref.len, keys = static_cast<int>(K - k0 < kKeyTile ? K - k0 : kKeyTile);
+  const int len = ref.len, keys = static_cast<int>(K - k0 < kKeysTile ? K - k0 : kKeysTile);
   const int Vi = static_cast<int>(V);
   const BackwardWorkspace& ws = b.ws;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -70,9 +70,9 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
     if (b.p.delta)
       stage_operand<kVSlice, true>([&](int m, int l) { return dvn + m * V + l; }, len, kC, Vi,
                                    l0, false, &st.a[2][0][0], kSliceLd);
-    stage_operand<kVSlice, true>([&](int n, int l) { return S + n * V + l; }, keys, kKeyTile,
+    stage_operand<kVSlice, true>([&](int n, int l) { return S + n * V + l; }, keys, kKeysTile,
                                  Vi, l0, false, &st.b[0][0][0], kSliceLd);
-    stage_operand<kVSlice, true>([&](int n, int l) { return dS + n * V + l; }, keys, kKeyTile,
+    stage_operand<kVSlice, true>([&](int n, int l) { return dS + n * V + l; }, keys, kKeysTile,
                                  Vi, l0, false, &st.b[1][0][0], kSliceLd);
   };
 
@@ -81,6 +81,7 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   const int dss_key = threadIdx.x / 2, dss_half = threadIdx.x % 2;
   float dss = 0.f;
   const int slices = (Vi + kVSlice - 1) / kVSlice;
+  const int operands = b.p.delta ? 3 : 2;  // dv_new is staged for the delta rule only
   stage(0);
   commit_async();
   for (int s = 0; s < slices; ++s) {
@@ -93,7 +94,6 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
 #pragma unroll
     for (int kk = 0; kk < kVSlice; kk += 8) {
       uint32_t f[3][4] = {};
-      const int operands = b.p.delta ? 3 : 2;  // dv_new is staged for the delta rule only
 #pragma unroll
       for (int which = 0; which < 3; ++which) {
         if (which >= operands) continue;
@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
 
   // The gradients, one output tile at a time with its reads issued before its stores.
   const ChunkRows x{b, r0, rec, hv, hv / b.p.group, len};
-  float col[kKeyTiles8][2] = {};  // this lane's rows' A2 kg, per key column 8 nt + 2c + e
+  float kg_colsum[kKeyTiles8][2] = {};  // this lane's rows' A2 kg, per key 8 nt + 2c + e
 #pragma unroll
   for (int nt = 0; nt < kKeyTiles8; ++nt) {
     float4 in[4];
@@ -139,12 +139,13 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
     for (int r = 0; r < 4; ++r) {
       const int m = m0 + acc_row(r), n = 8 * nt + acc_col(r), key = k0 + n;
       if (m >= len || n >= keys) continue;
+      // Rounded products, never contracted into an fma: dg as grads' fused form rounds it.
       const float t = __fmul_rn(a2[nt].d[r], in[r].z);
       x.k_row(ws.dq, m)[key] = a1[nt].d[r] * expf(in[r].x);
       x.k_row(ws.dk, m)[key] = a2[nt].d[r] * expf(in[r].w - in[r].x);
       x.k_row(ws.dg, m)[key] = __fmul_rn(a1[nt].d[r], in[r].y) - t;
       if (b.p.delta) x.k_rec(ws.dw, m)[key] = -a3[nt].d[r];
-      col[nt][r % 2] += t;
+      kg_colsum[nt][r % 2] += t;
     }
   }
   // Column sums of A2 kg: over the lane's two rows (above), the warp's 8 row pairs (lanes
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   for (int nt = 0; nt < kKeyTiles8; ++nt)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const float v = lane_sum<4, 16>(col[nt][e]);
+      const float v = lane_sum<4, 16>(kg_colsum[nt][e]);
       if (g == 0) sh.colsum[warp][8 * nt + 2 * c + e] = v;
     }
   __syncthreads();

@@ -73,7 +73,7 @@ struct BackwardParams {
   RecurrentParams p;  // sizes, options, q k v g beta, A_log, dt_bias, cu_seqlens, state_in
   int scan_cols = kScanColumnWidths[0];  // one of kScanColumnWidths (backward_scan_columns)
   bool scans_mma = false;                // the scans in registers (K <= 128)
-  bool scans_pipelined = false;          // ... staging the next chunk during this one
+  bool scans_pipelined = false;          // those scans stage the next chunk during this one
   bool grads_split = false;              // the products over V in their own stage (`keys`)
   DType state_in_dtype = DType::f32;
   int64_t B = 0, H = 0;

@@ -6,10 +6,9 @@
 // Sums over the keys (S^T w^T, dS'^T kg^T) are added across the pair through shared memory.
 // Halving each warp's chain of dependent products per chunk and doubling the warps per SM is
 // what the scans' per-chunk latency (the whole of their time at B = 1) asks for. While a
-// chunk is computed, the next chunk's record is prefetched into L2; the pipelined form
-// (BackwardParams::scans_pipelined, opt-in until measured) also stages the next chunk's
-// operands into shared memory while this one computes. `states`, first to last
-// chunk:
+// chunk is computed, the next chunk's record is prefetched into L2 (two ahead in the pipelined
+// form, BackwardParams::scans_pipelined, opt-in until measured, which also stages the next
+// chunk's operands into shared memory while this one computes). `states`, first to last:
 //     v_new^T = u^T - S^T w^T                  S^T = S^T diag(decay) + v_new^T kg
 // `dstates`, last to first:
 //     dv_new^T = dO^T A_qk + dS'^T kg^T        dS^T = dS'^T diag(decay) + dO^T qg - dv_new^T w
@@ -293,8 +292,8 @@ __device__ void stage_vn_operands(const BackwardParams& b, const MmaScanBlock& b
              blk.cols(b));
 }
 template <int KP>
-__device__ void stage_update_operands(const BackwardParams& b, const MmaScanBlock& blk,
-                                      int64_t ci, StatesShared<KP>& sh) {
+__device__ void stage_state_update_operands(const BackwardParams& b, const MmaScanBlock& blk,
+                                            int64_t ci, StatesShared<KP>& sh) {
   const int64_t K = b.p.K, rec = blk.record(b, ci);
   const int len = blk.len(ci);
   stage_rows(&sh.kg[0][0], KP + 4, KP, b.ws.kg + rec * kC * K, K, len, int(K));
@@ -356,7 +355,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const Backwa
     if (len == 0) continue;  // defensive, as in the tile scan
     const int64_t rec = blk.record(b, ci);
     stage_vn_operands(b, blk, ci, sh);
-    stage_update_operands(b, blk, ci, sh);
+    stage_state_update_operands(b, blk, ci, sh);
     prefetch_states_operands(b, blk, ci + 1);
     // The state entering the chunk, written while the stage lands.
     S.store_record_while_staging(b, blk.jw, b.ws.states + rec * K * V);
@@ -381,7 +380,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
   if (count > 0) {  // the first chunk's operands land while the initial state loads
     stage_vn_operands(b, blk, 0, sh);
     commit_async();
-    stage_update_operands(b, blk, 0, sh);
+    stage_state_update_operands(b, blk, 0, sh);
     commit_async();
     prefetch_states_operands(b, blk, 1);
   }
@@ -402,7 +401,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
     commit_async();
     if (len > 0) state_update_phase(b, blk, len, rec, S, sh, vn);
     __syncthreads();  // every warp is done with kg and the decay
-    if (ci + 1 < count) stage_update_operands(b, blk, ci + 1, sh);
+    if (ci + 1 < count) stage_state_update_operands(b, blk, ci + 1, sh);
     commit_async();
   }
 }
@@ -535,7 +534,8 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
   }
   MmaState<KP> S(blk);  // dS^T
   S.load(b, b.d_final, b.d_final_dtype, blk);
-  for (int64_t ci = last, tile = 0; ci >= 0; --ci, tile ^= 1) {
+  int tile = 0;  // the dO tile of chunk ci
+  for (int64_t ci = last; ci >= 0; --ci, tile ^= 1) {
     const int len = blk.len(ci);  // > 0 for every chunk of the table; 0 would compute nothing
     const int64_t rec = blk.record(b, ci);
     prefetch_dstates_operands(b, blk, ci - 2);
@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
     if (len > 0) dv_phase(blk, S, sh, sh.dout[tile], dv);
     wait_async<0>();  // qg, w and the decay of chunk ci
     __syncthreads();  // ... landed for every thread, and every warp is done with kg and A_qk
-    if (ci > 0) stage_dv_operands(b, blk, ci - 1, static_cast<int>(tile ^ 1), sh);
+    if (ci > 0) stage_dv_operands(b, blk, ci - 1, tile ^ 1, sh);
     commit_async();
     if (len > 0) dstate_update_phase(b, blk, len, rec, S, sh, sh.dout[tile], dv);
     __syncthreads();  // every warp is done with qg, w, the decay and this dO tile
@@ -575,12 +575,12 @@ int64_t backward_scans_mma_shared_bytes(int64_t K, bool pipelined) {
 }
 
 void launch_backward_states_mma(const BackwardParams& b, void* stream) {
-  const bool pipe = b.scans_pipelined;
+  const bool pipelined = b.scans_pipelined;
   if (b.p.K <= 64)
     return launch_mma_scan<StatesShared<64>>(
-        pipe ? states_mma_pipelined_kernel<64> : states_mma_kernel<64>, b, stream);
+        pipelined ? states_mma_pipelined_kernel<64> : states_mma_kernel<64>, b, stream);
   launch_mma_scan<StatesShared<128>>(
-      pipe ? states_mma_pipelined_kernel<128> : states_mma_kernel<128>, b, stream);
+      pipelined ? states_mma_pipelined_kernel<128> : states_mma_kernel<128>, b, stream);
 }
 
 void launch_backward_dstates_mma(const BackwardParams& b, void* stream) {

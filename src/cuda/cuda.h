@@ -41,8 +41,10 @@ bool cuda_backward_scans_mma(int64_t K);
 // FLASHDELTA_BACKWARD_GRADS unset or `fused`, inside; `split`, their own stage (opt-in until a
 // GPU run has measured it). Any other value throws Error(invalid_argument).
 bool cuda_backward_grads_split();
-// Whether the scans in registers stage the next chunk's operands while they compute this
-// one's (FLASHDELTA_BACKWARD_SCANS=pipelined; opt-in until a GPU run has measured it).
+// Whether the scans in registers (where they run: cuda_backward_scans_mma) stage the next
+// chunk's operands while they compute this one's: FLASHDELTA_BACKWARD_SCANS=pipelined (opt-in
+// until a GPU run has measured it). Any other value but those cuda_backward_scans_mma takes
+// throws Error(invalid_argument).
 bool cuda_backward_scans_pipelined();
 
 }  // namespace flashdelta::detail

@@ -320,6 +320,7 @@ class ScopedEnv {
 };
 
 constexpr const char* kScanColumns = "FLASHDELTA_BACKWARD_SCAN_COLUMNS";
+constexpr const char* kScans = "FLASHDELTA_BACKWARD_SCANS";
 
 // With environment variable `name` set to `bad`, call() throws Error(invalid_argument) whose
 // message names the variable and the value.
@@ -360,13 +361,13 @@ TEST(CudaBackwardScanColumns, FollowsTheEnvironmentVariable) {
     expect_rejected(kScanColumns, bad, [] { detail::cuda_backward_scan_columns(1, 128, 132); });
 }
 
-// The scans at every tile width: the same gradients, bit for bit, as the widest (each output
+// The tile scans at every width: the same gradients, bit for bit, as the widest (each output
 // column is summed in the same order whatever the tile), and the reference's. The cases have
 // V not a multiple of the width (partial tiles), varlen with empty and one-token sequences,
 // V-first states and GVA.
 TEST(CudaBackward, ScanTilesOfEveryWidth) {
   FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv tiles("FLASHDELTA_BACKWARD_SCANS", "tiles");
+  const ScopedEnv tiles(kScans, "tiles");
   const CaseConfig cases[] = {
       {.B = 1, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
        .qk_l2norm = true, .seed = 7800},
@@ -393,17 +394,16 @@ TEST(CudaBackward, ScanTilesOfEveryWidth) {
   }
 }
 
-constexpr const char* kScans = "FLASHDELTA_BACKWARD_SCANS";
-
 // Host only: the scans in registers for K <= 128 unless the tile scans are asked for;
 // pipelined only where asked for.
 TEST(CudaBackwardScansMma, FollowsTheEnvironmentVariable) {
-  for (const char* mma : {static_cast<const char*>(nullptr), "", "mma", "pipelined"}) {
-    const ScopedEnv setting(kScans, mma);
+  for (const char* registers : {static_cast<const char*>(nullptr), "", "mma", "pipelined"}) {
+    const ScopedEnv setting(kScans, registers);
     EXPECT_TRUE(detail::cuda_backward_scans_mma(17));
     EXPECT_TRUE(detail::cuda_backward_scans_mma(128));
     EXPECT_FALSE(detail::cuda_backward_scans_mma(129));  // past its shared memory: tiles
-    EXPECT_EQ(detail::cuda_backward_scans_pipelined(), mma && std::string(mma) == "pipelined");
+    EXPECT_EQ(detail::cuda_backward_scans_pipelined(),
+              registers && std::string(registers) == "pipelined");
   }
   {
     const ScopedEnv tiles(kScans, "tiles");
@@ -454,26 +454,26 @@ INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardPipelinedScansGrid,
 // a multiple of 4 (element-wise staging), kept states, bitwise determinism, the default being
 // the plain form, and the pipelined form giving bitwise its gradients (the same products in
 // the same order).
-TEST(CudaBackward, ScansMmaVarlenPartialTilesKeptStatesAndDeterminism) {
+TEST(CudaBackward, ScansInRegistersPlainAndPipelinedVarlenKeptStatesAndDeterminism) {
   FLASHDELTA_REQUIRE_GPU();
   const CaseConfig big{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128,
                        .dtype = DType::bf16, .qk_l2norm = true, .seed = 7902};
   const BackwardCase b = make_backward_case(big);
+  const CaseConfig varlen{.T = 337, .H = 2, .HV = 4, .K = 64, .V = 100, .dtype = DType::bf16,
+                          .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
+                          .layout = StateLayout::v_first, .seed = 7900};
+  const CaseConfig odd{.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130, .K = 18,
+                       .V = 70, .dtype = DType::f16, .qk_l2norm = true, .seed = 7901};
+  // The kept states replace the states scan; the state-gradient scan still runs.
+  const CaseConfig kept{.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4,
+                        .K = 64, .V = 48, .dtype = DType::f16, .seqlens = {0, 1, 200, 65},
+                        .layout = StateLayout::v_first, .seed = 7903};
   Gradients plain;
   for (const char* form : {"mma", "pipelined"}) {
     const ScopedEnv setting(kScans, form);
     const std::string name = std::string("scans ") + form;
-    const CaseConfig varlen{.T = 337, .H = 2, .HV = 4, .K = 64, .V = 100, .dtype = DType::bf16,
-                            .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
-                            .layout = StateLayout::v_first, .seed = 7900};
     expect_gradients_match(make_backward_case(varlen), name + ", varlen");
-    const CaseConfig odd{.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130, .K = 18,
-                         .V = 70, .dtype = DType::f16, .qk_l2norm = true, .seed = 7901};
     expect_gradients_match(make_backward_case(odd, false), name + ", K = 18, no d_final");
-    // The kept states replace the states scan; the state-gradient scan still runs.
-    const CaseConfig kept{.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4,
-                          .K = 64, .V = 48, .dtype = DType::f16, .seqlens = {0, 1, 200, 65},
-                          .layout = StateLayout::v_first, .seed = 7903};
     expect_gradients_match(with_kept_states(kept), name + ", kept states");
     expect_gradients_match(b, name + ", K = V = 128");
     const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
@@ -573,14 +573,12 @@ TEST(CudaBackward, GradsSplitVarlenGvaKeptStatesAndDeterminism) {
     const std::string name = kGradInputs[i].name;
     EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << name << " differs between runs";
     if (name == "g" || name == "A_log" || name == "dt_bias") {
-      const std::vector<double> got = first.values(i), want = fused.values(i);
-      ASSERT_EQ(got.size(), want.size()) << "d" << name;
-      double diff = 0.0, scale = 0.0;
-      for (size_t e = 0; e < got.size(); ++e) {
-        diff = std::max(diff, std::abs(got[e] - want[e]));
-        scale = std::max(scale, std::abs(want[e]));
-      }
-      EXPECT_LE(diff, 1e-5 * scale) << "d" << name << " split against fused";
+      // d Gamma_end is summed in another order: float32 rounding, ~1e-7 of the largest term.
+      constexpr double kReorderedSums = 1e-5;
+      const std::vector<double> want = fused.values(i);
+      const std::vector<double> zero(want.size(), 0.0);
+      EXPECT_LE(max_abs_diff(first.values(i), want), kReorderedSums * max_abs_diff(want, zero))
+          << "d" << name << " split against fused";
     } else {
       EXPECT_EQ(first.t[i].bytes, fused.t[i].bytes) << "d" << name << " differs from fused";
     }
