@@ -170,6 +170,23 @@ __device__ void stage_operand(const At& at, int O, int extent, int L, int l0, bo
   }
 }
 
+// body(s) for each slice s < slices, with slice s + 1 staged (stage(s + 1): cp.async copies
+// into the other of two buffers) while body(s) runs; a block barrier before and after each
+// body, so body reads its slice once every thread's copies have landed.
+template <class Stage, class Body>
+__device__ void over_double_buffered_slices(int slices, const Stage& stage, const Body& body) {
+  stage(0);
+  commit_async();
+  for (int s = 0; s < slices; ++s) {
+    if (s + 1 < slices) stage(s + 1);
+    commit_async();
+    wait_async<1>();
+    __syncthreads();
+    body(s);
+    __syncthreads();
+  }
+}
+
 // out(m, n) = sum over l < L of a(m, l) b(l, n) for m < M <= kC, n < N <= kMaxCols, handed to
 // epi(m, n, value, load(m, n)), on the tensor cores: tf32 operands (rounded to nearest),
 // float32 accumulators. In each pass warp w owns rows 16 (w % 4) .. + 15 and every other
@@ -207,13 +224,7 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
     };
     Acc acc[kTilesPerWarp];
     __syncthreads();
-    stage(0);
-    commit_async();
-    for (int s = 0; s < slices; ++s) {
-      if (s + 1 < slices) stage(s + 1);
-      commit_async();
-      wait_async<1>();
-      __syncthreads();
+    over_double_buffered_slices(slices, stage, [&](int s) {
       if (rows) {
         const float* sa = st.a[s & 1];
         const float* sb = st.b[s & 1];
@@ -234,8 +245,7 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
           }
         }
       }
-      __syncthreads();
-    }
+    });
     if (rows) {
       constexpr int kLoadBatch = 1;  // output tiles whose loads go out together
       static_assert(kTilesPerWarp % kLoadBatch == 0, "whole batches");

@@ -82,13 +82,7 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   float dss = 0.f;
   const int slices = (Vi + kVSlice - 1) / kVSlice;
   const int operands = b.p.delta ? 3 : 2;  // dv_new is staged for the delta rule only
-  stage(0);
-  commit_async();
-  for (int s = 0; s < slices; ++s) {
-    if (s + 1 < slices) stage(s + 1);
-    commit_async();
-    wait_async<1>();
-    __syncthreads();
+  over_double_buffered_slices(slices, stage, [&](int s) {
     const KeysStage& st = sh.stage[s & 1];
     auto ea = [&](int which, int m, int k) { return to_tf32(st.a[which][m][k]); };
 #pragma unroll
@@ -117,8 +111,7 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
       const int l = dss_half * (kVSlice / 2) + j;
       dss = fmaf(st.b[1][dss_key][l], st.b[0][dss_key][l], dss);
     }
-    __syncthreads();
-  }
+  });
   wait_async<0>();
   dss += __shfl_xor_sync(0xffffffffu, dss, 1);  // both halves of the key's columns
 
