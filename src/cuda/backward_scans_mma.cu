@@ -227,6 +227,21 @@ struct MmaState {
   }
 };
 
+// state^T += sign * tokens^T . x over the chunk's tokens, for a row-major [token][key] operand
+// x (row length ld, 4 mod 32) at the warp's keys: the state updates whose left operand is a
+// token tile held in accumulators (v_new, dv_new).
+template <int KP>
+__device__ __forceinline__ void add_tokens_times_rows(MmaState<KP>& S,
+                                                      const Acc (&tokens)[kTokenTiles],
+                                                      float sign, const float* x, int ld) {
+#pragma unroll
+  for (int kt = 0; kt < kTokenTiles; ++kt) {
+    uint32_t a[4];
+    acc_fragment(tokens[kt], sign, a);
+    times_kn(S.acc, a, x + S.key0, ld, kt);
+  }
+}
+
 // tokens[nt] += state^T . x^T over the warp's keys for a row-major [token][key] operand x
 // (row length ld, 8 mod 32): the products that take the state as their left operand.
 template <int KP>
@@ -334,12 +349,7 @@ __device__ void state_update_phase(const BackwardParams& b, const MmaScanBlock& 
   float* out = b.ws.vn + rec * kC * V;
   for_each_token(vn, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
   S.decay(sh.decay);
-#pragma unroll
-  for (int kt = 0; kt < kTokenTiles; ++kt) {
-    uint32_t a[4];
-    acc_fragment(vn[kt], 1.f, a);
-    times_kn(S.acc, a, &sh.kg[0][S.key0], KP + 4, kt);
-  }
+  add_tokens_times_rows(S, vn, 1.f, &sh.kg[0][0], KP + 4);
 }
 
 template <int KP>
@@ -479,14 +489,7 @@ __device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock&
     dout_fragment(dout, kt, blk.wc, a);
     times_kn(S.acc, a, &sh.qg[0][S.key0], KP + 4, kt);
   }
-  if (b.p.delta) {
-#pragma unroll
-    for (int kt = 0; kt < kTokenTiles; ++kt) {
-      uint32_t a[4];
-      acc_fragment(dv[kt], -1.f, a);
-      times_kn(S.acc, a, &sh.w[0][S.key0], KP + 4, kt);
-    }
-  }
+  if (b.p.delta) add_tokens_times_rows(S, dv, -1.f, &sh.w[0][0], KP + 4);
 }
 
 template <int KP>
