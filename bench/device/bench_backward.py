@@ -31,12 +31,9 @@ Gradients vs fla: max |ours - fla| / max |fla| per gradient, from the last step 
 --variants also times ours under other settings of its environment variables, in the same
 process, each reported with its largest gradient difference from ours: a comma-separated
 list of variants, each NAME=VALUE pairs joined by '+', e.g.
-    --variants FLASHDELTA_BACKWARD_SCANS=tiles,FLASHDELTA_BACKWARD_GRADS=split
+    --variants FLASHDELTA_BACKWARD_SCANS=tiles
 FLASHDELTA_BACKWARD_SCANS=tiles runs the tile scans instead of the scans with the state in
-tensor-core registers (the default for K <= 128); =pipelined, those scans staging the next
-chunk while computing this one (the same sums: expected difference 0).
-FLASHDELTA_BACKWARD_GRADS=split runs the products over V that feed dq, dk, dg and dw as their
-own stage (the same products; dGamma_end summed in another order).
+tensor-core registers (the default for K <= 128).
 FLASHDELTA_BACKWARD_SCAN_COLUMNS sets the tile scans' columns per block (`auto` when unset;
 every output column is summed in the same order at any width: expected difference 0), e.g.
 FLASHDELTA_BACKWARD_SCANS=tiles+FLASHDELTA_BACKWARD_SCAN_COLUMNS=32.

@@ -137,14 +137,12 @@ void run_stages(const cuda::BackwardParams& b, bool varlen, void* stream) {
                                              : cuda::launch_backward_states;
   const Launch dstates =
       b.scans_mma ? cuda::launch_backward_dstates_mma : cuda::launch_backward_dstates;
-  const Launch keys = b.grads_split ? cuda::launch_backward_keys : nullptr;
   const std::pair<Launch, const char*> stages[] = {
       {cuda::launch_backward_inputs, "inputs"},   {cuda::launch_backward_records, "records"},
       {states, "states"},                         {dstates, "dstates"},
-      {keys, "keys"},                             {cuda::launch_backward_grads, "grads"},
+      {cuda::launch_backward_keys, "keys"},       {cuda::launch_backward_grads, "grads"},
       {cuda::launch_backward_outputs, "outputs"}, {cuda::launch_backward_params, "params"}};
   for (const auto& [launch, name] : stages) {
-    if (!launch) continue;
     launch(b, stream);
     check_kernel_launch((std::string("CUDA backward ") + name).c_str());
   }
@@ -262,19 +260,9 @@ int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms) {
   return std::stoi(setting);
 }
 
-namespace {
-std::string scans_setting() {
-  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma", "pipelined"});
+bool cuda_backward_scans_mma(int64_t K) {
+  return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma"}) != "tiles" && K <= 128;
 }
-}  // namespace
-
-bool cuda_backward_scans_mma(int64_t K) { return scans_setting() != "tiles" && K <= 128; }
-
-bool cuda_backward_grads_split() {
-  return env_setting("FLASHDELTA_BACKWARD_GRADS", {"fused", "split"}) == "split";
-}
-
-bool cuda_backward_scans_pipelined() { return scans_setting() == "pipelined"; }
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
   return workspace_bytes(p, heads_per_pass(p));
@@ -291,18 +279,15 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   const int64_t shared = shared_memory_per_block();
   require_shared_memory(shared);
   // The scans in registers unless the tile scans are asked for or the GPU lacks their shared
-  // memory (170 KB at K = 128, 188 KB pipelined).
-  const bool scans_pipelined = cuda_backward_scans_pipelined();
-  const bool grads_split = cuda_backward_grads_split();
+  // memory (170 KB at K = 128).
   const bool scans_mma =
-      cuda_backward_scans_mma(p.K) &&
-      shared >= cuda::backward_scans_mma_shared_bytes(p.K, scans_pipelined);
+      cuda_backward_scans_mma(p.K) && shared >= cuda::backward_scans_mma_shared_bytes(p.K);
   const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
   {
     const cuda::BackwardParams b = backward_params(p, a);
-    // The per-chunk stages run one block per record (`keys`, with grads_split, one per record
-    // and key tile); the scans one per sequence, value head and column tile.
-    const int64_t key_tiles = grads_split ? (p.K + cuda::kKeysTile - 1) / cuda::kKeysTile : 1;
+    // The per-chunk stages run one block per record (`keys` one per record and key tile); the
+    // scans one per sequence, value head and column tile.
+    const int64_t key_tiles = (p.K + cuda::kKeysTile - 1) / cuda::kKeysTile;
     const int64_t record_tiles = b.max_chunks * pass_heads * p.group * key_tiles,
                   scan_tiles = p.N * pass_heads * p.group * ((p.V + scan_cols - 1) / scan_cols),
                   param_blocks = pass_heads * p.group * (p.K + 1);
@@ -321,8 +306,6 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     cuda::BackwardParams b = backward_params(ps, as);
     b.scan_cols = scan_cols;
     b.scans_mma = scans_mma;
-    b.scans_pipelined = scans_pipelined;
-    b.grads_split = grads_split;
     const Carver regions = layout(b, varlen);
     if (regions.total() > 0) {
       regions.carve(memory.data());

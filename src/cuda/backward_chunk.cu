@@ -1,12 +1,12 @@
 // The per-chunk stages of the CUDA backward (cuda/backward_params.h), one block per
 // (chunk, value head), all chunks in parallel: `records` recomputes the forward's chunk
-// matrices, `grads` takes the chunk-entry state and the state gradient leaving the chunk (from
-// the scans) to the gradients of the transformed inputs (with grads_split the products over V
-// come from `keys`, cuda/backward_keys.cu). The math is bench/model/
-// chunk_backward.py term by term; Gamma is natural-log here and every e^(Gamma_i - Gamma_j)
-// is formed pairwise (an exponent <= 0 for j <= i: no factorisation, nothing to overflow).
-// Global operands pass through shared memory in coalesced slices (staged_product, the key
-// slices of the pairwise sums): a thread never waits on a chain of its own global loads.
+// matrices; `grads` takes the scans' v_new and dv_new and what `keys` wrote (the key
+// gradients' products over V and d Gamma_end, cuda/backward_keys.cu) to the gradients of the
+// transformed inputs. The math is bench/model/chunk_backward.py term by term; Gamma is
+// natural-log here and every e^(Gamma_i - Gamma_j) is formed pairwise (an exponent <= 0 for
+// j <= i: no factorisation, nothing to overflow). Global operands pass through shared memory
+// in coalesced slices (staged_product, the key slices of the pairwise sums): a thread never
+// waits on a chain of its own global loads.
 #include <cuda_runtime.h>
 
 #include "cuda/backward_blocks.cuh"
@@ -395,14 +395,14 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   ChunkRef ref;
   int64_t r0 = 0;
   if (!chunk_at(b, rec / b.p.HV, ref, r0)) return;
-  const ChunkRows x{b, r0, rec, hv, hv / b.p.group, ref.len};
-  const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), len = ref.len;
+  // The same in every lane: through a shuffle, ptxas keeps len in a register instead of
+  // recomputing it from the sequence's bounds, which it would hold (or spill) all kernel long.
+  const int len = __shfl_sync(0xffffffffu, ref.len, 0);
+  const ChunkRows x{b, r0, rec, hv, hv / b.p.group, len};
+  const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V);
   const BackwardWorkspace& ws = b.ws;
-  const float* S = ws.states + rec * K * V;    // entering the chunk, K x V
-  const float* dS = ws.dstates + rec * K * V;  // gradient of the state leaving it
   const float* tm = ws.tm + rec * kC * kC;
   const float* kdot = ws.kdot + rec * kC * kC;
-  const float* decay = ws.decay + rec * K;
   extern __shared__ __align__(16) unsigned char smem[];
   GradsShared& sh = *reinterpret_cast<GradsShared*>(smem);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -412,49 +412,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   }
   auto gamma = [&](int i, int c) { return x.k_rec(ws.gamma, i)[c]; };
   const Rows dO = x.v_rows(ws.dout);
-  const Cols S_t{S, V}, dS_t{dS, V};
   ProductStage<16>& st = sh.products.stage;
+  // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
+  // workspace.
+  for (int c = threadIdx.x; c < K; c += blockDim.x) sh.dgamma[c] = ws.dgamma[rec * K + c];
 
-  if (b.grads_split) {
-    // keys_kernel took the products over V: dq, dk, dg and dw are written, d Gamma_end waits
-    // in the workspace.
-    for (int c = threadIdx.x; c < K; c += blockDim.x) sh.dgamma[c] = ws.dgamma[rec * K + c];
-  } else {
-    // d(q e^Gamma) = dO S^T, to q and Gamma.
-    staged_product(
-        len, K, V, dO, S_t, st,
-        [&](int m, int n) { return make_float2(gamma(m, n), x.k_rec(ws.qg, m)[n]); },
-        [&](int m, int n, float acc, float2 in) {
-          x.k_row(ws.dq, m)[n] = acc * expf(in.x);
-          x.k_row(ws.dg, m)[n] = acc * in.y;
-        });
-    // d(k e^(Gamma_end - Gamma)) = v_new dS^T, to k and Gamma; its Gamma_end part waits in dw.
-    staged_product(
-        len, K, V, x.v_recs(ws.vn), dS_t, st,
-        [&](int m, int n) {
-          return make_float4(gamma(len - 1, n) - gamma(m, n), x.k_rec(ws.kg, m)[n],
-                             x.k_row(ws.dg, m)[n], 0.f);
-        },
-        [&](int m, int n, float acc, float4 in) {
-          x.k_row(ws.dk, m)[n] = acc * expf(in.x);
-          const float t = acc * in.y;
-          x.k_row(ws.dg, m)[n] = in.z - t;
-          x.k_rec(ws.dw, m)[n] = t;
-        });
-    // d Gamma_end = e^Gamma_end sum_j dS S + the kg terms: one warp per channel.
-    for (int c = warp; c < K; c += kWarps) {
-      float s = 0.f, t = 0.f;
-      for (int j = lane; j < V; j += 32) s = fmaf(dS[c * V + j], S[c * V + j], s);
-      for (int i = lane; i < len; i += 32) t += x.k_rec(ws.dw, i)[c];
-      s = lane_sum<1, 16>(s);
-      t = lane_sum<1, 16>(t);
-      if (lane == 0) sh.dgamma[c] = decay[c] * s + t;
-    }
-    // v_new = u - w S: dw = -dv_new S^T (after the d Gamma_end sums read dw).
-    if (b.p.delta)
-      staged_product(len, K, V, x.v_recs(ws.dvn), S_t, st,
-                     [&](int m, int n, float acc) { x.k_rec(ws.dw, m)[n] = -acc; });
-  }
   // d A_qk = tril(dO v_new^T).
   staged_product(len, len, V, dO, x.v_recs_t(ws.vn), st,
                  [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });

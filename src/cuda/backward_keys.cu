@@ -1,15 +1,15 @@
-// The key gradients' products over V of the CUDA backward (stage `keys`, before `grads`, when
-// BackwardParams::grads_split; cuda/backward_params.h). Per (chunk, value head, 64-key tile),
-// the three products that sum over the value columns,
+// The key gradients' products over V of the CUDA backward (stage `keys`, before `grads`;
+// cuda/backward_params.h). Per (chunk, value head, 64-key tile), the three products that sum
+// over the value columns,
 //     A1 = dO S^T,   A2 = v_new dS^T,   A3 = dv_new S^T          (kC x 64 keys each),
 // accumulate together in tensor-core registers over 16-column slices of V (dO, v_new, dv_new,
 // S and dS staged together, double-buffered), and each gradient they feed is written once:
 //     dq = A1 e^Gamma,   dk = A2 e^(Gamma_end - Gamma),   dg = A1 qg - A2 kg,   dw = -A3,
 //     d Gamma_end = decay * (sum over V of dS S) + (sum over the chunk's rows of A2 kg),
-// the last from the same staged slices. grads_kernel does the same products one after
-// another, each its own round of staged slices and its own read-modify-write epilogue; with
-// grads_split it skips them and reads these. Products are m16n8k8 tf32 with float32 sums,
-// summed over V in the order grads sums them; the dGamma_end sums in another order.
+// the last from the same staged slices; grads_kernel adds the rest of these gradients'
+// terms. (grads_kernel once ran these products one after another, each its own round of
+// staged slices and its own read-modify-write epilogue: slower, bench/NOTES.md (t).)
+// Products are m16n8k8 tf32 with float32 sums.
 #include <cuda_runtime.h>
 
 #include "cuda/backward_common.cuh"
@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
     for (int r = 0; r < 4; ++r) {
       const int m = m0 + acc_row(r), n = 8 * nt + acc_col(r), key = k0 + n;
       if (m >= len || n >= keys) continue;
-      // Rounded products, never contracted into an fma: dg as grads' fused form rounds it.
+      // Each product rounded before the difference (never contracted into an fma); the A2 kg
+      // subtracted is the one summed into d Gamma_end.
       const float t = __fmul_rn(a2[nt].d[r], in[r].z);
       x.k_row(ws.dq, m)[key] = a1[nt].d[r] * expf(in[r].x);
       x.k_row(ws.dk, m)[key] = a2[nt].d[r] * expf(in[r].w - in[r].x);

@@ -17,9 +17,8 @@
 //   dstates   the same, chunks in reverse: the state gradient leaving every chunk and dv_new
 // With scans_mma (K <= 128) the two scans run per (sequence, value head, 64 columns) with the
 // state in tensor-core accumulators (cuda/backward_scans_mma.cu).
-//   keys      only with grads_split: per (chunk, value head, 64-key tile), in parallel, the
-//             key gradients' products over V, each gradient written once
-//             (cuda/backward_keys.cu)
+//   keys      per (chunk, value head, 64-key tile), in parallel: the key gradients' products
+//             over V and d Gamma_end, each gradient written once (cuda/backward_keys.cu)
 //   grads     per (chunk, value head), in parallel: everything else (notes (h))
 //   outputs   per token: GVA sums, the transforms' derivatives, the gradients in their dtypes
 //   params    dA_log and ddt_bias, summed over tokens in a fixed order
@@ -56,7 +55,7 @@ struct BackwardWorkspace {
   float *vb = nullptr, *u = nullptr, *vn = nullptr, *dvn = nullptr;  // per record row, V wide
   float *aqk = nullptr, *tm = nullptr, *kdot = nullptr;  // per record, C x C
   float* decay = nullptr;                                // per record, K
-  float* dgamma = nullptr;  // per record, K: d Gamma_end (grads_split: from `keys` to `grads`)
+  float* dgamma = nullptr;  // per record, K: d Gamma_end, from `keys` to `grads`
   float *states = nullptr, *dstates = nullptr;           // per record, K x V (K-first)
   // Gradients of the transformed inputs, per value head.
   float *dq = nullptr, *dk = nullptr, *dg = nullptr, *dv = nullptr, *dbeta = nullptr;
@@ -73,8 +72,6 @@ struct BackwardParams {
   RecurrentParams p;  // sizes, options, q k v g beta, A_log, dt_bias, cu_seqlens, state_in
   int scan_cols = kScanColumnWidths[0];  // one of kScanColumnWidths (backward_scan_columns)
   bool scans_mma = false;                // the scans in registers (K <= 128)
-  bool scans_pipelined = false;          // those scans stage the next chunk during this one
-  bool grads_split = false;              // the products over V in their own stage (`keys`)
   DType state_in_dtype = DType::f32;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;
@@ -99,7 +96,7 @@ struct BackwardParams {
 // device offers it before launching anything).
 int64_t backward_chunk_shared_bytes();
 int64_t backward_scan_shared_bytes();
-int64_t backward_scans_mma_shared_bytes(int64_t K, bool pipelined);  // K <= 128
+int64_t backward_scans_mma_shared_bytes(int64_t K);  // K <= 128
 int64_t backward_keys_shared_bytes();
 
 void launch_backward_inputs(const BackwardParams& b, void* stream);

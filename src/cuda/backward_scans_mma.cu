@@ -6,9 +6,7 @@
 // Sums over the keys (S^T w^T, dS'^T kg^T) are added across the pair through shared memory.
 // Halving each warp's chain of dependent products per chunk and doubling the warps per SM is
 // what the scans' per-chunk latency (the whole of their time at B = 1) asks for. While a
-// chunk is computed, the next chunk's record is prefetched into L2 (two ahead in the pipelined
-// form, BackwardParams::scans_pipelined, opt-in until measured, which also stages the next
-// chunk's operands into shared memory while this one computes). `states`, first to last:
+// chunk is computed, the next chunk's record is prefetched into L2. `states`, first to last:
 //     v_new^T = u^T - S^T w^T                  S^T = S^T diag(decay) + v_new^T kg
 // `dstates`, last to first:
 //     dv_new^T = dO^T A_qk + dS'^T kg^T        dS^T = dS'^T diag(decay) + dO^T qg - dv_new^T w
@@ -57,14 +55,13 @@ struct alignas(16) StatesShared {
 // dO rows of a block's columns.
 using DoutTile = float[kC][kMmaColumns + 4];  // [token][column]
 
-// kDoutTiles = 2 for the pipelined scan: the next chunk's dO lands while this one's is read.
-template <int KP, int kDoutTiles = 1>
+template <int KP>
 struct alignas(16) DstatesShared {
   float kg[kC][KP + 8];   // [token][key]
   float qg[kC][KP + 4];   // [token][key]
   float w[kC][KP + 4];    // [token][key]
   float aqk[kC][kC + 4];  // [r][i], zero right of the diagonal
-  DoutTile dout[kDoutTiles];
+  DoutTile dout;
   float decay[KP];
   Exchange xch;
 };
@@ -203,16 +200,12 @@ struct MmaState {
         store_float(s.data, dtype, state_offset(s, blk.n, blk.hv, key, col), x);
       });
   }
-  // To a record's K x V float32 K-first slab of the workspace.
-  __device__ void store_record(const BackwardParams& b, int64_t jw, float* out) {
-    const int64_t V = b.p.V;
-    for_each(b, jw, [&](float& x, int key, int64_t col) { out[key * V + col] = x; });
-  }
-  // The same while the chunk's stage (its copies queued by every thread) lands; returns once
-  // it has landed for every thread.
+  // To a record's K x V float32 K-first slab of the workspace, while the chunk's stage (its
+  // copies queued by every thread) lands; returns once it has landed for every thread.
   __device__ void store_record_while_staging(const BackwardParams& b, int64_t jw, float* out) {
     commit_async();
-    store_record(b, jw, out);
+    const int64_t V = b.p.V;
+    for_each(b, jw, [&](float& x, int key, int64_t col) { out[key * V + col] = x; });
     wait_async<0>();
     __syncthreads();
   }
@@ -295,24 +288,17 @@ __device__ void for_each_token(const Acc (&t)[kTokenTiles], const BackwardParams
   }
 }
 
-// The states scan's operands of chunk ci: those of v_new (w, u) and those of the update
-// (kg, decay); zeros for an empty chunk.
+// Queues the states scan's operands of chunk ci (len tokens): those of v_new (w, u) and
+// those of the update (kg, decay).
 template <int KP>
-__device__ void stage_vn_operands(const BackwardParams& b, const MmaScanBlock& blk, int64_t ci,
-                                  StatesShared<KP>& sh) {
+__device__ void stage_states_operands(const BackwardParams& b, const MmaScanBlock& blk,
+                                      int64_t ci, int len, StatesShared<KP>& sh) {
   const int64_t K = b.p.K, V = b.p.V, rec = blk.record(b, ci);
-  const int len = blk.len(ci);
   if (b.p.delta) stage_rows(&sh.w[0][0], KP + 8, KP, b.ws.w + rec * kC * K, K, len, int(K));
   stage_rows(&sh.u[0][0], kMmaColumns + 4, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V, len,
              blk.cols(b));
-}
-template <int KP>
-__device__ void stage_state_update_operands(const BackwardParams& b, const MmaScanBlock& blk,
-                                            int64_t ci, StatesShared<KP>& sh) {
-  const int64_t K = b.p.K, rec = blk.record(b, ci);
-  const int len = blk.len(ci);
   stage_rows(&sh.kg[0][0], KP + 4, KP, b.ws.kg + rec * kC * K, K, len, int(K));
-  if (len > 0) stage_decay<KP>(b, rec, sh.decay);
+  stage_decay<KP>(b, rec, sh.decay);
 }
 // L2 prefetches of chunk ci's operands (none past the sequence).
 __device__ void prefetch_states_operands(const BackwardParams& b, const MmaScanBlock& blk,
@@ -364,8 +350,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const Backwa
     const int len = blk.len(ci);
     if (len == 0) continue;  // defensive, as in the tile scan
     const int64_t rec = blk.record(b, ci);
-    stage_vn_operands(b, blk, ci, sh);
-    stage_state_update_operands(b, blk, ci, sh);
+    stage_states_operands(b, blk, ci, len, sh);
     prefetch_states_operands(b, blk, ci + 1);
     // The state entering the chunk, written while the stage lands.
     S.store_record_while_staging(b, blk.jw, b.ws.states + rec * K * V);
@@ -376,67 +361,21 @@ __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const Backwa
   }
 }
 
-// The same scan with the next chunk's operands landing while this one computes, in two
-// cp.async groups: w and u (queued once v_new has read them, so they land during the
-// update) and kg and the decay (queued after the update, landing during the next v_new).
-// The same products in the same order: bitwise the same results.
+// Queues the dstates scan's operands of chunk ci (len tokens): those of dv_new (kg, A_qk,
+// dO) and those of the update (qg, w, decay).
 template <int KP>
-__global__ void __launch_bounds__(kMmaThreads, 1)
-    states_mma_pipelined_kernel(const BackwardParams b) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  auto& sh = *reinterpret_cast<StatesShared<KP>*>(smem);
-  const MmaScanBlock blk(b);
-  const int64_t K = b.p.K, V = b.p.V, count = blk.chunks.count;
-  if (count > 0) {  // the first chunk's operands land while the initial state loads
-    stage_vn_operands(b, blk, 0, sh);
-    commit_async();
-    stage_state_update_operands(b, blk, 0, sh);
-    commit_async();
-    prefetch_states_operands(b, blk, 1);
-  }
-  MmaState<KP> S(blk);
-  S.load(b, b.p.state_in, b.state_in_dtype, blk);
-  for (int64_t ci = 0; ci < count; ++ci) {
-    const int len = blk.len(ci);  // > 0 for every chunk of the table; 0 would compute nothing
-    const int64_t rec = blk.record(b, ci);
-    prefetch_states_operands(b, blk, ci + 2);
-    if (len > 0) S.store_record(b, blk.jw, b.ws.states + rec * K * V);
-    wait_async<1>();  // w and u of chunk ci
-    __syncthreads();
-    Acc vn[kTokenTiles];
-    if (len > 0) vn_phase(b, blk, S, sh, vn);
-    wait_async<0>();  // kg and the decay of chunk ci
-    __syncthreads();  // ... landed for every thread, and every warp is done with w and u
-    if (ci + 1 < count) stage_vn_operands(b, blk, ci + 1, sh);
-    commit_async();
-    if (len > 0) state_update_phase(b, blk, len, rec, S, sh, vn);
-    __syncthreads();  // every warp is done with kg and the decay
-    if (ci + 1 < count) stage_state_update_operands(b, blk, ci + 1, sh);
-    commit_async();
-  }
-}
-
-// The dstates scan's operands of chunk ci: those of dv_new (kg, A_qk, dO into tile `tile`)
-// and those of the update (qg, w, decay); zeros for an empty chunk.
-template <int KP, int kTiles>
-__device__ void stage_dv_operands(const BackwardParams& b, const MmaScanBlock& blk, int64_t ci,
-                                  int tile, DstatesShared<KP, kTiles>& sh) {
+__device__ void stage_dstates_operands(const BackwardParams& b, const MmaScanBlock& blk,
+                                       int64_t ci, int len, DstatesShared<KP>& sh) {
   const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV, rec = blk.record(b, ci);
-  const int len = blk.len(ci);
   stage_rows(&sh.kg[0][0], KP + 8, KP, b.ws.kg + rec * kC * K, K, len, int(K));
   stage_rows(&sh.aqk[0][0], kC + 4, kC, b.ws.aqk + rec * kC * kC, kC, len, kC);
-  stage_rows(&sh.dout[tile][0][0], kMmaColumns + 4, kMmaColumns,
+  stage_rows(&sh.dout[0][0], kMmaColumns + 4, kMmaColumns,
              b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0, HV * V, len, blk.cols(b));
-}
-template <int KP, int kTiles>
-__device__ void stage_dstate_update_operands(const BackwardParams& b, const MmaScanBlock& blk,
-                                             int64_t ci, DstatesShared<KP, kTiles>& sh) {
-  const int64_t K = b.p.K, rec = blk.record(b, ci);
-  const int len = blk.len(ci);
   stage_rows(&sh.qg[0][0], KP + 4, KP, b.ws.qg + rec * kC * K, K, len, int(K));
   if (b.p.delta) stage_rows(&sh.w[0][0], KP + 4, KP, b.ws.w + rec * kC * K, K, len, int(K));
-  if (len > 0) stage_decay<KP>(b, rec, sh.decay);
+  stage_decay<KP>(b, rec, sh.decay);
 }
+// L2 prefetches of chunk ci's operands (none before the sequence).
 __device__ void prefetch_dstates_operands(const BackwardParams& b, const MmaScanBlock& blk,
                                           int64_t ci) {
   const int len = ci >= 0 ? blk.len(ci) : 0;
@@ -453,16 +392,15 @@ __device__ void prefetch_dstates_operands(const BackwardParams& b, const MmaScan
 // dv_new^T = dO^T A_qk + dS'^T kg^T, the first term by the first warp of the pair, the second
 // summed over the pair's keys. A_qk[r][i] is zero for i > r: k-step kt (tokens 8 kt ..)
 // reaches token tiles nt <= kt.
-template <int KP, int kTiles>
-__device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S,
-                         DstatesShared<KP, kTiles>& sh, const DoutTile& dout,
+template <int KP>
+__device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S, DstatesShared<KP>& sh,
                          Acc (&dv)[kTokenTiles]) {
   const int c = threadIdx.x % 4, g = threadIdx.x % 32 / 4;
   if (blk.half == 0) {
 #pragma unroll
     for (int kt = 0; kt < kTokenTiles; ++kt) {
       uint32_t a[4];
-      dout_fragment(dout, kt, blk.wc, a);
+      dout_fragment(sh.dout, kt, blk.wc, a);
       const float* r = &sh.aqk[8 * kt + 2 * c][g];
 #pragma unroll
       for (int nt = 0; nt <= kt; ++nt)
@@ -474,10 +412,9 @@ __device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S,
 }
 
 // dv_new out; dS^T = dS'^T diag(decay) + dO^T qg - dv_new^T w.
-template <int KP, int kTiles>
+template <int KP>
 __device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock& blk, int len,
-                                    int64_t rec, MmaState<KP>& S,
-                                    const DstatesShared<KP, kTiles>& sh, const DoutTile& dout,
+                                    int64_t rec, MmaState<KP>& S, const DstatesShared<KP>& sh,
                                     const Acc (&dv)[kTokenTiles]) {
   const int64_t V = b.p.V;
   float* out = b.ws.dvn + rec * kC * V;
@@ -486,7 +423,7 @@ __device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock&
 #pragma unroll
   for (int kt = 0; kt < kTokenTiles; ++kt) {
     uint32_t a[4];
-    dout_fragment(dout, kt, blk.wc, a);
+    dout_fragment(sh.dout, kt, blk.wc, a);
     times_kn(S.acc, a, &sh.qg[0][S.key0], KP + 4, kt);
   }
   if (b.p.delta) add_tokens_times_rows(S, dv, -1.f, &sh.w[0][0], KP + 4);
@@ -504,57 +441,14 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const Backw
     const int len = blk.len(ci);
     if (len == 0) continue;  // defensive, as in the tile scan
     const int64_t rec = blk.record(b, ci);
-    stage_dv_operands(b, blk, ci, 0, sh);
-    stage_dstate_update_operands(b, blk, ci, sh);
+    stage_dstates_operands(b, blk, ci, len, sh);
     prefetch_dstates_operands(b, blk, ci - 1);
     // dS', the gradient of the state leaving the chunk, written while the stage lands.
     S.store_record_while_staging(b, blk.jw, b.ws.dstates + rec * K * V);
     Acc dv[kTokenTiles];
-    dv_phase(blk, S, sh, sh.dout[0], dv);
-    dstate_update_phase(b, blk, len, rec, S, sh, sh.dout[0], dv);
+    dv_phase(blk, S, sh, dv);
+    dstate_update_phase(b, blk, len, rec, S, sh, dv);
     __syncthreads();  // every warp is done with the stage before the next chunk's copies
-  }
-  S.store(b, b.d_initial, b.d_initial_dtype, blk);
-}
-
-// The same scan with the next chunk's operands landing while this one computes, in two
-// cp.async groups: kg, A_qk and dO (queued once dv_new has read kg and A_qk, into the other
-// dO tile, so they land during the update) and qg, w and the decay (queued after the
-// update, landing during the next dv_new). Bitwise the same results.
-template <int KP>
-__global__ void __launch_bounds__(kMmaThreads, 1)
-    dstates_mma_pipelined_kernel(const BackwardParams b) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  auto& sh = *reinterpret_cast<DstatesShared<KP, 2>*>(smem);
-  const MmaScanBlock blk(b);
-  const int64_t K = b.p.K, V = b.p.V, last = blk.chunks.count - 1;
-  if (last >= 0) {  // the last chunk's operands land while the final gradient loads
-    stage_dv_operands(b, blk, last, 0, sh);
-    commit_async();
-    stage_dstate_update_operands(b, blk, last, sh);
-    commit_async();
-    prefetch_dstates_operands(b, blk, last - 1);
-  }
-  MmaState<KP> S(blk);  // dS^T
-  S.load(b, b.d_final, b.d_final_dtype, blk);
-  int tile = 0;  // the dO tile of chunk ci
-  for (int64_t ci = last; ci >= 0; --ci, tile ^= 1) {
-    const int len = blk.len(ci);  // > 0 for every chunk of the table; 0 would compute nothing
-    const int64_t rec = blk.record(b, ci);
-    prefetch_dstates_operands(b, blk, ci - 2);
-    if (len > 0) S.store_record(b, blk.jw, b.ws.dstates + rec * K * V);
-    wait_async<1>();  // kg, A_qk and dO of chunk ci
-    __syncthreads();
-    Acc dv[kTokenTiles];
-    if (len > 0) dv_phase(blk, S, sh, sh.dout[tile], dv);
-    wait_async<0>();  // qg, w and the decay of chunk ci
-    __syncthreads();  // ... landed for every thread, and every warp is done with kg and A_qk
-    if (ci > 0) stage_dv_operands(b, blk, ci - 1, tile ^ 1, sh);
-    commit_async();
-    if (len > 0) dstate_update_phase(b, blk, len, rec, S, sh, sh.dout[tile], dv);
-    __syncthreads();  // every warp is done with qg, w, the decay and this dO tile
-    if (ci > 0) stage_dstate_update_operands(b, blk, ci - 1, sh);
-    commit_async();
   }
   S.store(b, b.d_initial, b.d_initial_dtype, blk);
 }
@@ -571,27 +465,17 @@ void launch_mma_scan(void (*kernel)(BackwardParams), const BackwardParams& b, vo
 
 }  // namespace
 
-int64_t backward_scans_mma_shared_bytes(int64_t K, bool pipelined) {
+int64_t backward_scans_mma_shared_bytes(int64_t K) {
   // dstates' is the larger.
-  if (pipelined) return K <= 64 ? sizeof(DstatesShared<64, 2>) : sizeof(DstatesShared<128, 2>);
   return K <= 64 ? sizeof(DstatesShared<64>) : sizeof(DstatesShared<128>);
 }
 
 void launch_backward_states_mma(const BackwardParams& b, void* stream) {
-  const bool pipelined = b.scans_pipelined;
-  if (b.p.K <= 64)
-    return launch_mma_scan<StatesShared<64>>(
-        pipelined ? states_mma_pipelined_kernel<64> : states_mma_kernel<64>, b, stream);
-  launch_mma_scan<StatesShared<128>>(
-      pipelined ? states_mma_pipelined_kernel<128> : states_mma_kernel<128>, b, stream);
+  if (b.p.K <= 64) return launch_mma_scan<StatesShared<64>>(states_mma_kernel<64>, b, stream);
+  launch_mma_scan<StatesShared<128>>(states_mma_kernel<128>, b, stream);
 }
 
 void launch_backward_dstates_mma(const BackwardParams& b, void* stream) {
-  if (b.scans_pipelined) {
-    if (b.p.K <= 64)
-      return launch_mma_scan<DstatesShared<64, 2>>(dstates_mma_pipelined_kernel<64>, b, stream);
-    return launch_mma_scan<DstatesShared<128, 2>>(dstates_mma_pipelined_kernel<128>, b, stream);
-  }
   if (b.p.K <= 64) return launch_mma_scan<DstatesShared<64>>(dstates_mma_kernel<64>, b, stream);
   launch_mma_scan<DstatesShared<128>>(dstates_mma_kernel<128>, b, stream);
 }

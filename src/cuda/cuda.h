@@ -32,19 +32,8 @@ int64_t cuda_chunk_backward_workspace_bytes(const Problem& p);
 int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms);
 // Whether the backward's two sequential scans run with the state in tensor-core registers
 // (cuda/backward_scans_mma.cu) rather than as tile scans (cuda/backward_scan.cu): where
-// K <= 128 unless FLASHDELTA_BACKWARD_SCANS is `tiles` (unset, empty, `mma` or `pipelined`:
-// the registers). Any other value throws Error(invalid_argument) naming the variable.
+// K <= 128 unless FLASHDELTA_BACKWARD_SCANS is `tiles` (unset, empty or `mma`: the
+// registers). Any other value throws Error(invalid_argument) naming the variable.
 bool cuda_backward_scans_mma(int64_t K);
-// Whether the backward's products over V that feed dq, dk, dg and dw run as their own stage,
-// one block per (chunk, value head, 64 keys) accumulating them together in registers
-// (cuda/backward_keys.cu), rather than one after another in the per-chunk gradient kernel:
-// FLASHDELTA_BACKWARD_GRADS unset or `fused`, inside; `split`, their own stage (opt-in until a
-// GPU run has measured it). Any other value throws Error(invalid_argument).
-bool cuda_backward_grads_split();
-// Whether the scans in registers (where they run: cuda_backward_scans_mma) stage the next
-// chunk's operands while they compute this one's: FLASHDELTA_BACKWARD_SCANS=pipelined (opt-in
-// until a GPU run has measured it). Any other value but those cuda_backward_scans_mma takes
-// throws Error(invalid_argument).
-bool cuda_backward_scans_pipelined();
 
 }  // namespace flashdelta::detail

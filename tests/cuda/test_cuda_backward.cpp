@@ -4,9 +4,9 @@
 // sequences, the fused transforms in every gate form, strong and -inf gates, the forward's
 // states kept (BackwardArgs::chunk_states); gradients bitwise identical across runs; bad
 // schedules refused; both forms of the sequential scans (in registers, the default for
-// K <= 128, plain or pipelined, and the tile scans at every width: FLASHDELTA_BACKWARD_SCANS,
-// _SCAN_COLUMNS) and the products over V as their own stage (FLASHDELTA_BACKWARD_GRADS); their
-// selection runs on the host too. Skipped on machines without a GPU.
+// K <= 128, and the tile scans at every width: FLASHDELTA_BACKWARD_SCANS, _SCAN_COLUMNS), their
+// selection on the host too; the key gradients' products over V (the `keys` stage) on every
+// case. Skipped on machines without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -394,24 +394,20 @@ TEST(CudaBackward, ScanTilesOfEveryWidth) {
   }
 }
 
-// Host only: the scans in registers for K <= 128 unless the tile scans are asked for;
-// pipelined only where asked for.
+// Host only: the scans in registers for K <= 128 unless the tile scans are asked for.
 TEST(CudaBackwardScansMma, FollowsTheEnvironmentVariable) {
-  for (const char* registers : {static_cast<const char*>(nullptr), "", "mma", "pipelined"}) {
+  for (const char* registers : {static_cast<const char*>(nullptr), "", "mma"}) {
     const ScopedEnv setting(kScans, registers);
     EXPECT_TRUE(detail::cuda_backward_scans_mma(17));
     EXPECT_TRUE(detail::cuda_backward_scans_mma(128));
     EXPECT_FALSE(detail::cuda_backward_scans_mma(129));  // past its shared memory: tiles
-    EXPECT_EQ(detail::cuda_backward_scans_pipelined(),
-              registers && std::string(registers) == "pipelined");
   }
   {
     const ScopedEnv tiles(kScans, "tiles");
     EXPECT_FALSE(detail::cuda_backward_scans_mma(128));
-    EXPECT_FALSE(detail::cuda_backward_scans_pipelined());
   }
-  expect_rejected(kScans, "MMA", [] { detail::cuda_backward_scans_mma(128); });
-  expect_rejected(kScans, "pipeline", [] { detail::cuda_backward_scans_pipelined(); });
+  for (const char* bad : {"MMA", "pipelined"})  // `pipelined`: a form since removed
+    expect_rejected(kScans, bad, [] { detail::cuda_backward_scans_mma(128); });
 }
 
 // The tile scans (cuda/backward_scan.cu) on the grid's cases with K <= 128, where the default
@@ -435,153 +431,49 @@ INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardTileScansGrid,
                          ::testing::ValuesIn(small_key_grid()),
                          [](const auto& info) { return describe(info.param); });
 
-// The scans in registers, pipelined (opt-in), on the same cases.
-class CudaBackwardPipelinedScansGrid : public ::testing::TestWithParam<CaseConfig> {};
-
-TEST_P(CudaBackwardPipelinedScansGrid, MatchesReference) {
+// Beyond the grid, the default path (the scans in registers for K <= 128, the `keys` stage):
+// varlen with empty and one-token sequences over more than one 64-column tile, the linear
+// write (no dv_new staged) with K = 40 (a partial key tile), no state gradient flowing in
+// with K and V not multiples of 4 (element-wise staging), kept states (they replace the states
+// scan; the state-gradient scan still runs), K = 192 (three key tiles, the tile scans),
+// bitwise determinism, and the scans in registers being the default.
+TEST(CudaBackward, ScansInRegistersAndKeysStageVarlenKeptStatesAndDeterminism) {
   FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv pipelined(kScans, "pipelined");
-  expect_gradients_match(make_backward_case(GetParam()),
-                         describe(GetParam()) + ", scans pipelined");
-}
-
-INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardPipelinedScansGrid,
-                         ::testing::ValuesIn(small_key_grid()),
-                         [](const auto& info) { return describe(info.param); });
-
-// The scans in registers, plain and pipelined, beyond the grid: varlen with empty and
-// one-token sequences over more than one 64-column tile, no state gradient flowing in, K not
-// a multiple of 4 (element-wise staging), kept states, bitwise determinism, the default being
-// the plain form, and the pipelined form giving bitwise its gradients (the same products in
-// the same order).
-TEST(CudaBackward, ScansInRegistersPlainAndPipelinedVarlenKeptStatesAndDeterminism) {
-  FLASHDELTA_REQUIRE_GPU();
-  const CaseConfig big{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128,
-                       .dtype = DType::bf16, .qk_l2norm = true, .seed = 7902};
-  const BackwardCase b = make_backward_case(big);
+  const ScopedEnv unset(kScans, nullptr);
   const CaseConfig varlen{.T = 337, .H = 2, .HV = 4, .K = 64, .V = 100, .dtype = DType::bf16,
                           .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
                           .layout = StateLayout::v_first, .seed = 7900};
+  expect_gradients_match(make_backward_case(varlen), "varlen");
+  const CaseConfig linear{.mechanism = Mechanism::gla, .T = 337, .H = 2, .HV = 4, .K = 40,
+                          .V = 48, .dtype = DType::bf16, .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
+                          .seed = 8108};
+  expect_gradients_match(make_backward_case(linear), "varlen linear write, K = 40");
   const CaseConfig odd{.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130, .K = 18,
                        .V = 70, .dtype = DType::f16, .qk_l2norm = true, .seed = 7901};
-  // The kept states replace the states scan; the state-gradient scan still runs.
+  expect_gradients_match(make_backward_case(odd, false), "K = 18, no d_final");
   const CaseConfig kept{.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4,
                         .K = 64, .V = 48, .dtype = DType::f16, .seqlens = {0, 1, 200, 65},
                         .layout = StateLayout::v_first, .seed = 7903};
-  Gradients plain;
-  for (const char* form : {"mma", "pipelined"}) {
-    const ScopedEnv setting(kScans, form);
-    const std::string name = std::string("scans ") + form;
-    expect_gradients_match(make_backward_case(varlen), name + ", varlen");
-    expect_gradients_match(make_backward_case(odd, false), name + ", K = 18, no d_final");
-    expect_gradients_match(with_kept_states(kept), name + ", kept states");
-    expect_gradients_match(b, name + ", K = V = 128");
-    const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
-    for (size_t i = 0; i < kNumSlots; ++i)
-      EXPECT_EQ(first.t[i].bytes, second.t[i].bytes)
-          << name << ": d" << kGradInputs[i].name << " differs between runs";
-    if (std::string(form) == "mma") {
-      plain = first;
-    } else {
-      for (size_t i = 0; i < kNumSlots; ++i)
-        EXPECT_EQ(first.t[i].bytes, plain.t[i].bytes)
-            << name << ": d" << kGradInputs[i].name << " differs from the plain form";
-    }
-  }
-  Gradients by_default;
-  {
-    const ScopedEnv unset(kScans, nullptr);
-    by_default = cuda_gradients(b);
-  }
-  for (size_t i = 0; i < kNumSlots; ++i)
-    EXPECT_EQ(by_default.t[i].bytes, plain.t[i].bytes)
-        << "d" << kGradInputs[i].name << ": the default is not the scans in registers";
-}
-
-constexpr const char* kGrads = "FLASHDELTA_BACKWARD_GRADS";
-
-// Host only: the products over V in their own stage only where asked for.
-TEST(CudaBackwardGradsSplit, FollowsTheEnvironmentVariable) {
-  for (const char* fused : {static_cast<const char*>(nullptr), "", "fused"}) {
-    const ScopedEnv setting(kGrads, fused);
-    EXPECT_FALSE(detail::cuda_backward_grads_split());
-  }
-  {
-    const ScopedEnv split(kGrads, "split");
-    EXPECT_TRUE(detail::cuda_backward_grads_split());
-  }
-  expect_rejected(kGrads, "Split", [] { detail::cuda_backward_grads_split(); });
-}
-
-// The key gradients' products over V as their own stage (keys_kernel, cuda/backward_keys.cu)
-// on the whole grid: K up to 256 (several key tiles), V up to 256 (several slices), V not a
-// multiple of 16, every mechanism (the linear write stages no dv_new).
-class CudaBackwardSplitGradsGrid : public ::testing::TestWithParam<CaseConfig> {};
-
-TEST_P(CudaBackwardSplitGradsGrid, MatchesReference) {
-  FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv split(kGrads, "split");
-  expect_gradients_match(make_backward_case(GetParam()), describe(GetParam()) + ", grads split");
-}
-
-INSTANTIATE_TEST_SUITE_P(Backward, CudaBackwardSplitGradsGrid,
-                         ::testing::ValuesIn(backward_grid()),
-                         [](const auto& info) { return describe(info.param); });
-
-// Beyond the grid: varlen with empty and one-token sequences, GVA, V not a multiple of 4
-// (element-wise staging) with no state gradient flowing in, kept states, three key tiles,
-// every gate form through the fused transforms, bitwise determinism, and the fused form's
-// gradients: bitwise for all but the gate's (the same products in the same order; only
-// d Gamma_end is summed in another order).
-TEST(CudaBackward, GradsSplitVarlenGvaKeptStatesAndDeterminism) {
-  FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv split(kGrads, "split");
-  uint64_t seed = 8100;
-  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
-    for (int form = 0; form < 4; ++form) {
-      CaseConfig c = gate_form_case(m, form, 150, seed++);
-      c.K = c.V = 64;
-      expect_gradients_match(make_backward_case(c), std::string("grads split, ") +
-                                                        mechanism_name(m) + " gate form " +
-                                                        std::to_string(form));
-    }
-  const CaseConfig varlen{.mechanism = Mechanism::gla, .T = 337, .H = 2, .HV = 4, .K = 40,
-                          .V = 48, .dtype = DType::bf16, .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
-                          .seed = seed++};
-  expect_gradients_match(make_backward_case(varlen), "grads split, varlen linear write");
-  const CaseConfig odd{.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130, .K = 18,
-                       .V = 70, .dtype = DType::f16, .qk_l2norm = true, .seed = seed++};
-  expect_gradients_match(make_backward_case(odd, false), "grads split, K = 18, no d_final");
-  const CaseConfig kept{.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4,
-                        .K = 64, .V = 48, .dtype = DType::f16, .seqlens = {0, 1, 200, 65},
-                        .layout = StateLayout::v_first, .seed = seed++};
-  expect_gradients_match(with_kept_states(kept), "grads split, kept states");
+  expect_gradients_match(with_kept_states(kept), "kept states");
   const CaseConfig wide{.T = 200, .H = 1, .HV = 2, .K = 192, .V = 100, .dtype = DType::bf16,
-                        .qk_l2norm = true, .seed = seed++};
-  expect_gradients_match(make_backward_case(wide), "grads split, K = 192");
+                        .qk_l2norm = true, .seed = 8111};
+  expect_gradients_match(make_backward_case(wide), "K = 192");
   const CaseConfig big{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128,
-                       .dtype = DType::bf16, .qk_l2norm = true, .seed = seed++};
+                       .dtype = DType::bf16, .qk_l2norm = true, .seed = 7902};
   const BackwardCase b = make_backward_case(big);
-  expect_gradients_match(b, "grads split, K = V = 128");
+  expect_gradients_match(b, "K = V = 128");
   const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
-  Gradients fused;
+  Gradients registers;
   {
-    const ScopedEnv unset(kGrads, nullptr);
-    fused = cuda_gradients(b);
+    const ScopedEnv mma(kScans, "mma");
+    registers = cuda_gradients(b);
   }
   for (size_t i = 0; i < kNumSlots; ++i) {
-    const std::string name = kGradInputs[i].name;
-    EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << name << " differs between runs";
-    if (name == "g" || name == "A_log" || name == "dt_bias") {
-      // d Gamma_end is summed in another order: float32 rounding, ~1e-7 of the largest term.
-      constexpr double kReorderedSums = 1e-5;
-      const std::vector<double> want = fused.values(i);
-      const std::vector<double> zero(want.size(), 0.0);
-      EXPECT_LE(max_abs_diff(first.values(i), want), kReorderedSums * max_abs_diff(want, zero))
-          << "d" << name << " split against fused";
-    } else {
-      EXPECT_EQ(first.t[i].bytes, fused.t[i].bytes) << "d" << name << " differs from fused";
-    }
+    if (first.t[i].bytes.empty()) continue;  // no such input (A_log, dt_bias here)
+    EXPECT_EQ(first.t[i].bytes, second.t[i].bytes)
+        << "d" << kGradInputs[i].name << " differs between runs";
+    EXPECT_EQ(first.t[i].bytes, registers.t[i].bytes)
+        << "d" << kGradInputs[i].name << ": the default is not the scans in registers";
   }
 }
 
