@@ -42,6 +42,10 @@
 #   BENCH_CHUNK_ARGS  extra arguments for bench_chunk.py (e.g. "--no-sweep")
 #   BENCH_BACKWARD_ARGS  extra arguments for bench_backward.py (e.g.
 #                "--cases kda_B8_T4096_H16 --no-accuracy")
+#   CTEST_REGEX  ctest -R filter of the GPU tests (default: all of them)
+#   KERNEL_BENCH_VARIANTS  environment assignments the kernel-bench stage reruns the C++
+#                decode benchmark under, one run each (e.g. "FLASHDELTA_RECURRENT_TILE=wide
+#                FLASHDELTA_RECURRENT_TILE=narrow"); JSON in $OUT/kernel_bench*.json
 #   BUILD_TARGETS  CMake targets to build (default: all), e.g. "_C" for the Python module alone
 #   JOBS         build parallelism (default: all cores)
 #   CUDA_ARCH    CMAKE_CUDA_ARCHITECTURES (default 90a)
@@ -73,7 +77,7 @@ export SANLOG=$OUT/sanitizer.log
 BUDGET_S=${BUDGET_S:-450}
 STAGES=${STAGES:-"info deps configure build ctest sanitize pytest bench bench-chunk kernel-bench overhead pytest-all"}
 export SANITIZE_BINARIES=${SANITIZE_BINARIES:-"test_cuda_recurrent test_cuda_chunk"}
-export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-}
+export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-} CTEST_REGEX=${CTEST_REGEX:-} KERNEL_BENCH_VARIANTS=${KERNEL_BENCH_VARIANTS:-}
 export BENCH_BACKWARD_ARGS=${BENCH_BACKWARD_ARGS:-} PROFILE_BACKWARD_ARGS=${PROFILE_BACKWARD_ARGS:-}
 export JOBS=${JOBS:-$(nproc)}
 export CUDA_ARCH=${CUDA_ARCH:-90a}
@@ -93,7 +97,7 @@ START=$SECONDS
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=240 [sanitize]=150
                 [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
-                [profile-backward]=300 [kernel-bench]=60 [overhead]=40 [pytest-all]=150)
+                [profile-backward]=300 [kernel-bench]=150 [overhead]=40 [pytest-all]=150)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
                 [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60
                 [profile-backward]=60 [kernel-bench]=10 [overhead]=15 [pytest-all]=0)
@@ -177,7 +181,8 @@ stage_build() {
 }
 
 stage_ctest() {
-  ctest --test-dir "$BUILD" -L cuda --output-on-failure --no-tests=error --timeout 300
+  ctest --test-dir "$BUILD" -L cuda ${CTEST_REGEX:+-R "$CTEST_REGEX"} --output-on-failure \
+    --no-tests=error --timeout 300
   local rc=$?
   # GPU cases of the command-line tests (named *OnTheGpu*; skipped without a GPU in CI).
   ctest --test-dir "$BUILD" -R OnTheGpu --output-on-failure --timeout 300 || rc=1
@@ -256,7 +261,12 @@ stage_kernel-bench() {
   local bin
   bin=$(find "$BUILD" -name flashdelta_cuda_decode_bench -type f -perm -u+x | head -1)
   if [ -z "$bin" ]; then echo "no flashdelta_cuda_decode_bench in $BUILD"; return 77; fi
-  "$bin"
+  "$bin" --json "$OUT/kernel_bench.json" || return 1
+  local v
+  for v in $KERNEL_BENCH_VARIANTS; do
+    echo "-- with $v"
+    env "$v" "$bin" --json "$OUT/kernel_bench-${v##*=}.json" || return 1
+  done
 }
 
 stage_overhead() {

@@ -224,29 +224,6 @@ int64_t heads_per_pass(const Problem& p) {
   return (p.H + passes - 1) / passes;
 }
 
-// The value of environment variable `name` ("" when unset or empty), one of `allowed`; any
-// other throws Error(invalid_argument) naming the variable, what it takes and what it got.
-std::string env_setting(const char* name, std::initializer_list<const char*> allowed) {
-  const char* env = std::getenv(name);
-  const std::string value = env ? env : "";
-  std::string expected;
-  for (const char* a : allowed) {
-    if (value.empty() || value == a) return value;
-    expected += (expected.empty() ? "" : ", ") + std::string(a);
-  }
-  throw Error(ErrorCode::invalid_argument, std::string("environment variable ") + name +
-                                               ": expected one of " + expected + ", got '" +
-                                               value + "'");
-}
-
-// Streaming multiprocessors of the current device (shared_memory_per_block checked there is one).
-int sm_count() {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms;
-}
-
 }  // namespace
 
 int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms) {

@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
+#include <cstdlib>
 #include <string>
 
 namespace flashdelta::detail {
@@ -104,6 +107,33 @@ void require_sm80(const char* what) {
     throw Error(ErrorCode::unsupported,
                 std::string(what) + " needs a GPU of compute capability 8.0 or later, got " +
                     std::to_string(major) + ".x");
+}
+
+std::string env_setting(const char* name, std::initializer_list<const char*> allowed) {
+  const char* env = std::getenv(name);
+  const std::string value = env ? env : "";
+  std::string expected;
+  for (const char* a : allowed) {
+    if (value.empty() || value == a) return value;
+    expected += (expected.empty() ? "" : ", ") + std::string(a);
+  }
+  throw Error(ErrorCode::invalid_argument, std::string("environment variable ") + name +
+                                               ": expected one of " + expected + ", got '" +
+                                               value + "'");
+}
+
+int sm_count() {
+  static std::array<std::atomic<int>, 64> cached{};  // 0 = not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (device >= 0 && device < static_cast<int>(cached.size()))
+    if (const int sms = cached[device].load(std::memory_order_relaxed)) return sms;
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 0;
+  if (device >= 0 && device < static_cast<int>(cached.size()))
+    cached[device].store(sms, std::memory_order_relaxed);
+  return sms;
 }
 
 }  // namespace flashdelta::detail

@@ -2,6 +2,9 @@
 // plain-data arguments (cuda/recurrent_params.h), shared by the CUDA schedules.
 #pragma once
 
+#include <initializer_list>
+#include <string>
+
 #include "core/problem.h"
 #include "cuda/recurrent_params.h"
 
@@ -20,5 +23,11 @@ void require_f32_state(const TensorView& s, const char* name);
 void require_sm80(const char* what);
 // Throws Error(runtime) when the last kernel launch failed; `what` names the kernel.
 void check_kernel_launch(const char* what);
+// The value of environment variable `name` ("" when unset or empty), one of `allowed`; any
+// other throws Error(invalid_argument) naming the variable, what it takes and what it got.
+std::string env_setting(const char* name, std::initializer_list<const char*> allowed);
+// Streaming multiprocessors of the current device (0 without one); cached per device, as
+// the decode path asks on every call.
+int sm_count();
 
 }  // namespace flashdelta::detail

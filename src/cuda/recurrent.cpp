@@ -25,10 +25,17 @@ bool allows_vectors(const StateTensor& s, bool key_contiguous, int64_t run, int6
          across % word == 0 && reinterpret_cast<uintptr_t>(s.data) % word_bytes == 0;
 }
 
-// Picks the vector path when both state tensors allow it, then launches.
+// Picks the tile, and the vector path when both state tensors allow it, then launches.
 void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* stream) {
-  const int64_t vt = cuda::recurrent_block_columns(r.K);
-  r.value_tiles = (r.V + vt - 1) / vt;
+  const auto tiles = [&](cuda::RecurrentTile t) {
+    const int64_t vt = cuda::recurrent_block_columns(r.K, t);
+    return (r.V + vt - 1) / vt;
+  };
+  r.value_tiles = tiles(cuda::RecurrentTile::wide);
+  if (cuda_recurrent_narrow_tile(r.N * r.HV * r.value_tiles, sm_count())) {
+    r.tile = cuda::RecurrentTile::narrow;
+    r.value_tiles = tiles(r.tile);
+  }
   const int64_t elem = dtype_size(state_dtype);
   r.vector_ok = allows_vectors(r.state_in, key_contiguous, cuda::kStateRunLength, elem) &&
                 allows_vectors(r.state_out, key_contiguous, cuda::kStateRunLength, elem);
@@ -36,6 +43,12 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
 }
 
 }  // namespace
+
+bool cuda_recurrent_narrow_tile(int64_t wide_blocks, int sms) {
+  const std::string setting = env_setting("FLASHDELTA_RECURRENT_TILE", {"auto", "wide", "narrow"});
+  if (setting.empty() || setting == "auto") return wide_blocks < 2 * int64_t{sms};
+  return setting == "narrow";
+}
 
 void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream) {
   require_f32_state(io.initial_state.t, "initial_state");

@@ -15,7 +15,8 @@
 //
 // Thread mapping (cuda/recurrent_tile.cuh): a thread owns RK keys x 4 adjacent columns and
 // a warp all the keys of its columns, so a column sum is an in-thread sum and a few
-// shuffles, with no shared-memory reduction and no barrier.
+// shuffles, with no shared-memory reduction and no barrier. RK is 16 at K = 128 (the wide
+// tile) for many sequences, 4 (the narrow tile, 4x the blocks) for few; the host picks.
 #include <climits>
 #include <string>
 
@@ -76,10 +77,10 @@ __device__ Task task_of(const RecurrentParams& p, int64_t blk, int64_t blocks) {
 }
 
 // Processes one task with its state tile in `state` (this block's shared memory).
-template <int KB, bool KeyContig, class S>
-__device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, KeyContig>& tile,
+template <int KB, int RK, bool KeyContig, class S>
+__device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK, KeyContig>& tile,
                          const Task& w, S* state) {
-  using T = Tile<KB, KeyContig>;
+  using T = Tile<KB, RK, KeyContig>;
   const int64_t n = w.n, hv = w.hv, h = hv / p.group;
   const int j0 = w.j0;
   const Sequence seq = sequence_of(p, n);
@@ -101,10 +102,9 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, Ke
 
   // The state copy and token 0's loads go out together: their latencies overlap.
   if (p.state_in.data)
-    stage_state<KB, KeyContig, S>(p, p.state_in, tile_base<const S>(p.state_in, w.start, hv),
-                                  tile, j0, state);
+    stage_state(p, p.state_in, tile_base<const S>(p.state_in, w.start, hv), tile, j0, state);
   else
-    zero_state<KB, KeyContig, S>(state);
+    zero_state<RK>(state);
   TokenRaw<KB> raw;
   if (seq.len > 0) fetch_token<KB>(p, row, 0, hv, col, raw);
   const uint32_t a_raw = p.A_log ? load_raw(p.A_log, p.A_log_dtype, hv * p.A_log_stride) : 0u;
@@ -183,7 +183,7 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, Ke
           x[m] = fmaf(kr.k[u] * k_mul, r_col[e], x[m] * kr.d[u]);
         }
         if (more) write_chunk(state, 4 * g + i, x);
-        if (dst) store_chunk<KB, KeyContig, S>(p, p.state_out, dst, tile, j0, 4 * g + i, x);
+        if (dst) store_chunk(p, p.state_out, dst, tile, j0, 4 * g + i, x);
       }
     }
     if (more) __syncthreads();  // shared staging is rewritten next token
@@ -194,23 +194,23 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, Ke
     for (int c = 0; c < T::RK; ++c) {
       float x[4];
       read_chunk(state, c, x);
-      store_chunk<KB, KeyContig, S>(p, p.state_out, dst, tile, j0, c, x);
+      store_chunk(p, p.state_out, dst, tile, j0, c, x);
     }
   }
 }
 
 // One block per task (a grid-stride loop only past 2^31 - 1 tasks). Blocks are short and
 // many, so the hardware balances them over the SMs and the tail is one block long.
-template <int KB, bool KeyContig, class S>
-__global__ void __launch_bounds__(kThreads, Tile<KB, KeyContig>::kMinBlocks)
+template <int KB, int RK, bool KeyContig, class S>
+__global__ void __launch_bounds__(kThreads, Tile<KB, RK, KeyContig>::kMinBlocks)
     recurrent_kernel(const __grid_constant__ RecurrentParams p) {
-  using T = Tile<KB, KeyContig>;
+  using T = Tile<KB, RK, KeyContig>;
   __shared__ Shared sh;
   __shared__ __align__(16) S state[T::kTileElements];
-  const Tile<KB, KeyContig> tile;
+  const T tile;
   const int64_t blocks = p.N * p.HV * p.value_tiles;
   for (int64_t blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
-    run_task<KB, KeyContig, S>(p, sh, tile, task_of<T::VT>(p, blk, blocks), state);
+    run_task(p, sh, tile, task_of<T::VT>(p, blk, blocks), state);
     if (blk + gridDim.x < blocks) __syncthreads();  // the next task reuses the staging
   }
 }
@@ -219,8 +219,12 @@ template <int KB, bool KeyContig, class S>
 void launch(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t blocks = p.N * p.HV * p.value_tiles;
   if (blocks == 0) return;
-  const int64_t grid = blocks < INT_MAX ? blocks : INT_MAX;
-  recurrent_kernel<KB, KeyContig, S><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
+  const unsigned grid = static_cast<unsigned>(blocks < INT_MAX ? blocks : INT_MAX);
+  constexpr int wide = wide_keys_per_thread(KB), narrow = narrow_keys_per_thread(KB);
+  if constexpr (narrow != wide)
+    if (p.tile == RecurrentTile::narrow)
+      return recurrent_kernel<KB, narrow, KeyContig, S><<<grid, kThreads, 0, stream>>>(p);
+  recurrent_kernel<KB, wide, KeyContig, S><<<grid, kThreads, 0, stream>>>(p);
 }
 
 template <bool KeyContig, class S>
@@ -231,6 +235,12 @@ void launch_for_k(const RecurrentParams& p, cudaStream_t stream) {
   return launch<256, KeyContig, S>(p, stream);
 }
 
+template <int KB>
+int64_t block_columns(RecurrentTile t) {
+  return t == RecurrentTile::narrow ? Tile<KB, narrow_keys_per_thread(KB), true>::VT
+                                    : Tile<KB, wide_keys_per_thread(KB), true>::VT;
+}
+
 template <class S>
 void launch_for_layout(const RecurrentParams& p, bool key_contiguous, cudaStream_t stream) {
   if (key_contiguous) return launch_for_k<true, S>(p, stream);
@@ -239,10 +249,10 @@ void launch_for_layout(const RecurrentParams& p, bool key_contiguous, cudaStream
 
 }  // namespace
 
-// The tile width depends on the key bucket only, not on the layout.
-int64_t recurrent_block_columns(int64_t K) {
-  return K <= 32 ? Tile<32, true>::VT : K <= 64 ? Tile<64, true>::VT
-       : K <= 128 ? Tile<128, true>::VT : Tile<256, true>::VT;
+// The tile width depends on the key bucket and the tile, not on the layout.
+int64_t recurrent_block_columns(int64_t K, RecurrentTile tile) {
+  return K <= 32 ? block_columns<32>(tile) : K <= 64 ? block_columns<64>(tile)
+       : K <= 128 ? block_columns<128>(tile) : block_columns<256>(tile);
 }
 
 void launch_recurrent(const RecurrentParams& p, DType state_dtype, bool key_contiguous,

@@ -33,12 +33,18 @@ struct IndexTensor {
 
 enum class GateForm : uint8_t { none, scalar, vector };
 
+// The kernel's thread tile (cuda/recurrent_tile.cuh): `wide` (16 keys per thread at K = 128,
+// 64 columns per block) for many sequences, `narrow` (4 keys per thread, 16 columns per
+// block at K = 128) for few, where four times the blocks spread the latency over more SMs.
+enum class RecurrentTile : uint8_t { wide, narrow };
+
 struct RecurrentParams {
   // Sizes.
   int64_t N = 0;      // sequences (batch rows, or cu_seqlens entries)
   int64_t T = 0;      // tokens per batch row (total tokens with cu_seqlens)
   int64_t HV = 0, group = 1, K = 0, V = 0;
   int64_t value_tiles = 0;  // ceil(V / columns per block)
+  RecurrentTile tile = RecurrentTile::wide;
 
   // The recurrence.
   GateForm gate = GateForm::none;
@@ -76,8 +82,8 @@ struct RecurrentParams {
 void launch_recurrent(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
                       void* stream);
 
-// Columns of V one thread block covers for head size K (the kernel's tile width).
-int64_t recurrent_block_columns(int64_t K);
+// Columns of V one thread block covers for head size K and a tile (the kernel's tile width).
+int64_t recurrent_block_columns(int64_t K, RecurrentTile tile);
 // Elements of one thread's contiguous run of state values (the vector access width).
 inline constexpr int64_t kStateRunLength = 4;
 

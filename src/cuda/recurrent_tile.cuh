@@ -9,17 +9,24 @@
 namespace flashdelta::detail::cuda {
 namespace {
 
-// Blocks of 4 warps with 16 keys x 4 columns per thread (a 32 KB fp32 tile at K = 128):
-// measured against 1, 2 and 8 warps and 8 or 32 keys per thread (bench/NOTES.md), this size
-// amortises the per-block staging while 6 blocks still share an SM.
+// Blocks of 4 warps. The wide tile, 16 keys x 4 columns per thread (a 32 KB fp32 tile at
+// K = 128), is for many sequences: measured against 1, 2 and 8 warps and 8 or 32 keys per
+// thread (bench/NOTES.md), this size amortises the per-block staging while 6 blocks still
+// share an SM. The narrow tile, 4 keys per thread (8 KB, 16 columns at K = 128), is for few
+// sequences, where latency rules: four times the blocks over the SMs, and each thread's two
+// passes over its state a quarter as long.
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 
-// Geometry for key bucket KB (K <= KB): a thread owns RK keys x 4 columns, KL key lanes x
-// CL column lanes make a warp, which owns all keys of CL x 4 columns.
-template <int KB, bool KeyContig>
+constexpr int wide_keys_per_thread(int KB) { return KB <= 64 ? KB / 8 : 16; }
+constexpr int narrow_keys_per_thread(int KB) { return KB <= 128 ? 4 : wide_keys_per_thread(KB); }
+
+// Geometry for key bucket KB (K <= KB) and RK keys per thread: a thread owns RK keys x 4
+// columns, KL key lanes x CL column lanes make a warp, which owns all keys of CL x 4 columns.
+template <int KB, int RK_, bool KeyContig>
 struct Tile {
-  static constexpr int RK = KB <= 64 ? KB / 8 : 16;  // keys per thread
+  static constexpr int RK = RK_;                     // keys per thread
+  static_assert(RK % 4 == 0 && KB / RK <= 32, "keys per thread: runs of 4, one warp's keys");
   static constexpr int KL = KB / RK;                 // key lanes per warp
   static constexpr int CL = 32 / KL;                 // column lanes per warp (4 columns each)
   static constexpr int VT = kWarps * CL * 4;         // columns per block (any layout)
@@ -28,8 +35,11 @@ struct Tile {
   static constexpr int kKeyLaneLast = KeyContig ? KL / 2 : 16;
   // Blocks per SM the register budget is sized for, without spills (the state is in shared
   // memory: 32 KB per block at most, so 6 blocks keep ~190 KB of state loads in flight per
-  // SM; K = 256 stages two key channels per thread and needs more registers).
-  static constexpr int kMinBlocks = KB >= 256 ? 5 : 6;
+  // SM; K = 256 stages two key channels per thread and needs more registers). The narrow
+  // tile runs where its blocks are too few to fill those slots: its budget is 4 blocks per
+  // SM, which keeps its shorter passes free of spills.
+  static constexpr bool kNarrow = RK < wide_keys_per_thread(KB);
+  static constexpr int kMinBlocks = kNarrow ? 4 : KB >= 256 ? 5 : 6;
   // Elements of one block's state tile in shared memory (32 KB in fp32 at most, so that 6
   // blocks share an SM).
   static constexpr int kTileElements = RK * kThreads * 4;
@@ -62,12 +72,11 @@ struct Chunk {
   int valid;
 };
 
-template <int KB, bool KeyContig>
+template <int KB, int RK, bool KeyContig>
 __device__ __forceinline__ Chunk chunk_of(const RecurrentParams& p,
                                                          const StateTensor& st,
-                                                         const Tile<KB, KeyContig>& tile,
+                                                         const Tile<KB, RK, KeyContig>& tile,
                                                          int j0, int c) {
-  using T = Tile<KB, KeyContig>;
   const int col = j0 + tile.column;
   if constexpr (KeyContig) {
     const int g = c / 4, e = c % 4;
@@ -93,12 +102,12 @@ __device__ __forceinline__ S* slot_of(S* state, int c) {
 // 16-byte (8 for bfloat16) copies when the tensor allows aligned runs (vector_ok),
 // otherwise element by element. Missing elements read as 0. Ends with a commit; the caller
 // waits (wait_async<0>) before reading.
-template <int KB, bool KeyContig, class S>
+template <int KB, int RK, bool KeyContig, class S>
 __device__ void stage_state(const RecurrentParams& p, const StateTensor& st, const S* base,
-                            const Tile<KB, KeyContig>& tile, int j0, S* state) {
+                            const Tile<KB, RK, KeyContig>& tile, int j0, S* state) {
   constexpr int kBytes = 4 * sizeof(S);
 #pragma unroll
-  for (int c = 0; c < Tile<KB, KeyContig>::RK; ++c) {
+  for (int c = 0; c < RK; ++c) {
     const Chunk ch = chunk_of(p, st, tile, j0, c);
     if (p.vector_ok) {
       copy_async<kBytes>(slot_of(state, c), base + ch.offset,
@@ -112,10 +121,10 @@ __device__ void stage_state(const RecurrentParams& p, const StateTensor& st, con
   commit_async();
 }
 
-template <int KB, bool KeyContig, class S>
+template <int RK, class S>
 __device__ void zero_state(S* state) {
 #pragma unroll
-  for (int c = 0; c < Tile<KB, KeyContig>::RK; ++c) {
+  for (int c = 0; c < RK; ++c) {
     S* slot = slot_of(state, c);
 #pragma unroll
     for (int w = 0; w < 4; ++w) slot[w] = S{};
@@ -154,9 +163,9 @@ __device__ __forceinline__ void write_chunk(__nv_bfloat16* state, int c, const f
 }
 
 // Writes chunk c (as floats) to its place in a state tensor.
-template <int KB, bool KeyContig, class S>
+template <int KB, int RK, bool KeyContig, class S>
 __device__ __forceinline__ void store_chunk(const RecurrentParams& p, const StateTensor& st,
-                                            S* base, const Tile<KB, KeyContig>& tile, int j0,
+                                            S* base, const Tile<KB, RK, KeyContig>& tile, int j0,
                                             int c, const float (&run)[4]) {
   const Chunk ch = chunk_of(p, st, tile, j0, c);
   store_run<4>(base + ch.offset, ch.step, ch.valid, p.vector_ok, run);

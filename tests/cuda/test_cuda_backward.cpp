@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +20,7 @@
 #include "cuda/device_mirror.h"
 #include "cuda/forward_check.h"
 #include "grad_inputs.h"
+#include "scoped_env.h"
 #include "test_util.h"
 
 namespace flashdelta::testing {
@@ -302,22 +302,6 @@ TEST(CudaBackward, BitwiseDeterministic) {
   for (size_t i = 0; i < kNumSlots; ++i)
     EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kGradInputs[i].name << " differs";
 }
-
-// Sets an environment variable for the scope (unsets it for nullptr), then restores it.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    value ? setenv(name, value, 1) : unsetenv(name);
-  }
-  ~ScopedEnv() { old_ ? setenv(name_, old_->c_str(), 1) : unsetenv(name_); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 constexpr const char* kScanColumns = "FLASHDELTA_BACKWARD_SCAN_COLUMNS";
 constexpr const char* kScans = "FLASHDELTA_BACKWARD_SCANS";

@@ -8,9 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "cuda/cuda.h"
 #include "cuda/device_mirror.h"
 #include "cuda/forward_check.h"
 #include "decode_case.h"
+#include "scoped_env.h"
 #include "test_util.h"
 
 namespace flashdelta::testing {
@@ -289,6 +291,35 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
   for (int64_t n = 0; n < 1100; ++n) rows.push_back({n});
   const DecodeCase w = make_decode_case(wide, 1100, DType::f32, rows);
   expect_decode_matches_reference(w, "70,400 blocks", decode_on_device);
+}
+
+// The tile choice (host only): under `auto` the narrow tile below two wide blocks per SM.
+TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
+  constexpr const char* kTile = "FLASHDELTA_RECURRENT_TILE";
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
+    const ScopedEnv env(kTile, automatic);
+    EXPECT_TRUE(detail::cuda_recurrent_narrow_tile(64, 132));
+    EXPECT_TRUE(detail::cuda_recurrent_narrow_tile(263, 132));
+    EXPECT_FALSE(detail::cuda_recurrent_narrow_tile(264, 132));
+    EXPECT_FALSE(detail::cuda_recurrent_narrow_tile(2048, 132));
+  }
+  for (const int64_t blocks : {1, 100000}) {
+    {
+      const ScopedEnv env(kTile, "wide");
+      EXPECT_FALSE(detail::cuda_recurrent_narrow_tile(blocks, 132));
+    }
+    const ScopedEnv env(kTile, "narrow");
+    EXPECT_TRUE(detail::cuda_recurrent_narrow_tile(blocks, 132));
+  }
+  const ScopedEnv env(kTile, "Narrow");
+  try {
+    detail::cuda_recurrent_narrow_tile(64, 132);
+    ADD_FAILURE() << "accepted 'Narrow'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(kTile), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'Narrow'"), std::string::npos) << e.what();
+  }
 }
 
 TEST(CudaErrors, ClearMessagesAndNothingWritten) {
