@@ -15,8 +15,8 @@ void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream)
 void cuda_recurrent_decode(const DecodeProblem& d, const TensorView& o, void* stream);
 // Whether the recurrent kernel runs its narrow tile (cuda/recurrent_tile.cuh) for a problem
 // whose wide tile makes `wide_blocks` blocks, on a GPU of `sms` SMs. The environment variable
-// FLASHDELTA_RECURRENT_TILE picks: unset or `auto`, narrow when the wide tile gives fewer
-// than two blocks per SM (few sequences: latency, not bandwidth, sets the time); `wide` or
+// FLASHDELTA_RECURRENT_TILE picks: unset or `auto`, narrow when the wide tile leaves SMs
+// without a block (few sequences: latency, not bandwidth, sets the time); `wide` or
 // `narrow`, that tile (the same sums in another order: equal to float32 rounding). Any other
 // value throws Error(invalid_argument) naming the variable.
 bool cuda_recurrent_narrow_tile(int64_t wide_blocks, int sms);

@@ -46,7 +46,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
 
 bool cuda_recurrent_narrow_tile(int64_t wide_blocks, int sms) {
   const std::string setting = env_setting("FLASHDELTA_RECURRENT_TILE", {"auto", "wide", "narrow"});
-  if (setting.empty() || setting == "auto") return wide_blocks < 2 * int64_t{sms};
+  if (setting.empty() || setting == "auto") return wide_blocks < sms;
   return setting == "narrow";
 }
 

@@ -76,6 +76,30 @@ __device__ Task task_of(const RecurrentParams& p, int64_t blk, int64_t blocks) {
   return w;
 }
 
+// The column sums of a tile whose warps split the keys: each warp's sums (the same in all
+// its key lanes) through shared memory, added in warp order.
+template <class T>
+__device__ void sum_over_key_warps(Shared& sh, const T& tile, float (&pred)[4], float (&out)[4]) {
+  static_assert(T::VT <= 32, "columns of Shared::columns");
+  const int warp = threadIdx.x / 32;
+  if (tile.key_lane == 0)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sh.columns[warp][0][tile.column + e] = pred[e];
+      sh.columns[warp][1][tile.column + e] = out[e];
+    }
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    pred[e] = out[e] = 0.f;
+#pragma unroll
+    for (int w = 0; w < T::KW; ++w) {
+      pred[e] += sh.columns[w][0][tile.column + e];
+      out[e] += sh.columns[w][1][tile.column + e];
+    }
+  }
+}
+
 // Processes one task with its state tile in `state` (this block's shared memory).
 template <int KB, int RK, bool KeyContig, class S>
 __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK, KeyContig>& tile,
@@ -149,8 +173,14 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      pred[e] = lane_sum<T::kKeyLaneFirst, T::kKeyLaneLast>(pred[e]) * k_mul;
-      out[e] = lane_sum<T::kKeyLaneFirst, T::kKeyLaneLast>(out[e]) * q_mul;
+      pred[e] = lane_sum<T::kKeyLaneFirst, T::kKeyLaneLast>(pred[e]);
+      out[e] = lane_sum<T::kKeyLaneFirst, T::kKeyLaneLast>(out[e]);
+    }
+    if constexpr (T::KW > 1) sum_over_key_warps(sh, tile, pred, out);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pred[e] *= k_mul;
+      out[e] *= q_mul;
     }
 
     // The delta-rule write r and the output o = q^T S' + (q . k) r.
@@ -237,6 +267,8 @@ void launch_for_k(const RecurrentParams& p, cudaStream_t stream) {
 
 template <int KB>
 int64_t block_columns(RecurrentTile t) {
+  constexpr int narrow = narrow_keys_per_thread(KB);
+  static_assert(Tile<KB, narrow, true>::VT == Tile<KB, narrow, false>::VT, "VT by layout");
   return t == RecurrentTile::narrow ? Tile<KB, narrow_keys_per_thread(KB), true>::VT
                                     : Tile<KB, wide_keys_per_thread(KB), true>::VT;
 }

@@ -22,14 +22,20 @@ constexpr int wide_keys_per_thread(int KB) { return KB <= 64 ? KB / 8 : 16; }
 constexpr int narrow_keys_per_thread(int KB) { return KB <= 128 ? 4 : wide_keys_per_thread(KB); }
 
 // Geometry for key bucket KB (K <= KB) and RK keys per thread: a thread owns RK keys x 4
-// columns, KL key lanes x CL column lanes make a warp, which owns all keys of CL x 4 columns.
+// columns, KL key lanes x CL column lanes make a warp, and KW warps split the keys of the
+// block's columns. KW = 1 (a warp owns all keys of its CL x 4 columns: column sums without
+// a barrier) except for the narrow tile on a state whose values are contiguous: there one
+// warp over all keys would read 16 bytes per key row, so the 4 warps split the keys, each
+// reading 64-byte row segments, and the column sums meet in shared memory.
 template <int KB, int RK_, bool KeyContig>
 struct Tile {
-  static constexpr int RK = RK_;                     // keys per thread
-  static_assert(RK % 4 == 0 && KB / RK <= 32, "keys per thread: runs of 4, one warp's keys");
-  static constexpr int KL = KB / RK;                 // key lanes per warp
-  static constexpr int CL = 32 / KL;                 // column lanes per warp (4 columns each)
-  static constexpr int VT = kWarps * CL * 4;         // columns per block (any layout)
+  static constexpr int RK = RK_;  // keys per thread
+  static constexpr bool kNarrow = RK < wide_keys_per_thread(KB);
+  static constexpr int KW = kNarrow && !KeyContig ? kWarps : 1;  // warps over the keys
+  static_assert(RK % 4 == 0 && KB / (RK * KW) <= 32, "keys per thread: runs of 4");
+  static constexpr int KL = KB / (RK * KW);           // key lanes per warp
+  static constexpr int CL = 32 / KL;                  // column lanes per warp (4 columns each)
+  static constexpr int VT = kWarps / KW * CL * 4;     // columns per block (any layout)
   // Lane bits that select the key lane: low bits when keys are contiguous in memory.
   static constexpr int kKeyLaneFirst = KeyContig ? 1 : CL;
   static constexpr int kKeyLaneLast = KeyContig ? KL / 2 : 16;
@@ -38,7 +44,6 @@ struct Tile {
   // SM; K = 256 stages two key channels per thread and needs more registers). The narrow
   // tile runs where its blocks are too few to fill those slots: its budget is 4 blocks per
   // SM, which keeps its shorter passes free of spills.
-  static constexpr bool kNarrow = RK < wide_keys_per_thread(KB);
   static constexpr int kMinBlocks = kNarrow ? 4 : KB >= 256 ? 5 : 6;
   // Elements of one block's state tile in shared memory (32 KB in fp32 at most, so that 6
   // blocks share an SM).
@@ -49,15 +54,17 @@ struct Tile {
   // a contiguous span of a key-contiguous state per load instruction, and q, k and the
   // decays from shared memory as conflict-free 16-byte reads.
   int key0;
+  int key_lane;
   int column;  // first of this thread's 4 columns, within the block's tile
   bool writes_o;
   __device__ Tile() {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int kl = KeyContig ? lane % KL : lane / CL;
     const int cl = KeyContig ? lane / KL : lane % CL;
-    key0 = kl * 4;
-    column = (warp * CL + cl) * 4;
-    writes_o = kl == 0;
+    key_lane = kl;
+    key0 = (KW > 1 ? warp * KL * RK : 0) + kl * 4;
+    column = ((KW > 1 ? 0 : warp) * CL + cl) * 4;
+    writes_o = kl == 0 && (KW == 1 || warp == 0);
   }
   __device__ int key(int r) const { return (r / 4) * (KL * 4) + key0 + r % 4; }
 };

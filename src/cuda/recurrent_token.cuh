@@ -14,6 +14,7 @@ namespace {
 struct alignas(16) Shared {
   float q[256], k[256], decay[256];
   float partial[kWarps][3];  // |q|^2, |k|^2, q.k per warp
+  float columns[kWarps][2][32];  // per warp, k^T S' and q^T S' of each column (Tile::KW > 1)
   float beta, scalar_decay;
 };
 

@@ -293,14 +293,14 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
   expect_decode_matches_reference(w, "70,400 blocks", decode_on_device);
 }
 
-// The tile choice (host only): under `auto` the narrow tile below two wide blocks per SM.
+// The tile choice (host only): under `auto` the narrow tile below one wide block per SM.
 TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
   constexpr const char* kTile = "FLASHDELTA_RECURRENT_TILE";
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kTile, automatic);
     EXPECT_TRUE(detail::cuda_recurrent_narrow_tile(64, 132));
-    EXPECT_TRUE(detail::cuda_recurrent_narrow_tile(263, 132));
-    EXPECT_FALSE(detail::cuda_recurrent_narrow_tile(264, 132));
+    EXPECT_TRUE(detail::cuda_recurrent_narrow_tile(131, 132));
+    EXPECT_FALSE(detail::cuda_recurrent_narrow_tile(132, 132));
     EXPECT_FALSE(detail::cuda_recurrent_narrow_tile(2048, 132));
   }
   for (const int64_t blocks : {1, 100000}) {
