@@ -32,6 +32,8 @@
 #                  train-example   examples/train_kda.py --steps 100 (-> train_kda.txt)
 #                  profile-backward  bench/device/profile_backward.py (kernel times per
 #                                  step, ours and fla; PROFILE_BACKWARD_ARGS)
+#                  ncu-decode      the N=1 decode kernels' own durations under ncu, ours
+#                                  and fla's (-> ncu_decode.txt)
 #                e.g. STAGES="deps configure build bench-backward" BUILD_TARGETS=_C
 #   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test
 #                binaries (SANITIZE_BINARIES); 0: skip
@@ -97,10 +99,10 @@ START=$SECONDS
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=240 [sanitize]=150
                 [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
-                [profile-backward]=300 [kernel-bench]=150 [overhead]=40 [pytest-all]=150)
+                [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [overhead]=40 [pytest-all]=150)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
                 [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60
-                [profile-backward]=60 [kernel-bench]=10 [overhead]=15 [pytest-all]=0)
+                [profile-backward]=60 [kernel-bench]=10 [ncu-decode]=60 [overhead]=15 [pytest-all]=0)
 
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
@@ -267,6 +269,30 @@ stage_kernel-bench() {
     echo "-- with $v"
     env "$v" "$bin" --json "$OUT/kernel_bench-${v##*=}.json" || return 1
   done
+}
+
+stage_ncu-decode() {
+  # The decode kernels' own durations at N=1 x HV=32 (ncu gpu__time_duration; clocks and
+  # caches left as they run normally: no locking, no flush), ours from the C++ tool in both
+  # layouts, then ours and fla's from the harness; -> $OUT/ncu_decode.txt
+  local ncu bin layout rc=0
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  bin=$(find "$BUILD" -name flashdelta_cuda_decode_bench -type f -perm -u+x | head -1)
+  local opts=(--clock-control none --cache-control none --metrics gpu__time_duration.sum
+              --launch-skip 40 --launch-count 30 --csv)
+  : >"$OUT/ncu_decode.txt"
+  for layout in k_first v_first; do
+    timeout 90 "$ncu" "${opts[@]}" -k regex:recurrent_kernel "$bin" --only "N=1 HV=32 $layout" \
+      >/tmp/ncu.csv 2>/dev/null || rc=1
+    python3 bench/device/ncu_durations.py "ours C++ $layout" /tmp/ncu.csv | tee -a "$OUT/ncu_decode.txt"
+    for k in recurrent_kernel fused_recurrent; do
+      timeout 120 "$ncu" "${opts[@]}" -k "regex:$k" python3 bench/device/bench_decode.py \
+        --out /tmp/ncu-bench --cases kda_n1 --layouts "$layout" >/tmp/ncu.csv 2>/dev/null || rc=1
+      python3 bench/device/ncu_durations.py "harness $k $layout" /tmp/ncu.csv |
+        tee -a "$OUT/ncu_decode.txt"
+    done
+  done
+  return $rc
 }
 
 stage_overhead() {
