@@ -20,7 +20,11 @@ def durations(path):
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
         value = float(row["Metric Value"].replace(",", ""))
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(row.get("Metric Unit"), 1.0)
+        units = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+        unit = row.get("Metric Unit", "")
+        if unit not in units:
+            raise ValueError(f"{path}: unknown unit {unit!r} of gpu__time_duration.sum")
+        scale = units[unit]
         out.setdefault(row["Kernel Name"].split("(")[0][:60], []).append(value * scale)
     return out
 
