@@ -18,8 +18,10 @@ torch.cuda._sleep so that the host never starves the GPU (the times are the GPU'
 kernel the call launches); the pool slots and input sets rotate over enough sets that the
 states do not sit in the L2 (at least 4 sets, and at least 4x the L2 of state); median of
 --reps calls after warm-up. For N=1 also the wall-clock time per call from Python (a loop,
-one synchronisation at the end: host overhead included) and the kernel time alone (100
-calls captured in a CUDA graph, replays timed). State bandwidth = state bytes moved per call
+one synchronisation at the end: host overhead included), the time per call of 100 calls
+captured in a CUDA graph (replays timed: no host overhead, but the gaps between kernels),
+and the kernels' own device time per call (CUPTI's start to end of each launch, through
+torch.profiler). State bandwidth = state bytes moved per call
 (read once, written once per slot written) / time; the copy bandwidth is measured in the same
 run (a >= 1 GiB device-to-device copy, bytes read + written / time, median).
 
@@ -274,6 +276,28 @@ class Timer:
         self.sync()
         return (time.perf_counter() - t0) / reps
 
+    def kernel(self, fn, sets, calls=200):
+        """The kernels' own device time per call, from CUPTI's start and end of every launch
+        (torch.profiler; no launch gaps, no replay): seconds per call summed over the kernels
+        a call launches, and the median of the longest kernel's launches."""
+        from torch.profiler import ProfilerActivity, profile
+        for i in range(10):
+            fn(i % sets)
+        self.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(calls):
+                fn(i % sets)
+            self.sync()
+        launches = {}
+        for e in prof.events():
+            if e.device_type == self.torch.autograd.DeviceType.CUDA:
+                launches.setdefault(e.name, []).append(e.device_time_total * 1e-6)
+        if not launches:
+            return None
+        main = max(launches.values(), key=sum)
+        return dict(total=sum(map(sum, launches.values())) / calls,
+                    longest_median=statistics.median(main), kernels=len(launches))
+
     def graph(self, fn, sets, calls=100, replays=20):
         """Seconds per call of `calls` calls captured in a CUDA graph (median replay)."""
         torch = self.torch
@@ -401,6 +425,10 @@ def run_case(torch, flashdelta, name, p, layout, impls, device, args, l2_bytes, 
                                                       args.warmup)
                 if device.type == "cuda":
                     entry["graph_s_per_call"] = timer.graph(fn, sets)
+                    k = timer.kernel(fn, sets)
+                    if k:
+                        entry["kernel_s_per_call"] = k["total"]
+                        entry["kernel_longest_median_s"] = k["longest_median"]
         except Exception as e:  # noqa: BLE001
             entry["error"] = error_text(e)
             entry["traceback"] = traceback.format_exc(limit=4)
@@ -438,7 +466,8 @@ def table(rows, baseline, copy_bw, gpu):
             f"{fmt(d.get('state'), '9.2e'):>9}")
         if row["params"]["N"] == 1:
             for key, what in (("wall_s_per_call", "wall/call from Python"),
-                              ("graph_s_per_call", "graph replay/call")):
+                              ("graph_s_per_call", "graph replay/call"),
+                              ("kernel_s_per_call", "kernel time/call (CUPTI)")):
                 wb, wo = b.get(key), o.get(key)
                 if wb or wo:
                     ratio = f"  ({wb / wo:.2f}x)" if wb and wo else ""
