@@ -16,7 +16,9 @@
 // Thread mapping (cuda/recurrent_tile.cuh): a thread owns RK keys x 4 adjacent columns and
 // a warp all the keys of its columns, so a column sum is an in-thread sum and a few
 // shuffles, with no shared-memory reduction and no barrier. RK is 16 at K = 128 (the wide
-// tile) for many sequences, 4 (the narrow tile, 4x the blocks) for few; the host picks.
+// tile) for many sequences, 4 (the narrow tile, 4x the blocks) for few; the host picks. The
+// narrow tile on a K-first state splits the keys over its warps instead, and their column
+// sums meet in shared memory behind one barrier (sum_over_key_warps).
 #include <climits>
 #include <string>
 
@@ -269,7 +271,7 @@ template <int KB>
 int64_t block_columns(RecurrentTile t) {
   constexpr int narrow = narrow_keys_per_thread(KB);
   static_assert(Tile<KB, narrow, true>::VT == Tile<KB, narrow, false>::VT, "VT by layout");
-  return t == RecurrentTile::narrow ? Tile<KB, narrow_keys_per_thread(KB), true>::VT
+  return t == RecurrentTile::narrow ? Tile<KB, narrow, true>::VT
                                     : Tile<KB, wide_keys_per_thread(KB), true>::VT;
 }
 
