@@ -11,6 +11,8 @@
 #   train_kda.txt  a short KDA training run, FlashDelta vs fla (stage train-example:
 #                examples/train_kda.py; opt-in)
 #   profile_backward.txt  the training step's kernel times (stage profile-backward; opt-in)
+#   outputs.tgz  all of the above but device-run.log, when there are more than eight files
+#                (the device tool brings back at most eight)
 # A stage that fails is reported and the later ones still run where they can. Every stage
 # has a timeout drawn from one time budget (BUDGET_S) that keeps a minimum for the stages
 # after it, so the whole run ends in time; the benchmark skips the cases it has no time for.
@@ -352,4 +354,12 @@ log ""
 log "== summary ($((SECONDS - START)) s; outputs in $OUT) =="
 for line in "${SUMMARY[@]}"; do log "  $line"; done
 ls -la "$OUT" | tee -a "$LOG"
+
+# The device tool brings back at most eight files: past that, everything but the log goes
+# into one archive (unpack it with tar xzf).
+if (($(find "$OUT" -maxdepth 1 -type f | wc -l) > 8)); then
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name device-run.log ! -name outputs.tgz -printf '%P\n' |
+    tar czf outputs.tgz -T - --remove-files) &&
+    echo "-- more than 8 outputs: all but device-run.log are in $OUT/outputs.tgz" | tee -a "$LOG"
+fi
 ((FAILED == 0))
