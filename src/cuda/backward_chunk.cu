@@ -249,7 +249,6 @@ struct PairScratch {
 struct GradsShared {
   float daqk[kC][kLd];  // d A_qk (lower, diagonal included)
   float dakk[kC][kLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
-  float dgamma[kMaxCols];  // d Gamma_end per channel
   union {
     struct {
       float dt[kC][kLd];  // d T, then d A_kk * unscaled products (for d beta)
@@ -414,8 +413,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   const Rows dO = x.v_rows(ws.dout);
   ProductStage<16>& st = sh.products.stage;
   // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
-  // workspace.
-  for (int c = threadIdx.x; c < K; c += blockDim.x) sh.dgamma[c] = ws.dgamma[rec * K + c];
+  // workspace for reverse_cumsum_dg.
 
   // d A_qk = tril(dO v_new^T).
   staged_product(len, len, V, dO, x.v_recs_t(ws.vn), st,
@@ -469,7 +467,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
 
   for (int c0 = 0; c0 < K; c0 += kGradSlice) add_pair_terms(x, c0, sh.daqk, sh.dakk, sh.pairs);
   __syncthreads();
-  reverse_cumsum_dg(x, sh.dgamma);
+  reverse_cumsum_dg(x, ws.dgamma + rec * K);
 }
 
 // One block per record; both kernels keep more than the 48 KB of static shared memory.
