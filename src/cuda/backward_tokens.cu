@@ -4,6 +4,8 @@
 // (params).
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "cuda/backward_common.cuh"
 #include "cuda/transforms.cuh"
 
@@ -17,21 +19,76 @@ constexpr int kWarps = kBackwardThreads / 32;
 
 __device__ __forceinline__ float sigmoid_exact(float x) { return 1.f / (1.f + expf(-x)); }
 
+// A warp handles one row (a token of one head) and each lane a run of 8 adjacent channels
+// (K, V <= 256: one run per lane), so that a lane reads and writes 16-byte words where the
+// tensors allow: the per-token stages move bytes and little else.
+__device__ __forceinline__ int lane_channel() { return 8 * (threadIdx.x % 32); }
+
+// The lane's run of a float32 workspace row; `valid` channels, the rest read as 0.
+__device__ __forceinline__ void load_floats8(const float* src, int valid, float (&v)[8]) {
+  if (valid == 8 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+    const float4 a = reinterpret_cast<const float4*>(src)[0];
+    const float4 b = reinterpret_cast<const float4*>(src)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = e < valid ? src[e] : 0.f;
+}
+
+__device__ __forceinline__ void store_floats8(float* dst, int valid, const float (&v)[8]) {
+  if (valid == 8 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    if (e < valid) dst[e] = v[e];
+}
+
+// The lane's run of a token tensor at element offset `off` (its first channel) as floats.
+__device__ __forceinline__ void load_token8(const TokenTensor& x, int64_t off, int valid,
+                                            float (&v)[8]) {
+  if (valid > 0) return run8_to_float(load_run8(x, off, valid), x.dtype, v);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = 0.f;
+}
+
+// x / d and x % d, in 32-bit arithmetic when both fit (a 64-bit division is a long call).
+__device__ __forceinline__ void split_index(int64_t x, int64_t d, int64_t& q, int64_t& r) {
+  if (x <= INT32_MAX && d <= INT32_MAX) {
+    const uint32_t ux = static_cast<uint32_t>(x), ud = static_cast<uint32_t>(d), uq = ux / ud;
+    q = uq, r = ux - uq * ud;
+  } else {
+    q = x / d, r = x - q * d;
+  }
+}
+
+// token_row_offset without 64-bit divisions where the row index fits in 32 bits.
+__device__ __forceinline__ int64_t row_offset(const TokenTensor& x, int64_t row, int64_t T,
+                                              int64_t head) {
+  int64_t b, t;
+  split_index(row, T, b, t);
+  return b * x.stride[0] + t * x.stride[1] + head * x.stride[2];
+}
+
 // exp(A_log[hv]) or 1 without A_log.
 __device__ __forceinline__ float gate_scale(const RecurrentParams& p, int64_t hv) {
   return p.A_log ? expf(load_float(p.A_log, p.A_log_dtype, hv * p.A_log_stride)) : 1.f;
 }
 
-// The raw gate pre-activation of channel i (dt_bias added when the gate is activated here).
-__device__ __forceinline__ float raw_gate(const RecurrentParams& p, int64_t row, int64_t hv,
-                                          int i) {
-  const int64_t off = token_row_offset(p.g, row, p.T, hv) +
-                      (p.gate == GateForm::vector ? i * p.g.stride[3] : 0);
-  float x = load_float(p.g.data, p.g.dtype, off);
+// The raw gate pre-activations of `width` channels from channel c0 (at most 8; 1 for a
+// scalar gate), dt_bias added when the gate is activated here.
+__device__ __forceinline__ void raw_gates(const RecurrentParams& p, int64_t row, int64_t hv,
+                                          int c0, int valid, float (&x)[8]) {
+  load_token8(p.g, row_offset(p.g, row, p.T, hv) + c0 * p.g.stride[3], valid, x);
   if (p.gate_in_kernel && p.dt_bias)
-    x += load_float(p.dt_bias, p.dt_bias_dtype,
-                    hv * p.dt_bias_head_stride + i * p.dt_bias_key_stride);
-  return x;
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (e < valid)
+        x[e] += load_float(p.dt_bias, p.dt_bias_dtype,
+                           hv * p.dt_bias_head_stride + (c0 + e) * p.dt_bias_key_stride);
 }
 
 __device__ __forceinline__ float activated_gate(const RecurrentParams& p, float x, float a) {
@@ -41,52 +98,61 @@ __device__ __forceinline__ float activated_gate(const RecurrentParams& p, float 
 // q or k of key head h at token row `row`, normalised (and scaled for q).
 __device__ void transform_key_row(const RecurrentParams& p, const TokenTensor& x, float scale,
                                   int64_t row, int64_t h, float* out) {
-  const int lane = threadIdx.x % 32;
-  const int64_t base = token_row_offset(x, row, p.T, h);
+  const int c0 = lane_channel(), valid = clamp_run(p.K - c0);
   float v[8], ss = 0.f;
+  load_token8(x, row_offset(x, row, p.T, h) + c0 * x.stride[3], valid, v);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const int c = lane + 32 * e;
-    v[e] = c < p.K ? load_float(x.data, x.dtype, base + c * x.stride[3]) : 0.f;
-    ss += v[e] * v[e];
-  }
+  for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
   ss = lane_sum<1, 16>(ss);
   const float f = p.qk_l2norm ? scale * rsqrtf(ss + kL2NormEps) : scale;
 #pragma unroll
-  for (int e = 0; e < 8; ++e)
-    if (lane + 32 * e < p.K) out[lane + 32 * e] = v[e] * f;
+  for (int e = 0; e < 8; ++e) v[e] *= f;
+  if (valid > 0) store_floats8(out + c0, valid, v);
 }
 
 __global__ void __launch_bounds__(kBackwardThreads) inputs_kernel(const BackwardParams b) {
   const RecurrentParams& p = b.p;
   const int64_t rows = b.B * p.T, key_items = rows * b.H, items = key_items + rows * p.HV;
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, c0 = lane_channel();
   for (int64_t item = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; item < items;
        item += int64_t{gridDim.x} * kWarps) {
     if (item < key_items) {
-      const int64_t row = item / b.H, h = item % b.H;
+      int64_t row, h;
+      split_index(item, b.H, row, h);
       transform_key_row(p, p.q, p.scale, row, h, b.ws.qn + item * p.K);
       transform_key_row(p, p.k, 1.f, row, h, b.ws.kn + item * p.K);
       continue;
     }
-    const int64_t vi = item - key_items, row = vi / p.HV, hv = vi % p.HV;
-    float* gate = b.ws.gate + vi * p.K;
+    const int64_t vi = item - key_items;
+    int64_t row, hv;
+    split_index(vi, p.HV, row, hv);
+    const int kvalid = clamp_run(p.K - c0);
+    float gate[8];
     const float a = p.gate_in_kernel ? gate_scale(p, hv) : 1.f;
     if (p.gate == GateForm::scalar) {
-      const float g = fmaxf(activated_gate(p, raw_gate(p, row, hv, 0), a), kMinGate);
-      for (int c = lane; c < p.K; c += 32) gate[c] = g;
+      float g[8];
+      raw_gates(p, row, hv, 0, 1, g);  // every lane: one channel of the shared scalar
+      const float x = fmaxf(activated_gate(p, g[0], a), kMinGate);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) gate[e] = x;
+    } else if (p.gate == GateForm::vector) {
+      raw_gates(p, row, hv, c0, kvalid, gate);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) gate[e] = fmaxf(activated_gate(p, gate[e], a), kMinGate);
     } else {
-      for (int c = lane; c < p.K; c += 32)
-        gate[c] = p.gate == GateForm::vector
-                      ? fmaxf(activated_gate(p, raw_gate(p, row, hv, c), a), kMinGate)
-                      : 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) gate[e] = 0.f;
     }
-    const int64_t d_o = token_row_offset(b.d_o, row, p.T, hv);
-    for (int j = lane; j < p.V; j += 32)
-      b.ws.dout[vi * p.V + j] = load_float(b.d_o.data, b.d_o.dtype, d_o + j * b.d_o.stride[3]);
+    if (kvalid > 0) store_floats8(b.ws.gate + vi * p.K + c0, kvalid, gate);
+    const int vvalid = clamp_run(p.V - c0);
+    if (vvalid > 0) {
+      float d[8];
+      load_token8(b.d_o, row_offset(b.d_o, row, p.T, hv) + c0 * b.d_o.stride[3], vvalid, d);
+      store_floats8(b.ws.dout + vi * p.V + c0, vvalid, d);
+    }
     if (lane == 0)
       b.ws.beta[vi] = p.delta ? activate_beta(p, load_float(p.beta.data, p.beta.dtype,
-                                                            token_row_offset(p.beta, row, p.T, hv)))
+                                                            row_offset(p.beta, row, p.T, hv)))
                               : 1.f;
   }
 }
@@ -95,19 +161,19 @@ __global__ void __launch_bounds__(kBackwardThreads) inputs_kernel(const Backward
 __device__ void key_grad_row(const BackwardParams& b, const TokenTensor& x, const TokenTensor& dx,
                              const float* grads, float scale, int64_t row, int64_t h) {
   const RecurrentParams& p = b.p;
-  const int lane = threadIdx.x % 32;
-  float y[8], xs[8], ss = 0.f;
-  const int64_t base = token_row_offset(x, row, p.T, h);
+  const int c0 = lane_channel(), valid = clamp_run(p.K - c0);
+  float y[8] = {}, xs[8], ss = 0.f;
+  if (valid > 0)
+    for (int64_t gi = 0; gi < p.group; ++gi) {
+      float g[8];
+      load_floats8(grads + (row * p.HV + h * p.group + gi) * p.K + c0, valid, g);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) y[e] += g[e];
+    }
+  load_token8(x, row_offset(x, row, p.T, h) + c0 * x.stride[3], valid, xs);
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
-    const int c = lane + 32 * e;
-    y[e] = 0.f;
-    xs[e] = 0.f;
-    if (c >= p.K) continue;
-    for (int64_t gi = 0; gi < p.group; ++gi)
-      y[e] += grads[(row * p.HV + h * p.group + gi) * p.K + c];
     y[e] *= scale;
-    xs[e] = load_float(x.data, x.dtype, base + c * x.stride[3]);
     ss += xs[e] * xs[e];
   }
   if (p.qk_l2norm) {
@@ -120,11 +186,7 @@ __device__ void key_grad_row(const BackwardParams& b, const TokenTensor& x, cons
 #pragma unroll
     for (int e = 0; e < 8; ++e) y[e] = (y[e] - xs[e] * inv * dot) * inv;
   }
-  const int64_t out = token_row_offset(dx, row, p.T, h);
-#pragma unroll
-  for (int e = 0; e < 8; ++e)
-    if (lane + 32 * e < p.K) store_float(const_cast<void*>(dx.data), dx.dtype,
-                                         out + (lane + 32 * e) * dx.stride[3], y[e]);
+  if (valid > 0) store_run8(dx, row_offset(dx, row, p.T, h) + c0 * dx.stride[3], valid, y);
 }
 
 // d gate / d raw and d gate / d A_log of one channel (the reference's gate_derivative).
@@ -146,47 +208,54 @@ __device__ GateSlopes gate_slopes(const RecurrentParams& p, float x, float a) {
 // dv, dbeta and the gate gradient of value head hv at one token row.
 __device__ void value_grad_row(const BackwardParams& b, int64_t row, int64_t hv) {
   const RecurrentParams& p = b.p;
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, c0 = lane_channel();
   const int64_t vi = row * p.HV + hv;
-  if (b.dv.data) {
-    const int64_t out = token_row_offset(b.dv, row, p.T, hv);
-    for (int j = lane; j < p.V; j += 32)
-      store_float(const_cast<void*>(b.dv.data), b.dv.dtype, out + j * b.dv.stride[3],
-                  b.ws.dv[vi * p.V + j]);
+  const int vvalid = clamp_run(p.V - c0);
+  if (b.dv.data && vvalid > 0) {
+    float d[8];
+    load_floats8(b.ws.dv + vi * p.V + c0, vvalid, d);
+    store_run8(b.dv, row_offset(b.dv, row, p.T, hv) + c0 * b.dv.stride[3], vvalid, d);
   }
   if (b.dbeta.data && lane == 0) {
     float d = b.ws.dbeta[vi];
     if (p.beta_sigmoid) {
-      const int64_t at = token_row_offset(p.beta, row, p.T, hv);
-      const float raw = load_float(p.beta.data, p.beta.dtype, at);
+      const float raw = load_float(p.beta.data, p.beta.dtype, row_offset(p.beta, row, p.T, hv));
       d *= p.beta_factor * sigmoid_exact(raw) * sigmoid_exact(-raw);
     }
     store_float(const_cast<void*>(b.dbeta.data), b.dbeta.dtype,
-                token_row_offset(b.dbeta, row, p.T, hv), d);
+                row_offset(b.dbeta, row, p.T, hv), d);
   }
   if (p.gate == GateForm::none) return;
   float* dgate = b.ws.dg + vi * p.K;
   const float a = gate_scale(p, hv);
-  const int width = p.gate == GateForm::vector ? static_cast<int>(p.K) : 1;
-  // A scalar gate feeds every channel: its gradient is the sum of theirs.
-  float scalar = 0.f;
-  if (width == 1) {
-    for (int c = lane; c < p.K; c += 32) scalar += dgate[c];
-    scalar = lane_sum<1, 16>(scalar);
+  const int kvalid = clamp_run(p.K - c0);
+  float d[8];
+  load_floats8(dgate + c0, kvalid, d);
+  // A scalar gate feeds every channel: its gradient is the sum of theirs, taken by lane 0.
+  const bool scalar = p.gate == GateForm::scalar;
+  if (scalar) {
+    float sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += d[e];
+    d[0] = lane_sum<1, 16>(sum);
   }
-  float dA = 0.f;
-  for (int c = lane; c < width; c += 32) {
-    const float x = raw_gate(p, row, hv, c);
-    const float g = activated_gate(p, x, a);
+  const int valid = scalar ? (lane == 0 ? 1 : 0) : kvalid;
+  float x[8], dA = 0.f;
+  raw_gates(p, row, hv, scalar ? 0 : c0, valid, x);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float g = activated_gate(p, x[e], a);
     // The floor at kMinGate passes no gradient (the reference's is 0 there too: e^g S = 0).
-    const float d = g < kMinGate ? 0.f : width == 1 ? scalar : dgate[c];
-    const GateSlopes s = gate_slopes(p, x, a);
-    dA += d * s.A_log;
-    dgate[c] = d * s.raw;  // kept for ddt_bias (params)
+    const float de = e < valid && !(g < kMinGate) ? d[e] : 0.f;
+    const GateSlopes s = gate_slopes(p, x[e], a);
+    dA += de * s.A_log;
+    d[e] = de * s.raw;  // kept for ddt_bias (params)
+  }
+  if (valid > 0) {
+    store_floats8(dgate + (scalar ? 0 : c0), valid, d);
     if (b.dg.data)
-      store_float(const_cast<void*>(b.dg.data), b.dg.dtype,
-                  token_row_offset(b.dg, row, p.T, hv) + (width == 1 ? 0 : c * b.dg.stride[3]),
-                  d * s.raw);
+      store_run8(b.dg, row_offset(b.dg, row, p.T, hv) + (scalar ? 0 : c0 * b.dg.stride[3]),
+                 valid, d);
   }
   dA = lane_sum<1, 16>(dA);
   if (lane == 0) b.ws.dA_log_part[vi] = dA;
@@ -198,12 +267,14 @@ __global__ void __launch_bounds__(kBackwardThreads) outputs_kernel(const Backwar
   for (int64_t item = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; item < items;
        item += int64_t{gridDim.x} * kWarps) {
     if (item < key_items) {
-      const int64_t row = item / b.H, h = item % b.H;
+      int64_t row, h;
+      split_index(item, b.H, row, h);
       if (b.dq.data) key_grad_row(b, p.q, b.dq, b.ws.dq, p.scale, row, h);
       if (b.dk.data) key_grad_row(b, p.k, b.dk, b.ws.dk, 1.f, row, h);
     } else {
-      const int64_t vi = item - key_items;
-      value_grad_row(b, vi / p.HV, vi % p.HV);
+      int64_t row, hv;
+      split_index(item - key_items, p.HV, row, hv);
+      value_grad_row(b, row, hv);
     }
   }
 }
