@@ -28,7 +28,36 @@ struct KeySlice {
   float q[kC][kW + 1], k[kC][kW + 1], g[kC][kW + 1];
 };
 
-// Stages q, k (normalised, q scaled) and Gamma of a key slice.
+// Loads three C x kW slices of float32 rows, elements (i, c0 + cc) for i < len and
+// c0 + cc < K (0 elsewhere), with all of a thread's loads issued before any is stored: the
+// compiler cannot move a global load above a store to shared memory through a generic
+// pointer, and a load-store loop waited on every load (ncu: 8-11% of records' and grads'
+// samples on these loops). `row(a, i)` is the start of row i of array a.
+template <int kW, class Row>
+__device__ void stage_three(const ChunkRows& x, int c0, const Row& row, const float* a0,
+                            const float* a1, const float* a2, float (&s0)[kC][kW + 1],
+                            float (&s1)[kC][kW + 1], float (&s2)[kC][kW + 1]) {
+  constexpr int kPer = kC * kW / kBackwardThreads;
+  static_assert(kC * kW % kBackwardThreads == 0, "whole passes of the block");
+  const int64_t K = x.b.p.K;
+  float v0[kPer], v1[kPer], v2[kPer];
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) {
+    const int idx = threadIdx.x + r * kBackwardThreads, i = idx / kW, c = c0 + idx % kW;
+    const bool ok = i < x.len && c < K;
+    v0[r] = ok ? row(a0, 0, i)[c] : 0.f;
+    v1[r] = ok ? row(a1, 1, i)[c] : 0.f;
+    v2[r] = ok ? row(a2, 2, i)[c] : 0.f;
+  }
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) {
+    const int idx = threadIdx.x + r * kBackwardThreads, i = idx / kW, cc = idx % kW;
+    s0[i][cc] = v0[r], s1[i][cc] = v1[r], s2[i][cc] = v2[r];
+  }
+}
+
+// Stages q, k (normalised, q scaled) and Gamma of a key slice (for grads: batching its loads
+// as records does made ptxas spill grads at its 128-register budget).
 template <int kW>
 __device__ void stage_slice(const ChunkRows& x, int c0, KeySlice<kW>& s) {
   const int64_t K = x.b.p.K;
@@ -60,13 +89,10 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
   constexpr int kSlice = kRecordSlice;
   const int64_t K = b.p.K;
   const int len = x.len;
-  for (int idx = threadIdx.x; idx < kC * kSlice; idx += blockDim.x) {
-    const int i = idx / kSlice, cc = idx % kSlice, c = c0 + cc;
-    const bool ok = i < len && c < K;
-    s.g[i][cc] = ok ? x.k_row(b.ws.gate, i)[c] : 0.f;
-    s.q[i][cc] = ok ? x.key_head(b.ws.qn, i)[c] : 0.f;
-    s.k[i][cc] = ok ? x.key_head(b.ws.kn, i)[c] : 0.f;
-  }
+  const auto row = [&](const float* a, int which, int i) {
+    return which == 0 ? x.k_row(const_cast<float*>(a), i) : x.key_head(a, i);
+  };
+  stage_three<kSlice>(x, c0, row, b.ws.gate, b.ws.qn, b.ws.kn, s.g, s.q, s.k);
   __syncthreads();
   if (threadIdx.x < kSlice) {
     float G = 0.f;
