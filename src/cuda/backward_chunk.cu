@@ -31,8 +31,8 @@ struct KeySlice {
 // Loads three C x kW slices of float32 rows, elements (i, c0 + cc) for i < len and
 // c0 + cc < K (0 elsewhere), with all of a thread's loads issued before any is stored: the
 // compiler cannot move a global load above a store to shared memory through a generic
-// pointer, and a load-store loop waited on every load (ncu: 8-11% of records' and grads'
-// samples on these loops). `row(a, i)` is the start of row i of array a.
+// pointer, and the load-store loop this replaces in records waited on every load (ncu: 11%
+// of its samples). `row(a, which, i)` is the start of row i of array a, the which-th.
 template <int kW, class Row>
 __device__ void stage_three(const ChunkRows& x, int c0, const Row& row, const float* a0,
                             const float* a1, const float* a2, float (&s0)[kC][kW + 1],
