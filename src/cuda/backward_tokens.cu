@@ -78,7 +78,7 @@ __device__ __forceinline__ float gate_scale(const RecurrentParams& p, int64_t hv
   return p.A_log ? expf(load_float(p.A_log, p.A_log_dtype, hv * p.A_log_stride)) : 1.f;
 }
 
-// The raw gate pre-activations of `width` channels from channel c0 (at most 8; 1 for a
+// The raw gate pre-activations of `valid` channels from channel c0 (at most 8; 1 for a
 // scalar gate), dt_bias added when the gate is activated here.
 __device__ __forceinline__ void raw_gates(const RecurrentParams& p, int64_t row, int64_t hv,
                                           int c0, int valid, float (&x)[8]) {
