@@ -195,11 +195,8 @@ def serving_call(mechanism, q, k, v, g, beta, A_log, dt_bias, scale, initial_sta
         check_neg_eigval(allow_neg_eigval, beta_sigmoid)
     gate_in_kernel, A_log, dt_bias, lower_bound = gate_arguments(use_gate_in_kernel, A_log,
                                                                  dt_bias, lower_bound)
-    o = _api.decode(q, k, v, g, beta, mechanism=mechanism, state_pool=initial_state,
-                    state_indices=indices, num_accepted_tokens=accepted,
-                    cu_seqlens=cu_seqlens, scale=scale, qk_l2norm=qk_l2norm,
-                    beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
-                    gate_in_kernel=gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                    lower_bound=lower_bound, state_v_first=state_v_first,
-                    schedule=schedule or "recurrent")
+    o = _api.decode_positional(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, initial_state,
+                               indices, accepted, mechanism, scale, qk_l2norm, beta_sigmoid,
+                               allow_neg_eigval, gate_in_kernel, lower_bound, state_v_first,
+                               schedule or "recurrent")
     return o, initial_state
