@@ -11,6 +11,7 @@
 
 #include "cuda/backward_blocks.cuh"
 #include "cuda/backward_common.cuh"
+#include "cuda/chunk_inverse.cuh"
 #include "cuda/transforms.cuh"
 
 namespace flashdelta::detail::cuda {
@@ -73,11 +74,15 @@ __device__ void stage_slice(const ChunkRows& x, int c0, KeySlice<kW>& s) {
 // Records' tables: the slice's channel is the products' summed index (row length 4 mod 32).
 using RecordTables = BlockTables<kRecordSlice, kRecordSlice + 4>;
 
+constexpr int kTmLd = kC + 4;  // T's rows: 16-byte aligned (cuda/chunk_inverse.cuh)
+
 struct RecordsShared {
   KeySlice<kRecordSlice> slice;
-  float akk[kC][kLd], tm[kC][kLd];
+  float akk[kC][kLd];
+  alignas(16) float tm[kC][kTmLd];
   union {
     RecordTables tables;     // the pairwise sums
+    InverseScratch inverse;  // T
     ProductStage<16> stage;  // w and u
   };
 };
@@ -124,24 +129,32 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   extern __shared__ __align__(16) unsigned char smem[];
   RecordsShared& sh = *reinterpret_cast<RecordsShared*>(smem);
 
-  // beta v, a warp per row: the row's loads are issued together before any store.
+  // beta v: a lane per run of 8 values (one 16-byte load for bfloat16), two rows per warp
+  // when V <= 128; all of a lane's rows are loaded before any is stored.
   {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    constexpr int kPerLane = kMaxCols / 32;
-    for (int i = warp; i < len; i += kWarps) {
-      const TokenTensor& v = b.p.v;
-      const int64_t row = token_row_offset(v, r0 + i, b.p.T, hv);
-      float val[kPerLane];
+    const int lane = threadIdx.x % 32, per_row = V <= 128 ? 16 : 32, c0 = 8 * (lane % per_row);
+    const int step = kWarps * (32 / per_row), valid = clamp_run(V - c0);
+    constexpr int kBatch = kC / (2 * kWarps);  // a lane's rows at two rows per warp
+    const TokenTensor& v = b.p.v;
+    for (int i0 = threadIdx.x / per_row; i0 < len; i0 += kBatch * step) {
+      Run8 runs[kBatch];
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) {
-        const int j = lane + 32 * e;
-        val[e] = j < V ? load_float(v.data, v.dtype, row + j * v.stride[3]) : 0.f;
+      for (int r = 0; r < kBatch; ++r) {
+        const int i = i0 + r * step;
+        runs[r] = load_run8(v, token_row_offset(v, r0 + i, b.p.T, hv) + c0 * v.stride[3],
+                            i < len ? valid : 0);
       }
-      const float beta = x.beta(i);
-      float* out = x.v_rec(b.ws.vb, i);
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e)
-        if (lane + 32 * e < V) out[lane + 32 * e] = beta * val[e];
+      for (int r = 0; r < kBatch; ++r) {
+        const int i = i0 + r * step;
+        if (i >= len || valid == 0) continue;
+        float val[8];
+        run8_to_float(runs[r], v.dtype, val);
+        const float beta = x.beta(i);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) val[e] *= beta;
+        store_floats8(x.v_rec(b.ws.vb, i) + c0, valid, val);
+      }
     }
   }
 
@@ -231,24 +244,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   }
   __syncthreads();
 
-  // T = (I + A_kk)^-1 by forward substitution: four lanes per column share each row's sum.
-  {
-    const int c = threadIdx.x / 4, part = threadIdx.x % 4;
-    for (int i = 0; i < kC; ++i) {
-      float t = 0.f;
-      for (int j = c + part; j < i; j += 4) t = fmaf(sh.akk[i][j], sh.tm[j][c], t);
-      t += __shfl_xor_sync(0xffffffffu, t, 1);
-      t += __shfl_xor_sync(0xffffffffu, t, 2);
-      if (part == 0) sh.tm[i][c] = (i == c ? 1.f : 0.f) - t;
-      __syncwarp();
-    }
-  }
-  __syncthreads();
+  // T = (I + A_kk)^-1.
+  invert_unit_lower<kBackwardThreads>(&sh.akk[0][0], kLd, &sh.tm[0][0], kTmLd, sh.inverse);
   float* tm = b.ws.tm + rec * kC * kC;
   for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) tm[idx] = sh.tm[idx / kC][idx % kC];
 
   // w = T (beta k e^Gamma) and u = T (beta v); the linear rule writes u = v (beta is 1).
-  const Rows T{&sh.tm[0][0], kLd};
+  const Rows T{&sh.tm[0][0], kTmLd};
   if (b.p.delta) {
     staged_product(len, K, len, T, x.k_recs(b.ws.kb), sh.stage,
                    [&](int m, int n, float acc) { x.k_rec(b.ws.w, m)[n] = acc; });

@@ -19,32 +19,58 @@ constexpr int kWarps = kBackwardThreads / 32;
 
 __device__ __forceinline__ float sigmoid_exact(float x) { return 1.f / (1.f + expf(-x)); }
 
-// A warp handles one row (a token of one head) and each lane a run of 8 adjacent channels
-// (K, V <= 256: one run per lane), so that a lane reads and writes 16-byte words where the
-// tensors allow: the per-token stages move bytes and little else.
-__device__ __forceinline__ int lane_channel() { return 8 * (threadIdx.x % 32); }
-
-// The lane's run of a float32 workspace row; `valid` channels, the rest read as 0.
-__device__ __forceinline__ void load_floats8(const float* src, int valid, float (&v)[8]) {
-  if (valid == 8 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
-    const float4 a = reinterpret_cast<const float4*>(src)[0];
-    const float4 b = reinterpret_cast<const float4*>(src)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    return;
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = e < valid ? src[e] : 0.f;
+// A lane handles a run of 8 adjacent channels of a row (a token of one head), so that it reads
+// and writes 16-byte words where the tensors allow: the per-token stages move bytes and little
+// else. A row takes 32 lanes when K or V is above 128 (up to 256), else 16, two rows per warp:
+// at K = V = 128 a row per warp left half the lanes idle, halving the loads in flight.
+__host__ __device__ inline int rows_per_warp(const RecurrentParams& p) {
+  return p.K > 128 || p.V > 128 ? 1 : 2;
 }
 
-__device__ __forceinline__ void store_floats8(float* dst, int valid, const float (&v)[8]) {
-  if (valid == 8 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
-    return;
+struct RowLanes {
+  bool wide;  // 32 lanes per row
+  int sub;    // the lane's row of the warp's rows
+  int c0;     // the lane's first channel
+  __device__ explicit RowLanes(const RecurrentParams& p) : wide(rows_per_warp(p) == 1) {
+    const int lane = threadIdx.x % 32;
+    sub = wide ? 0 : lane / 16;
+    c0 = 8 * (wide ? lane : lane % 16);
   }
-#pragma unroll
-  for (int e = 0; e < 8; ++e)
-    if (e < valid) dst[e] = v[e];
+  __device__ int rows() const { return wide ? 1 : 2; }
+  __device__ bool leader() const { return c0 == 0; }
+  // The sum over the row's lanes (every lane of the warp calls it: `wide` is the kernel's).
+  __device__ float sum(float x) const {
+    x = lane_sum<1, 8>(x);
+    return wide ? x + __shfl_xor_sync(0xffffffffu, x, 16) : x;
+  }
+};
+
+// The rows of a per-token stage: key items (row, key head) and value items (row, value head),
+// each kind padded to whole warps' worth of rows, so that the rows of a warp are of one kind
+// (their lane sums run together); a padding row is inactive: it reads and writes nothing.
+struct RowSlots {
+  int64_t key_items, value_items, key_slots, slots;
+  __host__ __device__ RowSlots(const BackwardParams& b, int rows_per_warp) {
+    const int64_t rows = b.B * b.p.T, r = rows_per_warp;
+    key_items = rows * b.H, value_items = rows * b.p.HV;
+    key_slots = (key_items + r - 1) / r * r;
+    slots = key_slots + (value_items + r - 1) / r * r;
+  }
+};
+
+// body(is_key, item, active) for each of this lane's slots, grid-stride over warps.
+template <class Body>
+__device__ void over_rows(const BackwardParams& b, const RowLanes& rl, const Body& body) {
+  const RowSlots rs(b, rl.rows());
+  const int64_t r = rl.rows();
+  for (int64_t w = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; w * r < rs.slots;
+       w += int64_t{gridDim.x} * kWarps) {
+    const int64_t slot = w * r + rl.sub;
+    if (w * r < rs.key_slots)
+      body(true, slot, slot < rs.key_items);
+    else
+      body(false, slot - rs.key_slots, slot - rs.key_slots < rs.value_items);
+  }
 }
 
 // The lane's run of a token tensor at element offset `off` (its first channel) as floats.
@@ -96,14 +122,15 @@ __device__ __forceinline__ float activated_gate(const RecurrentParams& p, float 
 }
 
 // q or k of key head h at token row `row`, normalised (and scaled for q).
-__device__ void transform_key_row(const RecurrentParams& p, const TokenTensor& x, float scale,
-                                  int64_t row, int64_t h, float* out) {
-  const int c0 = lane_channel(), valid = clamp_run(p.K - c0);
+__device__ void transform_key_row(const RecurrentParams& p, const RowLanes& rl, bool active,
+                                  const TokenTensor& x, float scale, int64_t row, int64_t h,
+                                  float* out) {
+  const int c0 = rl.c0, valid = active ? clamp_run(p.K - c0) : 0;
   float v[8], ss = 0.f;
   load_token8(x, row_offset(x, row, p.T, h) + c0 * x.stride[3], valid, v);
 #pragma unroll
   for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
-  ss = lane_sum<1, 16>(ss);
+  ss = rl.sum(ss);
   const float f = p.qk_l2norm ? scale * rsqrtf(ss + kL2NormEps) : scale;
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] *= f;
@@ -112,18 +139,18 @@ __device__ void transform_key_row(const RecurrentParams& p, const TokenTensor& x
 
 __global__ void __launch_bounds__(kBackwardThreads) inputs_kernel(const BackwardParams b) {
   const RecurrentParams& p = b.p;
-  const int64_t rows = b.B * p.T, key_items = rows * b.H, items = key_items + rows * p.HV;
-  const int lane = threadIdx.x % 32, c0 = lane_channel();
-  for (int64_t item = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; item < items;
-       item += int64_t{gridDim.x} * kWarps) {
-    if (item < key_items) {
+  const RowLanes rl(p);
+  const int c0 = rl.c0;
+  over_rows(b, rl, [&](bool is_key, int64_t item, bool active) {
+    if (is_key) {
       int64_t row, h;
       split_index(item, b.H, row, h);
-      transform_key_row(p, p.q, p.scale, row, h, b.ws.qn + item * p.K);
-      transform_key_row(p, p.k, 1.f, row, h, b.ws.kn + item * p.K);
-      continue;
+      transform_key_row(p, rl, active, p.q, p.scale, row, h, b.ws.qn + item * p.K);
+      transform_key_row(p, rl, active, p.k, 1.f, row, h, b.ws.kn + item * p.K);
+      return;
     }
-    const int64_t vi = item - key_items;
+    if (!active) return;  // nothing below sums over lanes
+    const int64_t vi = item;
     int64_t row, hv;
     split_index(vi, p.HV, row, hv);
     const int kvalid = clamp_run(p.K - c0);
@@ -150,18 +177,19 @@ __global__ void __launch_bounds__(kBackwardThreads) inputs_kernel(const Backward
       load_token8(b.d_o, row_offset(b.d_o, row, p.T, hv) + c0 * b.d_o.stride[3], vvalid, d);
       store_floats8(b.ws.dout + vi * p.V + c0, vvalid, d);
     }
-    if (lane == 0)
+    if (rl.leader())
       b.ws.beta[vi] = p.delta ? activate_beta(p, load_float(p.beta.data, p.beta.dtype,
                                                             row_offset(p.beta, row, p.T, hv)))
                               : 1.f;
-  }
+  });
 }
 
 // dq or dk of key head h: the sum over its value heads, scaled, through the L2 norm.
-__device__ void key_grad_row(const BackwardParams& b, const TokenTensor& x, const TokenTensor& dx,
-                             const float* grads, float scale, int64_t row, int64_t h) {
+__device__ void key_grad_row(const BackwardParams& b, const RowLanes& rl, bool active,
+                             const TokenTensor& x, const TokenTensor& dx, const float* grads,
+                             float scale, int64_t row, int64_t h) {
   const RecurrentParams& p = b.p;
-  const int c0 = lane_channel(), valid = clamp_run(p.K - c0);
+  const int c0 = rl.c0, valid = active ? clamp_run(p.K - c0) : 0;
   float y[8] = {}, xs[8], ss = 0.f;
   if (valid > 0)
     for (int64_t gi = 0; gi < p.group; ++gi) {
@@ -178,11 +206,11 @@ __device__ void key_grad_row(const BackwardParams& b, const TokenTensor& x, cons
   }
   if (p.qk_l2norm) {
     // y = x / n, n = sqrt(sum x^2 + eps): dx = (dy - y (y . dy)) / n.
-    const float inv = rsqrtf(lane_sum<1, 16>(ss) + kL2NormEps);
+    const float inv = rsqrtf(rl.sum(ss) + kL2NormEps);
     float dot = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) dot += xs[e] * inv * y[e];
-    dot = lane_sum<1, 16>(dot);
+    dot = rl.sum(dot);
 #pragma unroll
     for (int e = 0; e < 8; ++e) y[e] = (y[e] - xs[e] * inv * dot) * inv;
   }
@@ -206,17 +234,19 @@ __device__ GateSlopes gate_slopes(const RecurrentParams& p, float x, float a) {
 }
 
 // dv, dbeta and the gate gradient of value head hv at one token row.
-__device__ void value_grad_row(const BackwardParams& b, int64_t row, int64_t hv) {
+// An inactive row (padding) reads and writes nothing but joins its warp's lane sums.
+__device__ void value_grad_row(const BackwardParams& b, const RowLanes& rl, bool active,
+                               int64_t row, int64_t hv) {
   const RecurrentParams& p = b.p;
-  const int lane = threadIdx.x % 32, c0 = lane_channel();
+  const int c0 = rl.c0;
   const int64_t vi = row * p.HV + hv;
-  const int vvalid = clamp_run(p.V - c0);
+  const int vvalid = active ? clamp_run(p.V - c0) : 0;
   if (b.dv.data && vvalid > 0) {
     float d[8];
     load_floats8(b.ws.dv + vi * p.V + c0, vvalid, d);
     store_run8(b.dv, row_offset(b.dv, row, p.T, hv) + c0 * b.dv.stride[3], vvalid, d);
   }
-  if (b.dbeta.data && lane == 0) {
+  if (b.dbeta.data && rl.leader() && active) {
     float d = b.ws.dbeta[vi];
     if (p.beta_sigmoid) {
       const float raw = load_float(p.beta.data, p.beta.dtype, row_offset(p.beta, row, p.T, hv));
@@ -228,7 +258,7 @@ __device__ void value_grad_row(const BackwardParams& b, int64_t row, int64_t hv)
   if (p.gate == GateForm::none) return;
   float* dgate = b.ws.dg + vi * p.K;
   const float a = gate_scale(p, hv);
-  const int kvalid = clamp_run(p.K - c0);
+  const int kvalid = active ? clamp_run(p.K - c0) : 0;
   float d[8];
   load_floats8(dgate + c0, kvalid, d);
   // A scalar gate feeds every channel: its gradient is the sum of theirs, taken by lane 0.
@@ -237,9 +267,9 @@ __device__ void value_grad_row(const BackwardParams& b, int64_t row, int64_t hv)
     float sum = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum += d[e];
-    d[0] = lane_sum<1, 16>(sum);
+    d[0] = rl.sum(sum);
   }
-  const int valid = scalar ? (lane == 0 ? 1 : 0) : kvalid;
+  const int valid = scalar ? (rl.leader() && active ? 1 : 0) : kvalid;
   float x[8], dA = 0.f;
   raw_gates(p, row, hv, scalar ? 0 : c0, valid, x);
 #pragma unroll
@@ -257,26 +287,25 @@ __device__ void value_grad_row(const BackwardParams& b, int64_t row, int64_t hv)
       store_run8(b.dg, row_offset(b.dg, row, p.T, hv) + (scalar ? 0 : c0 * b.dg.stride[3]),
                  valid, d);
   }
-  dA = lane_sum<1, 16>(dA);
-  if (lane == 0) b.ws.dA_log_part[vi] = dA;
+  dA = rl.sum(dA);
+  if (rl.leader() && active) b.ws.dA_log_part[vi] = dA;
 }
 
 __global__ void __launch_bounds__(kBackwardThreads) outputs_kernel(const BackwardParams b) {
   const RecurrentParams& p = b.p;
-  const int64_t rows = b.B * p.T, key_items = rows * b.H, items = key_items + rows * p.HV;
-  for (int64_t item = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; item < items;
-       item += int64_t{gridDim.x} * kWarps) {
-    if (item < key_items) {
+  const RowLanes rl(p);
+  over_rows(b, rl, [&](bool is_key, int64_t item, bool active) {
+    if (is_key) {
       int64_t row, h;
       split_index(item, b.H, row, h);
-      if (b.dq.data) key_grad_row(b, p.q, b.dq, b.ws.dq, p.scale, row, h);
-      if (b.dk.data) key_grad_row(b, p.k, b.dk, b.ws.dk, 1.f, row, h);
+      if (b.dq.data) key_grad_row(b, rl, active, p.q, b.dq, b.ws.dq, p.scale, row, h);
+      if (b.dk.data) key_grad_row(b, rl, active, p.k, b.dk, b.ws.dk, 1.f, row, h);
     } else {
       int64_t row, hv;
-      split_index(item - key_items, p.HV, row, hv);
-      value_grad_row(b, row, hv);
+      split_index(item, p.HV, row, hv);
+      value_grad_row(b, rl, active, row, hv);
     }
-  }
+  });
 }
 
 // One block per output element: ddt_bias (hv, i) for i < width, then dA_log (hv). Threads
@@ -306,8 +335,9 @@ __global__ void __launch_bounds__(kBackwardThreads) params_kernel(const Backward
 }
 
 int item_blocks(const BackwardParams& b) {
-  const int64_t items = b.B * b.p.T * (b.H + b.p.HV);
-  const int64_t blocks = (items + kWarps - 1) / kWarps;
+  const int rows = rows_per_warp(b.p);
+  const int64_t warps = RowSlots(b, rows).slots / rows;
+  const int64_t blocks = (warps + kWarps - 1) / kWarps;
   return static_cast<int>(blocks < 65535 * 16 ? blocks : 65535 * 16);
 }
 

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "cuda/chunk_inverse.cuh"
 #include "cuda/chunk_params.h"
 #include "cuda/chunk_records.cuh"
 #include "cuda/device_io.cuh"
@@ -71,7 +72,7 @@ struct PrepareShared {
   struct Solve {
     alignas(16) float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
     alignas(16) float t[kChunk][kChunk + 4];  // T = (I + A_kk)^-1 (lower, unit diagonal)
-    alignas(16) float x[3][kSubChunk][kSubChunk + 4];
+    InverseScratch inverse;
   };
   union {
     Slice s;
@@ -402,56 +403,12 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
     }
 }
 
-// T = (I + A_kk)^-1 by blocks: the diagonal 16 x 16 blocks by forward substitution, then
-// T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ in order of I - J. Leaves T in bfloat16 in tb.
+// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh), left in bfloat16 in tb.
 template <int KP>
 __device__ void solve(PrepareShared<KP>& sh) {
   auto& v = sh.u.v;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  for (int e = tid; e < kChunk * kChunk; e += kThreads) v.t[e / kChunk][e % kChunk] = 0.f;
-  __syncthreads();
-  if (lane < kSubChunk) {
-    const int b = kSubChunk * warp;
-    float x[kSubChunk];
-#pragma unroll
-    for (int i = 0; i < kSubChunk; ++i) {
-      float acc = i == lane ? 1.f : 0.f;
-#pragma unroll
-      for (int m = 0; m < i; ++m) acc -= v.a[b + i][b + m] * x[m];
-      x[i] = acc;
-      v.t[b + i][b + lane] = acc;
-    }
-  }
-  __syncthreads();
-  // Off the diagonal, by distance d = I - J; a thread computes 4 adjacent columns of a row.
-  constexpr int kBlocks = kChunk / kSubChunk, kQuads = kSubChunk * kSubChunk / 4;
-  for (int d = 1; d < kBlocks; ++d) {
-    const int units = (kBlocks - d) * kQuads;
-    for (int e = tid; e < units; e += kThreads) {
-      const int I = d + e / kQuads, J = I - d, i = e % kQuads / 4, j = 4 * (e % 4);
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-      for (int m = kSubChunk * J; m < kSubChunk * I; ++m) {
-        const float a = v.a[kSubChunk * I + i][m];
-        const float4 t = *reinterpret_cast<const float4*>(&v.t[m][kSubChunk * J + j]);
-        acc.x += a * t.x, acc.y += a * t.y, acc.z += a * t.z, acc.w += a * t.w;
-      }
-      *reinterpret_cast<float4*>(&v.x[e / kQuads][i][j]) = acc;
-    }
-    __syncthreads();
-    for (int e = tid; e < units; e += kThreads) {
-      const int I = d + e / kQuads, J = I - d, i = e % kQuads / 4, j = 4 * (e % 4);
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-      for (int m = 0; m <= i; ++m) {
-        const float t = v.t[kSubChunk * I + i][kSubChunk * I + m];
-        const float4 x = *reinterpret_cast<const float4*>(&v.x[e / kQuads][m][j]);
-        acc.x -= t * x.x, acc.y -= t * x.y, acc.z -= t * x.z, acc.w -= t * x.w;
-      }
-      *reinterpret_cast<float4*>(&v.t[kSubChunk * I + i][kSubChunk * J + j]) = acc;
-    }
-    __syncthreads();
-  }
+  const int tid = threadIdx.x;
+  invert_unit_lower<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4, v.inverse);
   bf16* tb = sh.tb();  // A_kk is dead: T in bfloat16 takes its place
   for (int e = tid; e < kChunk * kChunk; e += kThreads)
     tb[e / kChunk * kChunkLd + e % kChunk] = __float2bfloat16(v.t[e / kChunk][e % kChunk]);
