@@ -29,46 +29,28 @@ struct KeySlice {
   float q[kC][kW + 1], k[kC][kW + 1], g[kC][kW + 1];
 };
 
-// Loads three C x kW slices of float32 rows, elements (i, c0 + cc) for i < len and
-// c0 + cc < K (0 elsewhere), with all of a thread's loads issued before any is stored: the
-// compiler cannot move a global load above a store to shared memory through a generic
-// pointer, and the load-store loop this replaces in records waited on every load (ncu: 11%
-// of its samples). `row(a, which, i)` is the start of row i of array a, the which-th.
+// Copies three C x kW slices of float32 rows into shared memory, elements (i, c0 + cc) for
+// i < len and c0 + cc < K (0 elsewhere), as asynchronous copies that all go out before any
+// lands: a load-then-store loop waits on every load (the compiler cannot move a global load
+// above a shared store through a generic pointer; ncu: 11% of records' samples, 5% of
+// grads'), and holding the loads in registers instead spilled grads. `row(a, which, i)` is
+// the start of row i of array a, the which-th. Ends with the thread's copies landed: a
+// barrier after it makes the slices visible to the block.
 template <int kW, class Row>
 __device__ void stage_three(const ChunkRows& x, int c0, const Row& row, const float* a0,
                             const float* a1, const float* a2, float (&s0)[kC][kW + 1],
                             float (&s1)[kC][kW + 1], float (&s2)[kC][kW + 1]) {
-  constexpr int kPer = kC * kW / kBackwardThreads;
-  static_assert(kC * kW % kBackwardThreads == 0, "whole passes of the block");
-  const int64_t K = x.b.p.K;
-  float v0[kPer], v1[kPer], v2[kPer];
-#pragma unroll
-  for (int r = 0; r < kPer; ++r) {
-    const int idx = threadIdx.x + r * kBackwardThreads, i = idx / kW, c = c0 + idx % kW;
-    const bool ok = i < x.len && c < K;
-    v0[r] = ok ? row(a0, 0, i)[c] : 0.f;
-    v1[r] = ok ? row(a1, 1, i)[c] : 0.f;
-    v2[r] = ok ? row(a2, 2, i)[c] : 0.f;
-  }
-#pragma unroll
-  for (int r = 0; r < kPer; ++r) {
-    const int idx = threadIdx.x + r * kBackwardThreads, i = idx / kW, cc = idx % kW;
-    s0[i][cc] = v0[r], s1[i][cc] = v1[r], s2[i][cc] = v2[r];
-  }
-}
-
-// Stages q, k (normalised, q scaled) and Gamma of a key slice (for grads: batching its loads
-// as records does made ptxas spill grads at its 128-register budget).
-template <int kW>
-__device__ void stage_slice(const ChunkRows& x, int c0, KeySlice<kW>& s) {
   const int64_t K = x.b.p.K;
   for (int idx = threadIdx.x; idx < kC * kW; idx += blockDim.x) {
     const int i = idx / kW, cc = idx % kW, c = c0 + cc;
     const bool ok = i < x.len && c < K;
-    s.q[i][cc] = ok ? x.key_head(x.b.ws.qn, i)[c] : 0.f;
-    s.k[i][cc] = ok ? x.key_head(x.b.ws.kn, i)[c] : 0.f;
-    s.g[i][cc] = ok ? x.k_rec(x.b.ws.gamma, i)[c] : 0.f;
+    const int bytes = ok ? 4 : 0;  // 0: zero-filled, nothing read (the array start stands in)
+    copy_async<4>(&s0[i][cc], ok ? row(a0, 0, i) + c : a0, bytes);
+    copy_async<4>(&s1[i][cc], ok ? row(a1, 1, i) + c : a1, bytes);
+    copy_async<4>(&s2[i][cc], ok ? row(a2, 2, i) + c : a2, bytes);
   }
+  commit_async();
+  wait_async<0>();
 }
 
 // Records' tables: the slice's channel is the products' summed index (row length 4 mod 32).
@@ -277,6 +259,7 @@ struct PairScratch {
 struct GradsShared {
   float daqk[kC][kLd];  // d A_qk (lower, diagonal included)
   float dakk[kC][kLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
+  float dbeta[kC][kEpilogueSlots];  // d beta's row sums, by epilogue slot
   union {
     struct {
       float dt[kC][kLd];  // d T, then d A_kk * unscaled products (for d beta)
@@ -302,7 +285,11 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   constexpr int kColTiles = kGradSlice / 8;
   constexpr int kRowJobs = 2 * (kBlocks - 1) * kColTiles, kColJobs = (kBlocks - 1) * kColTiles;
   __syncthreads();
-  stage_slice(x, c0, pr.slice);
+  const auto row = [&](const float* a, int which, int i) {
+    return which == 2 ? x.k_rec(const_cast<float*>(a), i) : x.key_head(a, i);
+  };
+  stage_three<kGradSlice>(x, c0, row, ws.qn, ws.kn, ws.gamma, pr.slice.q, pr.slice.k,
+                          pr.slice.g);
   __syncthreads();
   const KeySlice<kGradSlice>& s = pr.slice;
   fill_block_tables(s, len, pr.tables);
@@ -432,11 +419,15 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   const float* kdot = ws.kdot + rec * kC * kC;
   extern __shared__ __align__(16) unsigned char smem[];
   GradsShared& sh = *reinterpret_cast<GradsShared*>(smem);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) {
     sh.daqk[idx / kC][idx % kC] = 0.f;
     sh.dakk[idx / kC][idx % kC] = 0.f;
   }
+  for (int idx = threadIdx.x; idx < kC * kEpilogueSlots; idx += blockDim.x)
+    sh.dbeta[idx / kEpilogueSlots][idx % kEpilogueSlots] = 0.f;
+  // d beta[m] = sum over n of beta_m's share of three products' outputs, added in their
+  // epilogues (epilogue_slot): nothing is stored for a second pass to sum.
+  auto add_dbeta = [&](int m, int n, float v) { sh.dbeta[m][epilogue_slot(n)] += v; };
   auto gamma = [&](int i, int c) { return x.k_rec(ws.gamma, i)[c]; };
   const Rows dO = x.v_rows(ws.dout);
   ProductStage<16>& st = sh.products.stage;
@@ -454,21 +445,21 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
                    [&](int m, int n, float acc) { sh.products.dt[m][n] = acc; });
     staged_product(len, len, K, x.k_recs(ws.dw), x.k_recs_t(ws.kb), st,
                    [&](int m, int n, float acc) { sh.products.dt[m][n] += acc; });
-    // d(beta v) = T^T dv_new: dv, and beta's share kept in vb.
+    // d(beta v) = T^T dv_new: to v and beta.
     staged_product(
         len, V, len, T_t, x.v_recs(ws.dvn), st,
         [&](int m, int n) { return make_float2(x.beta(m), x.value(b.p.v, m, n)); },
         [&](int m, int n, float acc, float2 in) {
           x.v_row(ws.dv, m)[n] = in.x * acc;
-          x.v_rec(ws.vb, m)[n] = acc * in.y;
+          add_dbeta(m, n, acc * in.y);
         });
-    // d(beta k e^Gamma) = T^T dw: to k and Gamma, and beta's share kept in kb.
+    // d(beta k e^Gamma) = T^T dw: to k, Gamma and beta.
     staged_product(len, K, len, T_t, x.k_recs(ws.dw), st, [&](int m, int n, float acc) {
-      float* kb = x.k_rec(ws.kb, m) + n;
-      const float e = expf(gamma(m, n)), kv = x.key_head(ws.kn, m)[n];
-      x.k_row(ws.dk, m)[n] += x.beta(m) * acc * e;
-      x.k_row(ws.dg, m)[n] += acc * *kb;
-      *kb = acc * kv * e;
+      const float e = expf(gamma(m, n)), kv = x.key_head(ws.kn, m)[n], beta = x.beta(m);
+      const float d_beta = acc * kv * e;
+      x.k_row(ws.dk, m)[n] += beta * acc * e;
+      x.k_row(ws.dg, m)[n] += beta * d_beta;
+      add_dbeta(m, n, d_beta);
     });
     // d A_kk = -T^T dT T^T (strictly lower).
     staged_product(len, len, len, Rows{&sh.products.dt[0][0], kLd}, T_t, st,
@@ -477,16 +468,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
                    [&](int m, int n, float acc) {
                      const float d = n < m ? -acc : 0.f;
                      sh.dakk[m][n] = x.beta(m) * d;
-                     sh.products.dt[m][n] = d * kdot[m * kC + n];
+                     add_dbeta(m, n, d * kdot[m * kC + n]);
                    });
-    // d beta: one warp per row.
-    for (int m = warp; m < len; m += kWarps) {
+    for (int m = threadIdx.x; m < len; m += blockDim.x) {
       float s = 0.f;
-      for (int j = lane; j < V; j += 32) s += x.v_rec(ws.vb, m)[j];
-      for (int c = lane; c < K; c += 32) s += x.k_rec(ws.kb, m)[c];
-      for (int n = lane; n < len; n += 32) s += sh.products.dt[m][n];
-      s = lane_sum<1, 16>(s);
-      if (lane == 0) ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
+#pragma unroll
+      for (int e = 0; e < kEpilogueSlots; ++e) s += sh.dbeta[m][e];
+      ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
     }
   } else {
     for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)

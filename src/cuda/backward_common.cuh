@@ -271,6 +271,17 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
   __syncthreads();
 }
 
+// The slot of output column n in staged_product's epilogue: for any row m, one lane computes
+// every (m, n) of a slot, in a fixed order (tiles, then elements, ascending). An array of
+// [rows][kEpilogueSlots] in shared memory takes row sums in epilogues with neither a race
+// nor an atomic: each lane adds to its own entries; a fixed-order sum over the slots ends it.
+constexpr int kEpilogueSlots = 8;
+__device__ __forceinline__ int epilogue_slot(int n) {
+  constexpr int kColGroups = kBackwardThreads / 32 / (kC / 16);  // as in staged_product
+  static_assert(kColGroups * 4 == kEpilogueSlots, "column group x lane of the quad");
+  return n / 8 % kColGroups * 4 + n % 8 / 2;  // passes start at multiples of 16 tiles
+}
+
 struct NoLoad {};
 // staged_product whose epilogue epi(m, n, value) reads nothing from global memory before it
 // stores, or whose reads, batched, would spill registers (grads' T^T dw epilogue).
