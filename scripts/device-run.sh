@@ -36,6 +36,10 @@
 #                                  step, ours and fla; PROFILE_BACKWARD_ARGS)
 #                  ncu-decode      the N=1 decode kernels' own durations under ncu, ours
 #                                  and fla's (-> ncu_decode.txt)
+#                  ncu-backward    ncu source counters of the backward's per-chunk kernels
+#                                  (NCU_BACKWARD_KERNELS, one launch each) in a training
+#                                  step, summed per source line (-> ncu_backward.txt);
+#                                  configure with CMAKE_ARGS=-DCMAKE_CUDA_FLAGS=-lineinfo
 #                e.g. STAGES="deps configure build bench-backward" BUILD_TARGETS=_C
 #   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test
 #                binaries (SANITIZE_BINARIES); 0: skip
@@ -83,6 +87,7 @@ STAGES=${STAGES:-"info deps configure build ctest sanitize pytest bench bench-ch
 export SANITIZE_BINARIES=${SANITIZE_BINARIES:-"test_cuda_recurrent test_cuda_chunk"}
 export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-} CTEST_REGEX=${CTEST_REGEX:-} KERNEL_BENCH_VARIANTS=${KERNEL_BENCH_VARIANTS:-}
 export BENCH_BACKWARD_ARGS=${BENCH_BACKWARD_ARGS:-} PROFILE_BACKWARD_ARGS=${PROFILE_BACKWARD_ARGS:-}
+export NCU_BACKWARD_KERNELS=${NCU_BACKWARD_KERNELS:-"grads_kernel|records_kernel|keys_kernel"}
 export JOBS=${JOBS:-$(nproc)}
 export CUDA_ARCH=${CUDA_ARCH:-90a}
 export BUILD_TYPE=${BUILD_TYPE:-Release}
@@ -101,10 +106,10 @@ START=$SECONDS
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=240 [sanitize]=150
                 [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
-                [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [overhead]=40 [pytest-all]=150)
+                [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [ncu-backward]=300 [overhead]=40 [pytest-all]=150)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
                 [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60
-                [profile-backward]=60 [kernel-bench]=10 [ncu-decode]=60 [overhead]=15 [pytest-all]=0)
+                [profile-backward]=60 [kernel-bench]=10 [ncu-decode]=60 [ncu-backward]=60 [overhead]=15 [pytest-all]=0)
 
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
@@ -295,6 +300,21 @@ stage_ncu-decode() {
     done
   done
   return $rc
+}
+
+stage_ncu-backward() {
+  # Where each per-chunk backward kernel's warps wait, by source line (needs a -lineinfo
+  # build): one launch of each kernel of NCU_BACKWARD_KERNELS in the first case's step.
+  local ncu n
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  n=$(echo "$NCU_BACKWARD_KERNELS" | tr '|' '\n' | wc -l)
+  "$ncu" --section SourceCounters --section WarpStateStats --import-source yes \
+    -k "regex:$NCU_BACKWARD_KERNELS" -c "$n" -f -o /tmp/ncu-backward \
+    python3 bench/device/profile_backward.py --cases kda_B8_T4096_H16 --impls ours --steps 1 \
+    --out /tmp/ncu-backward-profile >/dev/null || return 1
+  "$ncu" -i /tmp/ncu-backward.ncu-rep --page source --csv --print-source cuda,sass \
+    >/tmp/ncu-backward.csv || return 1
+  python3 bench/device/ncu_hotspots.py /tmp/ncu-backward.csv --top 40 | tee "$OUT/ncu_backward.txt"
 }
 
 stage_overhead() {

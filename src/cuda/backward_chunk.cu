@@ -29,28 +29,42 @@ struct KeySlice {
   float q[kC][kW + 1], k[kC][kW + 1], g[kC][kW + 1];
 };
 
-// Copies three C x kW slices of float32 rows into shared memory, elements (i, c0 + cc) for
-// i < len and c0 + cc < K (0 elsewhere), as asynchronous copies that all go out before any
-// lands: a load-then-store loop waits on every load (the compiler cannot move a global load
-// above a shared store through a generic pointer; ncu: 11% of records' samples, 5% of
-// grads'), and holding the loads in registers instead spilled grads. `row(a, which, i)` is
-// the start of row i of array a, the which-th. Ends with the thread's copies landed: a
+// Issues asynchronous copies of a C x kW slice of float32 rows into shared memory, elements
+// (i, c0 + cc) for i < len and c0 + cc < K (0 elsewhere); `row(i)` is the start of row i.
+// Commits nothing: the caller's commit_async / wait_async land it with its other copies.
+template <int kW, int kLd, class Row>
+__device__ void copy_slice_async(const ChunkRows& x, int c0, const Row& row, const float* a,
+                                 float (&dst)[kC][kLd]) {
+  const int64_t K = x.b.p.K;
+  for (int idx = threadIdx.x; idx < kC * kW; idx += blockDim.x) {
+    const int i = idx / kW, cc = idx % kW, c = c0 + cc;
+    const bool ok = i < x.len && c < K;
+    // 0 bytes: zero-filled, nothing read (the array start stands in for the address)
+    copy_async<4>(&dst[i][cc], ok ? row(i) + c : a, ok ? 4 : 0);
+  }
+}
+
+// Copies three C x kW slices into shared memory as asynchronous copies that all go out
+// before any lands: a load-then-store loop waits on every load (the compiler cannot move a
+// global load above a shared store through a generic pointer; ncu: 11% of records' samples,
+// 5% of grads'), and holding the loads in registers instead spilled grads. `row(a, which, i)`
+// is the start of row i of array a, the which-th. Ends with the thread's copies landed: a
 // barrier after it makes the slices visible to the block.
 template <int kW, class Row>
 __device__ void stage_three(const ChunkRows& x, int c0, const Row& row, const float* a0,
                             const float* a1, const float* a2, float (&s0)[kC][kW + 1],
                             float (&s1)[kC][kW + 1], float (&s2)[kC][kW + 1]) {
-  const int64_t K = x.b.p.K;
-  for (int idx = threadIdx.x; idx < kC * kW; idx += blockDim.x) {
-    const int i = idx / kW, cc = idx % kW, c = c0 + cc;
-    const bool ok = i < x.len && c < K;
-    const int bytes = ok ? 4 : 0;  // 0: zero-filled, nothing read (the array start stands in)
-    copy_async<4>(&s0[i][cc], ok ? row(a0, 0, i) + c : a0, bytes);
-    copy_async<4>(&s1[i][cc], ok ? row(a1, 1, i) + c : a1, bytes);
-    copy_async<4>(&s2[i][cc], ok ? row(a2, 2, i) + c : a2, bytes);
-  }
+  copy_slice_async<kW>(x, c0, [&](int i) { return row(a0, 0, i); }, a0, s0);
+  copy_slice_async<kW>(x, c0, [&](int i) { return row(a1, 1, i); }, a1, s1);
+  copy_slice_async<kW>(x, c0, [&](int i) { return row(a2, 2, i); }, a2, s2);
   commit_async();
   wait_async<0>();
+}
+
+// The chunk's beta (0 past len) into shared memory: epilogues read it per element, and a
+// global load there is a long-scoreboard wait per element (ncu: ~10% of records' samples).
+__device__ void stage_beta(const ChunkRows& x, float* beta) {
+  for (int i = threadIdx.x; i < kC; i += blockDim.x) beta[i] = i < x.len ? x.beta(i) : 0.f;
 }
 
 // Records' tables: the slice's channel is the products' summed index (row length 4 mod 32).
@@ -60,6 +74,7 @@ constexpr int kTmLd = kC + 4;  // T's rows: 16-byte aligned (cuda/chunk_inverse.
 
 struct RecordsShared {
   KeySlice<kRecordSlice> slice;
+  float beta[kC];
   float akk[kC][kLd];
   alignas(16) float tm[kC][kTmLd];
   union {
@@ -72,7 +87,7 @@ struct RecordsShared {
 // Gamma (the cumulative log gate) of one key slice, the gate factors of q and k, beta k e^Gamma
 // and the chunk's decay, written to the buffers; leaves q, k and Gamma of the slice staged.
 __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64_t rec, int c0,
-                              KeySlice<kRecordSlice>& s) {
+                              const float* beta, KeySlice<kRecordSlice>& s) {
   constexpr int kSlice = kRecordSlice;
   const int64_t K = b.p.K;
   const int len = x.len;
@@ -97,7 +112,7 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
     x.k_rec(b.ws.gamma, i)[c] = g;
     x.k_rec(b.ws.qg, i)[c] = s.q[i][cc] * e;
     x.k_rec(b.ws.kg, i)[c] = kv * expf(s.g[len - 1][cc] - g);
-    x.k_rec(b.ws.kb, i)[c] = x.beta(i) * kv * e;
+    x.k_rec(b.ws.kb, i)[c] = beta[i] * kv * e;
   }
 }
 
@@ -110,6 +125,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   const int K = static_cast<int>(b.p.K), V = static_cast<int>(b.p.V), len = ref.len;
   extern __shared__ __align__(16) unsigned char smem[];
   RecordsShared& sh = *reinterpret_cast<RecordsShared*>(smem);
+  stage_beta(x, sh.beta);
+  __syncthreads();
 
   // beta v: a lane per run of 8 values (one 16-byte load for bfloat16), two rows per warp
   // when V <= 128; all of a lane's rows are loaded before any is stored.
@@ -132,7 +149,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
         if (i >= len || valid == 0) continue;
         float val[8];
         run8_to_float(runs[r], v.dtype, val);
-        const float beta = x.beta(i);
+        const float beta = sh.beta[i];
 #pragma unroll
         for (int e = 0; e < 8; ++e) val[e] *= beta;
         store_floats8(x.v_rec(b.ws.vb, i) + c0, valid, val);
@@ -160,7 +177,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   Acc off[kJobsPerWarp];
   for (int c0 = 0; c0 < K; c0 += kRecordSlice) {
     __syncthreads();
-    slice_factors(b, x, rec, c0, sh.slice);
+    slice_factors(b, x, rec, c0, sh.beta, sh.slice);
     __syncthreads();
     const KeySlice<kRecordSlice>& s = sh.slice;
     fill_block_tables(s, len, sh.tables);
@@ -198,7 +215,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
       aqk[i * kC + j] = row ? v : 0.f;
     } else {
       kdot[i * kC + j] = strict ? v : 0.f;
-      sh.akk[i][j] = strict ? x.beta(i) * v : 0.f;
+      sh.akk[i][j] = strict ? sh.beta[i] * v : 0.f;
     }
   };
 #pragma unroll
@@ -248,18 +265,26 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
 // Grads' tables: the slice's channel is the products' column index (row length 8 mod 32).
 using GradTables = BlockTables<kGradSlice, kGradSlice + 8>;
 
+// Row lengths of 8 mod 32 floats: a tf32 fragment's 32 elements in distinct banks.
+constexpr int kTLd = kC + 8, kDwLd = kGradSlice + 8;
+
 // The pairwise sums of a key slice: sums of d A_qk k e^.. (p1) and d A_kk k e^.. (p2) over
-// j <= i, and of both column terms over r >= i (q12), per row and channel.
+// j <= i, and of both column terms over r >= i (q12), per row and channel; with the delta
+// rule, p2 also takes d(beta k e^Gamma) = T^T dw's share (its factors, beta e^Gamma for dk
+// and k beta e^Gamma for dg, are p2's own: 1 and k), from T and the slice's dw.
 struct PairScratch {
   KeySlice<kGradSlice> slice;
   GradTables tables;
   float p1[kC][kGradSlice + 1], p2[kC][kGradSlice + 1], q12[kC][kGradSlice + 1];
+  alignas(16) float tm[kC][kTLd];  // T (row-major), for T^T
+  float dw[kC][kDwLd];
 };
 
 struct GradsShared {
   float daqk[kC][kLd];  // d A_qk (lower, diagonal included)
   float dakk[kC][kLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
   float dbeta[kC][kEpilogueSlots];  // d beta's row sums, by epilogue slot
+  float beta[kC];
   union {
     struct {
       float dt[kC][kLd];  // d T, then d A_kk * unscaled products (for d beta)
@@ -270,29 +295,84 @@ struct GradsShared {
   };
 };
 
+// The tile jobs of add_pair_terms: rows 0 .. 11 (which * 6 + (I - 1) * 2 + column tile) cost 2 I
+// k-steps; columns 12 .. 17 (12 + 2 J + tile), 4 (3 - J). Warp w's job of round r, or -1,
+// assigned longest first so that every warp runs 12 k-steps (in order of job number, the
+// heaviest warp ran 18): warps 0-3 the column jobs (12 | 12 | 8 + 4 | 8 + 4), warps 4-7 the
+// row jobs of one (which, tile), blocks 3, 2, 1 (6 + 4 + 2).
+__device__ __forceinline__ int pair_job(int warp, int round) {
+  static_assert(kWarps == 8 && kBlocks == 4 && kGradSlice == 16, "the assignment below");
+  if (warp < 4) return round == 0 ? 12 + warp : round == 1 && warp >= 2 ? 14 + warp : -1;
+  const int which = (warp - 4) / 2, tile = warp % 2;
+  return which * 6 + (2 - round) * 2 + tile;
+}
+
+// T (C x C, row-major in global memory) into shared rows of kTLd floats, as 16-byte
+// asynchronous copies left uncommitted: the next commit_async / wait_async lands them.
+__device__ void stage_inverse_async(const float* tm, float (&dst)[kC][kTLd]) {
+  constexpr int kQuads = kC / 4;
+  for (int idx = threadIdx.x; idx < kC * kQuads; idx += blockDim.x)
+    copy_async<16>(&dst[idx / kQuads][idx % kQuads * 4], tm + idx * 4, 16);
+}
+
 // Adds the pairwise terms of d A_qk and d A_kk (row-major [i][j] in shared memory, zero
 // outside j <= i < len) over key channels c0 .. c0 + kGradSlice - 1 to the chunk's rows of dq,
 // dk and dg (cuda/backward_blocks.cuh): row sums (their i side) and column sums (j side).
 // Pairs inside a 16-row block one by one; the blocks below the diagonal on the tensor cores,
 // each product's rows scaled back by their own e^(Gamma - rho) factor in its epilogue. Starts
-// with a barrier (the scratch's last use and the dA writes are behind it).
+// with a barrier (the scratch's last use and the dA writes are behind it). With the delta
+// rule, T (pr.tm) must have landed with the first slice (stage_inverse_async before it) and
+// T^T dw's d beta share goes to dbeta's epilogue slots.
 __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[kLd],
-                               const float (*dakk)[kLd], PairScratch& pr) {
+                               const float (*dakk)[kLd], const float* beta,
+                               float (*dbeta)[kEpilogueSlots], PairScratch& pr) {
   const BackwardWorkspace& ws = x.b.ws;
   const int K = static_cast<int>(x.b.p.K), len = x.len, warp = threadIdx.x / 32;
   const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
   constexpr int kRowGroups = kBackwardThreads / kGradSlice;
   constexpr int kColTiles = kGradSlice / 8;
-  constexpr int kRowJobs = 2 * (kBlocks - 1) * kColTiles, kColJobs = (kBlocks - 1) * kColTiles;
+  constexpr int kRowJobs = 2 * (kBlocks - 1) * kColTiles;
+  const bool delta = x.b.p.delta;
   __syncthreads();
-  const auto row = [&](const float* a, int which, int i) {
-    return which == 2 ? x.k_rec(const_cast<float*>(a), i) : x.key_head(a, i);
+  const auto head_row = [&](const float* a) { return [&x, a](int i) { return x.key_head(a, i); }; };
+  const auto rec_row = [&](const float* a) {
+    return [&x, a](int i) { return x.k_rec(const_cast<float*>(a), i); };
   };
-  stage_three<kGradSlice>(x, c0, row, ws.qn, ws.kn, ws.gamma, pr.slice.q, pr.slice.k,
-                          pr.slice.g);
+  copy_slice_async<kGradSlice>(x, c0, head_row(ws.qn), ws.qn, pr.slice.q);
+  copy_slice_async<kGradSlice>(x, c0, head_row(ws.kn), ws.kn, pr.slice.k);
+  copy_slice_async<kGradSlice>(x, c0, rec_row(ws.gamma), ws.gamma, pr.slice.g);
+  if (delta) copy_slice_async<kGradSlice>(x, c0, rec_row(ws.dw), ws.dw, pr.dw);
+  commit_async();
+  wait_async<0>();
   __syncthreads();
   const KeySlice<kGradSlice>& s = pr.slice;
   fill_block_tables(s, len, pr.tables);
+  if (delta) {
+    // p2 = beta e^Gamma (T^T dw) for the slice, a 16 x 8 tile per warp (rows 16 (w % 4) on,
+    // columns 8 (w / 4) on); d beta's share, k e^Gamma (T^T dw), into the lane's slot.
+    static_assert(kWarps == 2 * kBlocks && kGradSlice == 16, "a tile per warp");
+    const int m0 = kBlock * (warp % kBlocks), n0 = 8 * (warp / kBlocks);
+    Acc acc;
+    if (m0 < len)
+      tile_product(
+          acc, kC / 8, [&](int m, int k) { return pr.tm[k][m0 + m]; },
+          [&](int k, int n) { return pr.dw[k][n0 + n]; });
+    const int slot = epilogue_slot(c0 + n0 + acc_col(0));  // the same for the lane's 4
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + acc_row(2 * h);
+      float share = 0.f;
+#pragma unroll
+      for (int r = 2 * h; r < 2 * h + 2; ++r) {
+        const int n = n0 + acc_col(r);
+        const float e = m < len ? expf(s.g[m][n]) * acc.d[r] : 0.f;
+        pr.p2[m][n] = beta[m] * e;
+        share = fmaf(s.k[m][n], e, share);
+      }
+      if (m < len) dbeta[m][slot] += share;
+    }
+    __syncthreads();
+  }
   for (int i = rg; i < kC; i += kRowGroups) {
     const int first = i / kBlock * kBlock, last = min(first + kBlock, len);
     const float gi = s.g[i][cc];
@@ -307,12 +387,14 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
       q12 = fmaf(t, __expf(s.g[r][cc] - gi), q12);
     }
     pr.p1[i][cc] = p1;
-    pr.p2[i][cc] = p2;
+    pr.p2[i][cc] = delta ? pr.p2[i][cc] + p2 : p2;
     pr.q12[i][cc] = q12;
   }
   __syncthreads();
   const GradTables& t = pr.tables;
-  for (int job = warp; job < kRowJobs + kColJobs; job += kWarps) {
+  for (int round = 0; round < 3; ++round) {
+    const int job = pair_job(warp, round);
+    if (job < 0) break;
     const int n0 = job % kColTiles * 8;
     if (job < kRowJobs) {
       // Rows of block I: sum over j < 16 I of dA[i][j] k~_I[j] (which: A_qk or A_kk).
@@ -425,10 +507,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   }
   for (int idx = threadIdx.x; idx < kC * kEpilogueSlots; idx += blockDim.x)
     sh.dbeta[idx / kEpilogueSlots][idx % kEpilogueSlots] = 0.f;
+  stage_beta(x, sh.beta);
   // d beta[m] = sum over n of beta_m's share of three products' outputs, added in their
-  // epilogues (epilogue_slot): nothing is stored for a second pass to sum.
+  // epilogues (epilogue_slot; T^T dw's in add_pair_terms): nothing is stored for a second
+  // pass to sum.
   auto add_dbeta = [&](int m, int n, float v) { sh.dbeta[m][epilogue_slot(n)] += v; };
-  auto gamma = [&](int i, int c) { return x.k_rec(ws.gamma, i)[c]; };
   const Rows dO = x.v_rows(ws.dout);
   ProductStage<16>& st = sh.products.stage;
   // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
@@ -448,41 +531,39 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
     // d(beta v) = T^T dv_new: to v and beta.
     staged_product(
         len, V, len, T_t, x.v_recs(ws.dvn), st,
-        [&](int m, int n) { return make_float2(x.beta(m), x.value(b.p.v, m, n)); },
+        [&](int m, int n) { return make_float2(sh.beta[m], x.value(b.p.v, m, n)); },
         [&](int m, int n, float acc, float2 in) {
           x.v_row(ws.dv, m)[n] = in.x * acc;
           add_dbeta(m, n, acc * in.y);
         });
-    // d(beta k e^Gamma) = T^T dw: to k, Gamma and beta.
-    staged_product(len, K, len, T_t, x.k_recs(ws.dw), st, [&](int m, int n, float acc) {
-      const float e = expf(gamma(m, n)), kv = x.key_head(ws.kn, m)[n], beta = x.beta(m);
-      const float d_beta = acc * kv * e;
-      x.k_row(ws.dk, m)[n] += beta * acc * e;
-      x.k_row(ws.dg, m)[n] += beta * d_beta;
-      add_dbeta(m, n, d_beta);
-    });
+    // d(beta k e^Gamma) = T^T dw, per key slice in add_pair_terms (its epilogue there adds
+    // to dk and dg with the slice's k and Gamma staged).
     // d A_kk = -T^T dT T^T (strictly lower).
     staged_product(len, len, len, Rows{&sh.products.dt[0][0], kLd}, T_t, st,
                    [&](int m, int n, float acc) { sh.products.x[m][n] = acc; });
     staged_product(len, len, len, T_t, Rows{&sh.products.x[0][0], kLd}, st,
                    [&](int m, int n, float acc) {
                      const float d = n < m ? -acc : 0.f;
-                     sh.dakk[m][n] = x.beta(m) * d;
+                     sh.dakk[m][n] = sh.beta[m] * d;
                      add_dbeta(m, n, d * kdot[m * kC + n]);
                    });
+    stage_inverse_async(tm, sh.pairs.tm);  // lands with the first key slice
+  } else {
+    for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)
+      x.v_row(ws.dv, idx / V)[idx % V] = x.v_rec(ws.dvn, idx / V)[idx % V];
+  }
+
+  for (int c0 = 0; c0 < K; c0 += kGradSlice)
+    add_pair_terms(x, c0, sh.daqk, sh.dakk, sh.beta, sh.dbeta, sh.pairs);
+  __syncthreads();
+  if (b.p.delta) {
     for (int m = threadIdx.x; m < len; m += blockDim.x) {
       float s = 0.f;
 #pragma unroll
       for (int e = 0; e < kEpilogueSlots; ++e) s += sh.dbeta[m][e];
       ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
     }
-  } else {
-    for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)
-      x.v_row(ws.dv, idx / V)[idx % V] = x.v_rec(ws.dvn, idx / V)[idx % V];
   }
-
-  for (int c0 = 0; c0 < K; c0 += kGradSlice) add_pair_terms(x, c0, sh.daqk, sh.dakk, sh.pairs);
-  __syncthreads();
   reverse_cumsum_dg(x, ws.dgamma + rec * K);
 }
 
