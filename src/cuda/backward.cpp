@@ -24,8 +24,10 @@ namespace flashdelta::detail {
 namespace {
 
 // The gradient buffers come first: they must read as zero where no chunk writes (token rows
-// outside every sequence of a varlen batch).
-constexpr size_t kZeroedRegions = 6;
+// outside every sequence of a varlen batch). Without varlen every row is a chunk's, and the
+// stages write every element of dq, dk, dg and dv (the first writer stores, later ones add):
+// only dbeta and dA_log_part, which some mechanisms leave unwritten, are zeroed then.
+constexpr size_t kTokenGradRegions = 4, kZeroedRegions = 6;
 
 Carver layout(cuda::BackwardParams& b, bool varlen) {
   cuda::BackwardWorkspace& w = b.ws;
@@ -286,7 +288,9 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     const Carver regions = layout(b, varlen);
     if (regions.total() > 0) {
       regions.carve(memory.data());
-      cudaMemsetAsync(memory.data(), 0, static_cast<size_t>(regions.prefix(kZeroedRegions)),
+      const int64_t from = varlen ? 0 : regions.prefix(kTokenGradRegions);
+      cudaMemsetAsync(static_cast<char*>(memory.data()) + from, 0,
+                      static_cast<size_t>(regions.prefix(kZeroedRegions) - from),
                       static_cast<cudaStream_t>(a.stream));
     }
     run_stages(b, varlen, a.stream);

@@ -280,6 +280,73 @@ struct PairScratch {
   float dw[kC][kDwLd];
 };
 
+// Two C x C products over one summed index, out_p(m, n) = sum over l < L of a_p(m, l) b_p(n, l)
+// (p = 0, 1; all four operands row-major, contiguous in l) for m, n < M, handed to epi(p, m,
+// n, value). grads' d A_qk and the first half of dT both sum over V: one pass stages the four
+// operands' slices (cp.async, double-buffered) and each warp keeps its tiles of both outputs,
+// half the staged rounds and barriers of two staged_product calls. Warp w owns rows
+// 16 (w % 4) .. + 15 and the 8-column tiles w / 4, + 2, + 4, + 6 of both. tf32 operands,
+// float32 sums in a fixed order. Starts and ends with a block barrier.
+constexpr int kPairL = 16, kPairLd = kPairL + 4;  // rows of 4 mod 32 floats: no bank conflicts
+struct PairedStage {
+  float a[2][2][kC * kPairLd];  // [buffer][product]: a_p(m, l0 + l) at [m * kPairLd + l]
+  float b[2][2][kC * kPairLd];
+};
+
+template <class Epi>
+__device__ void paired_products(int M, int L, const Rows (&a)[2], const Rows (&bm)[2],
+                                PairedStage& st, const Epi& epi) {
+  constexpr int kRowTiles = kC / 16, kColGroups = kWarps / kRowTiles;
+  constexpr int kTiles = kC / 8 / kColGroups;  // column tiles per warp and product
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int m0 = warp % kRowTiles * 16, first = warp / kRowTiles;
+  const bool rows = m0 < M;
+  auto stage = [&](int s) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      stage_operand<kPairL, true>([&](int m, int l) { return a[p].at(m, l); }, M, kC, L,
+                                  s * kPairL, false, st.a[s & 1][p], kPairLd);
+      stage_operand<kPairL, true>([&](int n, int l) { return bm[p].at(n, l); }, M, kC, L,
+                                  s * kPairL, false, st.b[s & 1][p], kPairLd);
+    }
+  };
+  Acc acc[2][kTiles];
+  __syncthreads();
+  over_double_buffered_slices((L + kPairL - 1) / kPairL, stage, [&](int s) {
+    if (!rows) return;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const float* sa = st.a[s & 1][p];
+      const float* sb = st.b[s & 1][p];
+#pragma unroll
+      for (int k0 = 0; k0 < kPairL; k0 += 8) {
+        const float* r0 = sa + (m0 + g) * kPairLd + k0 + c;
+        const float* r8 = r0 + 8 * kPairLd;
+        const uint32_t af[4] = {to_tf32(r0[0]), to_tf32(r8[0]), to_tf32(r0[4]), to_tf32(r8[4])};
+#pragma unroll
+        for (int e = 0; e < kTiles; ++e) {
+          const int n0 = (first + kColGroups * e) * 8;
+          const float* col = sb + (n0 + g) * kPairLd + k0 + c;
+          if (n0 < M) mma_tf32(acc[p][e], af, to_tf32(col[0]), to_tf32(col[4]));
+        }
+      }
+    }
+  });
+  if (rows) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int e = 0; e < kTiles; ++e)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int m = m0 + acc_row(r), n = (first + kColGroups * e) * 8 + acc_col(r);
+          if (m < M && n < M) epi(p, m, n, acc[p][e].d[r]);
+        }
+  }
+  wait_async<0>();
+  __syncthreads();
+}
+
 struct GradsShared {
   float daqk[kC][kLd];  // d A_qk (lower, diagonal included)
   float dakk[kC][kLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
@@ -288,8 +355,13 @@ struct GradsShared {
   union {
     struct {
       float dt[kC][kLd];  // d T, then d A_kk * unscaled products (for d beta)
-      float x[kC][kLd];   // d T T^T
-      ProductStage<16> stage;
+      union {
+        struct {
+          float x[kC][kLd];  // d T T^T
+          ProductStage<16> stage;
+        } after;
+        PairedStage paired;  // d A_qk and dT's products over V, before x is written
+      };
     } products;
     PairScratch pairs;
   };
@@ -513,19 +585,27 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   // pass to sum.
   auto add_dbeta = [&](int m, int n, float v) { sh.dbeta[m][epilogue_slot(n)] += v; };
   const Rows dO = x.v_rows(ws.dout);
-  ProductStage<16>& st = sh.products.stage;
+  ProductStage<16>& st = sh.products.after.stage;
   // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
   // workspace for reverse_cumsum_dg.
 
-  // d A_qk = tril(dO v_new^T).
-  staged_product(len, len, V, dO, x.v_recs_t(ws.vn), st,
-                 [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });
+  // d A_qk = tril(dO v_new^T); with the delta rule, in the same pass over V, the first half
+  // of dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
+  if (b.p.delta) {
+    const Rows a[2] = {dO, x.v_recs(ws.dvn)}, bm[2] = {x.v_recs(ws.vn), x.v_recs(ws.vb)};
+    paired_products(len, V, a, bm, sh.products.paired, [&](int p, int m, int n, float acc) {
+      if (p == 0)
+        sh.daqk[m][n] = n <= m ? acc : 0.f;
+      else
+        sh.products.dt[m][n] = acc;
+    });
+  } else {
+    staged_product(len, len, V, dO, x.v_recs_t(ws.vn), st,
+                   [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });
+  }
 
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
-    // dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
-    staged_product(len, len, V, x.v_recs(ws.dvn), x.v_recs_t(ws.vb), st,
-                   [&](int m, int n, float acc) { sh.products.dt[m][n] = acc; });
     staged_product(len, len, K, x.k_recs(ws.dw), x.k_recs_t(ws.kb), st,
                    [&](int m, int n, float acc) { sh.products.dt[m][n] += acc; });
     // d(beta v) = T^T dv_new: to v and beta.
@@ -540,8 +620,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
     // to dk and dg with the slice's k and Gamma staged).
     // d A_kk = -T^T dT T^T (strictly lower).
     staged_product(len, len, len, Rows{&sh.products.dt[0][0], kLd}, T_t, st,
-                   [&](int m, int n, float acc) { sh.products.x[m][n] = acc; });
-    staged_product(len, len, len, T_t, Rows{&sh.products.x[0][0], kLd}, st,
+                   [&](int m, int n, float acc) { sh.products.after.x[m][n] = acc; });
+    staged_product(len, len, len, T_t, Rows{&sh.products.after.x[0][0], kLd}, st,
                    [&](int m, int n, float acc) {
                      const float d = n < m ? -acc : 0.f;
                      sh.dakk[m][n] = sh.beta[m] * d;

@@ -98,13 +98,24 @@ BackwardArgs upload_args(const BackwardArgs& host, DeviceMirror& mirror) {
   return d;
 }
 
-Gradients cuda_gradients(const BackwardCase& b, DType dtype = DType::f32) {
+// poison_workspace: the backward runs in a caller workspace filled with NaN (0xff bytes), so
+// a gradient element no stage writes (or one added to before it is written) shows.
+Gradients cuda_gradients(const BackwardCase& b, DType dtype = DType::f32,
+                         bool poison_workspace = false) {
   BackwardArgs host = b.args();
   Gradients g = allocate_gradients(b, host, dtype);
   DeviceMirror mirror;
-  const BackwardArgs d = upload_args(host, mirror);
+  BackwardArgs d = upload_args(host, mirror);
+  void* workspace = nullptr;
+  if (poison_workspace) {
+    d.workspace_bytes = backward_workspace_bytes(d, b.c.options, Schedule::chunk);
+    check_cuda(cudaMalloc(&workspace, d.workspace_bytes), "workspace");
+    check_cuda(cudaMemset(workspace, 0xff, d.workspace_bytes), "workspace poison");
+    d.workspace = workspace;
+  }
   backward(d, b.c.options, Schedule::chunk);
   check_cuda(cudaDeviceSynchronize(), "backward");
+  if (workspace != nullptr) check_cuda(cudaFree(workspace), "workspace free");
   for (const GradInput& in : kGradInputs) mirror.download(d.*in.grad, host.*in.grad);
   return g;
 }
@@ -121,9 +132,9 @@ constexpr double kParamTolerance = 5e-3;
 constexpr double kBf16Tolerance = 1.6e-2;
 
 void expect_gradients_match(const BackwardCase& b, const std::string& what,
-                            DType grad_dtype = DType::f32) {
+                            DType grad_dtype = DType::f32, bool poison_workspace = false) {
   const Gradients ref = reference_gradients(b);
-  const Gradients gpu = cuda_gradients(b, grad_dtype);
+  const Gradients gpu = cuda_gradients(b, grad_dtype, poison_workspace);
   for (size_t i = 0; i < kNumSlots; ++i) {
     if (ref.t[i].bytes.empty() || !ref.t[i].view.present()) continue;
     const bool param = kGradInputs[i].value == &BackwardArgs::A_log ||
@@ -168,6 +179,27 @@ TEST(CudaBackward, VarlenWithEmptyAndOneTokenSequences) {
                        .dtype = DType::bf16, .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
                        .seed = seed++};
     expect_gradients_match(make_backward_case(c), std::string("varlen ") + mechanism_name(m));
+  }
+}
+
+// The gradient buffers of the workspace are zeroed only for varlen batches (rows outside
+// every sequence); otherwise every stage must write before it adds. A workspace of NaN
+// from the caller shows any element that is not.
+TEST(CudaBackward, PoisonedCallerWorkspace) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 7150;
+  for (const Mechanism m : kAllMechanisms) {
+    const MechanismTraits mt = traits(m);
+    const CaseConfig c{.mechanism = m, .B = 2, .T = 100, .H = 2, .HV = 4, .K = 40, .V = 48,
+                       .dtype = DType::bf16, .qk_l2norm = true, .beta_sigmoid = mt.delta,
+                       .gate_in_kernel = mt.gate != GateKind::none, .seed = seed++};
+    expect_gradients_match(make_backward_case(c), std::string("poisoned ") + mechanism_name(m),
+                           DType::f32, true);
+    CaseConfig v = c;
+    v.B = 1;
+    v.seqlens = {0, 70, 1, 29};
+    expect_gradients_match(make_backward_case(v),
+                           std::string("poisoned varlen ") + mechanism_name(m), DType::f32, true);
   }
 }
 
