@@ -280,67 +280,75 @@ struct PairScratch {
   float dw[kC][kDwLd];
 };
 
-// Two C x C products over one summed index, out_p(m, n) = sum over l < L of a_p(m, l) b_p(n, l)
-// (p = 0, 1; all four operands row-major, contiguous in l) for m, n < M, handed to epi(p, m,
-// n, value). grads' d A_qk and the first half of dT both sum over V: one pass stages the four
-// operands' slices (cp.async, double-buffered) and each warp keeps its tiles of both outputs,
-// half the staged rounds and barriers of two staged_product calls. Warp w owns rows
-// 16 (w % 4) .. + 15 and the 8-column tiles w / 4, + 2, + 4, + 6 of both. tf32 operands,
-// float32 sums in a fixed order. Starts and ends with a block barrier.
-constexpr int kPairL = 16, kPairLd = kPairL + 4;  // rows of 4 mod 32 floats: no bank conflicts
-struct PairedStage {
-  float a[2][2][kC * kPairLd];  // [buffer][product]: a_p(m, l0 + l) at [m * kPairLd + l]
-  float b[2][2][kC * kPairLd];
+// grads' first C x C products in one staged pass: out_0 = a_0 b_0^T (d A_qk, summed over V)
+// and out_1 = a_1 b_1^T + a_2 b_2^T (dT: over V, then over K), for rows and columns < M,
+// handed to epi(out, m, n, value); operand pair p sums over l < L[p], every operand row-major
+// (contiguous in l). One slice loop stages all six operands' slices (cp.async,
+// double-buffered) and each warp keeps its tiles of both outputs: a third of the staged rounds
+// and barriers of three staged_product calls. Warp w owns rows 16 (w % 4) .. + 15 and the
+// 8-column tiles w / 4, + 2, + 4, + 6. tf32 operands, float32 sums in a fixed order. Starts
+// and ends with a block barrier.
+constexpr int kJointPairs = 3, kJointL = 16, kJointLd = kJointL + 4;  // 4 mod 32: no conflicts
+struct JointStage {
+  float a[2][kJointPairs][kC * kJointLd];  // [buffer][pair]: a_p(m, l0 + l) at [m * ld + l]
+  float b[2][kJointPairs][kC * kJointLd];
 };
 
 template <class Epi>
-__device__ void paired_products(int M, int L, const Rows (&a)[2], const Rows (&bm)[2],
-                                PairedStage& st, const Epi& epi) {
+__device__ void joint_products(int M, const int (&L)[kJointPairs],
+                               const Rows (&a)[kJointPairs], const Rows (&bm)[kJointPairs],
+                               JointStage& st, const Epi& epi) {
+  constexpr int kOut[kJointPairs] = {0, 1, 1};
   constexpr int kRowTiles = kC / 16, kColGroups = kWarps / kRowTiles;
-  constexpr int kTiles = kC / 8 / kColGroups;  // column tiles per warp and product
+  constexpr int kTiles = kC / 8 / kColGroups;  // column tiles per warp and output
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int m0 = warp % kRowTiles * 16, first = warp / kRowTiles;
   const bool rows = m0 < M;
+  int slices = 0;
+#pragma unroll
+  for (int p = 0; p < kJointPairs; ++p) slices = max(slices, (L[p] + kJointL - 1) / kJointL);
   auto stage = [&](int s) {
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      stage_operand<kPairL, true>([&](int m, int l) { return a[p].at(m, l); }, M, kC, L,
-                                  s * kPairL, false, st.a[s & 1][p], kPairLd);
-      stage_operand<kPairL, true>([&](int n, int l) { return bm[p].at(n, l); }, M, kC, L,
-                                  s * kPairL, false, st.b[s & 1][p], kPairLd);
+    for (int p = 0; p < kJointPairs; ++p) {
+      if (s * kJointL >= L[p]) continue;  // this pair's sum is over
+      stage_operand<kJointL, true>([&](int m, int l) { return a[p].at(m, l); }, M, kC, L[p],
+                                   s * kJointL, false, st.a[s & 1][p], kJointLd);
+      stage_operand<kJointL, true>([&](int n, int l) { return bm[p].at(n, l); }, M, kC, L[p],
+                                   s * kJointL, false, st.b[s & 1][p], kJointLd);
     }
   };
   Acc acc[2][kTiles];
   __syncthreads();
-  over_double_buffered_slices((L + kPairL - 1) / kPairL, stage, [&](int s) {
+  over_double_buffered_slices(slices, stage, [&](int s) {
     if (!rows) return;
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
+    for (int p = 0; p < kJointPairs; ++p) {
+      if (s * kJointL >= L[p]) continue;
       const float* sa = st.a[s & 1][p];
       const float* sb = st.b[s & 1][p];
 #pragma unroll
-      for (int k0 = 0; k0 < kPairL; k0 += 8) {
-        const float* r0 = sa + (m0 + g) * kPairLd + k0 + c;
-        const float* r8 = r0 + 8 * kPairLd;
+      for (int k0 = 0; k0 < kJointL; k0 += 8) {
+        const float* r0 = sa + (m0 + g) * kJointLd + k0 + c;
+        const float* r8 = r0 + 8 * kJointLd;
         const uint32_t af[4] = {to_tf32(r0[0]), to_tf32(r8[0]), to_tf32(r0[4]), to_tf32(r8[4])};
 #pragma unroll
         for (int e = 0; e < kTiles; ++e) {
           const int n0 = (first + kColGroups * e) * 8;
-          const float* col = sb + (n0 + g) * kPairLd + k0 + c;
-          if (n0 < M) mma_tf32(acc[p][e], af, to_tf32(col[0]), to_tf32(col[4]));
+          const float* col = sb + (n0 + g) * kJointLd + k0 + c;
+          if (n0 < M) mma_tf32(acc[kOut[p]][e], af, to_tf32(col[0]), to_tf32(col[4]));
         }
       }
     }
   });
   if (rows) {
 #pragma unroll
-    for (int p = 0; p < 2; ++p)
+    for (int o = 0; o < 2; ++o)
 #pragma unroll
       for (int e = 0; e < kTiles; ++e)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int m = m0 + acc_row(r), n = (first + kColGroups * e) * 8 + acc_col(r);
-          if (m < M && n < M) epi(p, m, n, acc[p][e].d[r]);
+          if (m < M && n < M) epi(o, m, n, acc[o][e].d[r]);
         }
   }
   wait_async<0>();
@@ -360,7 +368,7 @@ struct GradsShared {
           float x[kC][kLd];  // d T T^T
           ProductStage<16> stage;
         } after;
-        PairedStage paired;  // d A_qk and dT's products over V, before x is written
+        JointStage joint;  // d A_qk and dT's products, before x is written
       };
     } products;
     PairScratch pairs;
@@ -589,12 +597,14 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
   // workspace for reverse_cumsum_dg.
 
-  // d A_qk = tril(dO v_new^T); with the delta rule, in the same pass over V, the first half
-  // of dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
+  // d A_qk = tril(dO v_new^T); with the delta rule, in the same pass,
+  // dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
   if (b.p.delta) {
-    const Rows a[2] = {dO, x.v_recs(ws.dvn)}, bm[2] = {x.v_recs(ws.vn), x.v_recs(ws.vb)};
-    paired_products(len, V, a, bm, sh.products.paired, [&](int p, int m, int n, float acc) {
-      if (p == 0)
+    const Rows a[kJointPairs] = {dO, x.v_recs(ws.dvn), x.k_recs(ws.dw)};
+    const Rows bm[kJointPairs] = {x.v_recs(ws.vn), x.v_recs(ws.vb), x.k_recs(ws.kb)};
+    const int L[kJointPairs] = {V, V, K};
+    joint_products(len, L, a, bm, sh.products.joint, [&](int o, int m, int n, float acc) {
+      if (o == 0)
         sh.daqk[m][n] = n <= m ? acc : 0.f;
       else
         sh.products.dt[m][n] = acc;
@@ -606,8 +616,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
 
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
-    staged_product(len, len, K, x.k_recs(ws.dw), x.k_recs_t(ws.kb), st,
-                   [&](int m, int n, float acc) { sh.products.dt[m][n] += acc; });
     // d(beta v) = T^T dv_new: to v and beta.
     staged_product(
         len, V, len, T_t, x.v_recs(ws.dvn), st,

@@ -34,8 +34,19 @@ struct alignas(16) KeysStage {
   float b[2][kKeysTile][kSliceLd];  // S, dS: [key][v]
 };
 
+// The epilogue's factors of the tile, Gamma, qg and kg [token][key], staged once the products
+// are done (one round trip instead of one per output tile). Rows of 8 mod 32 floats: a
+// lane's two adjacent keys are one 8-byte read, a half-warp's in distinct banks.
+constexpr int kFactorLd = kKeysTile + 8;
+struct KeysFactors {
+  float gamma[kC][kFactorLd], qg[kC][kFactorLd], kg[kC][kFactorLd];
+};
+
 struct KeysShared {
-  KeysStage stage[2];
+  union {
+    KeysStage stage[2];
+    KeysFactors factors;
+  };
   float colsum[kKeysWarps][kKeysTile];  // per warp: its rows' sum of A2 kg per key
 };
 
@@ -112,21 +123,35 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
       dss = fmaf(st.b[1][dss_key][l], st.b[0][dss_key][l], dss);
     }
   });
-  wait_async<0>();
+  wait_async<0>();  // the slice loop ended with a barrier: the stage is free
+  const ChunkRows x{b, r0, rec, hv, hv / b.p.group, len};
+  {
+    KeysFactors& f = sh.factors;
+    const auto stage_factors = [&](const float* buf, float (&dst)[kC][kFactorLd]) {
+      stage_operand<kKeysTile, true>(
+          [&](int m, int n) { return x.k_rec(const_cast<float*>(buf), m) + k0 + n; }, len, kC,
+          keys, 0, false, &dst[0][0], kFactorLd);
+    };
+    stage_factors(ws.gamma, f.gamma);
+    stage_factors(ws.qg, f.qg);
+    stage_factors(ws.kg, f.kg);
+    commit_async();
+    wait_async<0>();
+    __syncthreads();
+  }
   dss += __shfl_xor_sync(0xffffffffu, dss, 1);  // both halves of the key's columns
 
-  // The gradients, one output tile at a time with its reads issued before its stores.
-  const ChunkRows x{b, r0, rec, hv, hv / b.p.group, len};
+  // The gradients, one output tile at a time, their factors from shared memory.
+  const KeysFactors& f = sh.factors;
   float kg_colsum[kKeyTiles8][2] = {};  // this lane's rows' A2 kg, per key 8 nt + 2c + e
 #pragma unroll
   for (int nt = 0; nt < kKeyTiles8; ++nt) {
     float4 in[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int m = m0 + acc_row(r), n = 8 * nt + acc_col(r), key = k0 + n;
+      const int m = m0 + acc_row(r), n = 8 * nt + acc_col(r);
       if (m < len && n < keys)
-        in[r] = make_float4(x.k_rec(ws.gamma, m)[key], x.k_rec(ws.qg, m)[key],
-                            x.k_rec(ws.kg, m)[key], x.k_rec(ws.gamma, len - 1)[key]);
+        in[r] = make_float4(f.gamma[m][n], f.qg[m][n], f.kg[m][n], f.gamma[len - 1][n]);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
