@@ -97,10 +97,20 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
   stage_three<kSlice>(x, c0, row, b.ws.gate, b.ws.qn, b.ws.kn, s.g, s.q, s.k);
   __syncthreads();
   if (threadIdx.x < kSlice) {
+    // The cumulative sum down a channel, 16 rows loaded at a time (the staged rows past len
+    // are zeros): one shared-memory round trip per 16 rows instead of one per row, while the
+    // other warps wait at the barrier.
+    constexpr int kRun = 16;
     float G = 0.f;
-    for (int i = 0; i < len; ++i) {
-      G += s.g[i][threadIdx.x];
-      s.g[i][threadIdx.x] = G;
+    for (int i0 = 0; i0 < len; i0 += kRun) {
+      float col[kRun];
+#pragma unroll
+      for (int u = 0; u < kRun; ++u) col[u] = s.g[i0 + u][threadIdx.x];
+#pragma unroll
+      for (int u = 0; u < kRun; ++u) {
+        G += col[u];
+        if (i0 + u < len) s.g[i0 + u][threadIdx.x] = G;
+      }
     }
     if (c0 + static_cast<int>(threadIdx.x) < K) b.ws.decay[rec * K + c0 + threadIdx.x] = expf(G);
   }
@@ -457,7 +467,11 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
     const int first = i / kBlock * kBlock, last = min(first + kBlock, len);
     const float gi = s.g[i][cc];
     float p1 = 0.f, p2 = 0.f, q12 = 0.f;
-    for (int j = first; j <= i && i < len; ++j) {
+    // One bound (none for rows past len), so that the loop unrolls like the one below:
+    // four iterations' shared loads go out together.
+    const int jlast = i < len ? i : first - 1;
+#pragma unroll 4
+    for (int j = first; j <= jlast; ++j) {
       const float f = __expf(gi - s.g[j][cc]) * s.k[j][cc];
       p1 = fmaf(daqk[i][j], f, p1);
       p2 = fmaf(dakk[i][j], f, p2);
