@@ -284,7 +284,7 @@ __device__ __forceinline__ int epilogue_slot(int n) {
 
 struct NoLoad {};
 // staged_product whose epilogue epi(m, n, value) reads nothing from global memory before it
-// stores, or whose reads, batched, would spill registers (grads' T^T dw epilogue).
+// stores.
 template <int kL, class A, class Bm, class Epi>
 __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
                                ProductStage<kL>& st, const Epi& epi) {
