@@ -145,13 +145,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
     const int step = kWarps * (32 / per_row), valid = clamp_run(V - c0);
     constexpr int kBatch = kC / (2 * kWarps);  // a lane's rows at two rows per warp
     const TokenTensor& v = b.p.v;
+    const int64_t v0 = x.token_base(v);
     for (int i0 = threadIdx.x / per_row; i0 < len; i0 += kBatch * step) {
       Run8 runs[kBatch];
 #pragma unroll
       for (int r = 0; r < kBatch; ++r) {
         const int i = i0 + r * step;
-        runs[r] = load_run8(v, token_row_offset(v, r0 + i, b.p.T, hv) + c0 * v.stride[3],
-                            i < len ? valid : 0);
+        runs[r] = load_run8(v, v0 + i * v.stride[1] + c0 * v.stride[3], i < len ? valid : 0);
       }
 #pragma unroll
       for (int r = 0; r < kBatch; ++r) {
@@ -631,9 +631,14 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
     // d(beta v) = T^T dv_new: to v and beta.
+    const TokenTensor& v = b.p.v;
+    const int64_t v0 = x.token_base(v);
     staged_product(
         len, V, len, T_t, x.v_recs(ws.dvn), st,
-        [&](int m, int n) { return make_float2(sh.beta[m], x.value(b.p.v, m, n)); },
+        [&](int m, int n) {
+          return make_float2(sh.beta[m],
+                             load_float(v.data, v.dtype, v0 + m * v.stride[1] + n * v.stride[3]));
+        },
         [&](int m, int n, float acc, float2 in) {
           x.v_row(ws.dv, m)[n] = in.x * acc;
           add_dbeta(m, n, acc * in.y);

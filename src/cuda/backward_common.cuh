@@ -99,8 +99,11 @@ struct ChunkRows {
     return buf + ((r0 + i) * b.H + h) * b.p.K;
   }
   __device__ float beta(int i) const { return b.ws.beta[(r0 + i) * b.p.HV + hv]; }
-  __device__ float value(const TokenTensor& x, int i, int j) const {
-    return load_float(x.data, x.dtype, token_row_offset(x, r0 + i, b.p.T, hv) + j * x.stride[3]);
+  // Element offset of value head hv at the chunk's first token in a token tensor; row i is
+  // stride[1] further on (a chunk's tokens are consecutive rows of one batch entry), so the
+  // per-element offsets need no division by T.
+  __device__ int64_t token_base(const TokenTensor& x) const {
+    return token_row_offset(x, r0, b.p.T, hv);
   }
   // Product operands: the chunk's rows of a buffer, or their transpose.
   __device__ Rows v_rows(const float* buf) const {

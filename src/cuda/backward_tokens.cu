@@ -184,28 +184,51 @@ __global__ void __launch_bounds__(kBackwardThreads) inputs_kernel(const Backward
   });
 }
 
-// dq or dk of key head h: the sum over its value heads, scaled, through the L2 norm.
-__device__ void key_grad_row(const BackwardParams& b, const RowLanes& rl, bool active,
-                             const TokenTensor& x, const TokenTensor& dx, const float* grads,
-                             float scale, int64_t row, int64_t h) {
-  const RecurrentParams& p = b.p;
-  const int c0 = rl.c0, valid = active ? clamp_run(p.K - c0) : 0;
-  float y[8] = {}, xs[8], ss = 0.f;
-  if (valid > 0)
-    for (int64_t gi = 0; gi < p.group; ++gi) {
-      float g[8];
-      load_floats8(grads + (row * p.HV + h * p.group + gi) * p.K + c0, valid, g);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) y[e] += g[e];
+// The float32 workspace runs a lane reads (two of 8 floats per row), staged in shared memory
+// by cp.async: copies hold no registers while in flight, so a lane has all of a row's loads
+// out at once. Before, a row's second gradient waited for the first one's stores (a load
+// cannot move above a store that may alias it): two memory latencies per row; holding every
+// load in registers instead took the kernel past 100 registers and halved its warps.
+struct RunStage {
+  float4 quads[4][kBackwardThreads];  // run r's half e at quads[2 r + e][thread]: no conflicts
+
+  // Channels [0, valid) of 8 floats at src (zeros for the rest); lands at wait_async.
+  __device__ void copy_async_run(int r, const float* src, int valid) {
+    float4* dst[2] = {&quads[2 * r][threadIdx.x], &quads[2 * r + 1][threadIdx.x]};
+    if (valid == 8 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+      copy_async<16>(dst[0], src, 16);
+      copy_async<16>(dst[1], src + 4, 16);
+      return;
     }
-  load_token8(x, row_offset(x, row, p.T, h) + c0 * x.stride[3], valid, xs);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    y[e] *= scale;
-    ss += xs[e] * xs[e];
+    for (int e = 0; e < 8; ++e) {
+      float* d = reinterpret_cast<float*>(dst[e / 4]) + e % 4;
+      if (e < valid)
+        copy_async<4>(d, src + e, 4);
+      else
+        *d = 0.f;
+    }
   }
+  __device__ void read(int r, float (&v)[8]) const {
+    const float4 a = quads[2 * r][threadIdx.x], b = quads[2 * r + 1][threadIdx.x];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  }
+};
+
+// dx of q or k from y, the sum of its value heads' gradients, and the raw input's run: scaled,
+// through the L2 norm. Every lane calls it (the norm's lane sums); `store` says whether this
+// lane's run is stored.
+__device__ void finish_key_grad(const RecurrentParams& p, const RowLanes& rl, const Run8& raw,
+                                const TokenTensor& x, const TokenTensor& dx, float scale,
+                                int64_t row, int64_t h, int valid, bool store, float (&y)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) y[e] *= scale;
   if (p.qk_l2norm) {
     // y = x / n, n = sqrt(sum x^2 + eps): dx = (dy - y (y . dy)) / n.
+    float xs[8] = {}, ss = 0.f;
+    if (store) run8_to_float(raw, x.dtype, xs);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss += xs[e] * xs[e];
     const float inv = rsqrtf(rl.sum(ss) + kL2NormEps);
     float dot = 0.f;
 #pragma unroll
@@ -214,7 +237,36 @@ __device__ void key_grad_row(const BackwardParams& b, const RowLanes& rl, bool a
 #pragma unroll
     for (int e = 0; e < 8; ++e) y[e] = (y[e] - xs[e] * inv * dot) * inv;
   }
-  if (valid > 0) store_run8(dx, row_offset(dx, row, p.T, h) + c0 * dx.stride[3], valid, y);
+  if (store) store_run8(dx, row_offset(dx, row, p.T, h) + rl.c0 * dx.stride[3], valid, y);
+}
+
+// dq and dk of key head h at one token row: the sums over the key head's value heads, then
+// finish_key_grad. q, k and the first value head's rows of both are all in flight at once.
+__device__ void key_grads_row(const BackwardParams& b, const RowLanes& rl, bool active,
+                              int64_t row, int64_t h, RunStage& st) {
+  const RecurrentParams& p = b.p;
+  const int c0 = rl.c0, valid = active ? clamp_run(p.K - c0) : 0;
+  const bool want_q = b.dq.data && valid > 0, want_k = b.dk.data && valid > 0;
+  Run8 rq{}, rk{};
+  if (p.qk_l2norm && want_q) rq = load_run8(p.q, row_offset(p.q, row, p.T, h) + c0 * p.q.stride[3], valid);
+  if (p.qk_l2norm && want_k) rk = load_run8(p.k, row_offset(p.k, row, p.T, h) + c0 * p.k.stride[3], valid);
+  float yq[8] = {}, yk[8] = {};
+  for (int64_t gi = 0; gi < p.group; ++gi) {
+    const int64_t at = (row * p.HV + h * p.group + gi) * p.K + c0;
+    st.copy_async_run(0, b.ws.dq + at, want_q ? valid : 0);
+    st.copy_async_run(1, b.ws.dk + at, want_k ? valid : 0);
+    commit_async();
+    wait_async<0>();
+    float g[8];
+    st.read(0, g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) yq[e] += g[e];
+    st.read(1, g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) yk[e] += g[e];
+  }
+  finish_key_grad(p, rl, rq, p.q, b.dq, p.scale, row, h, valid, want_q, yq);
+  finish_key_grad(p, rl, rk, p.k, b.dk, 1.f, row, h, valid, want_k, yk);
 }
 
 // d gate / d raw and d gate / d A_log of one channel (the reference's gate_derivative).
@@ -233,45 +285,56 @@ __device__ GateSlopes gate_slopes(const RecurrentParams& p, float x, float a) {
   return {-a * sigmoid_exact(x), -a * softplusf(x)};
 }
 
-// dv, dbeta and the gate gradient of value head hv at one token row.
+// dv, dbeta and the gate gradient of value head hv at one token row, with every load of the
+// row out before anything is stored (RunStage). ws.dg keeps the raw gate's gradient only for
+// ddt_bias (params), the one stage that reads it again.
 // An inactive row (padding) reads and writes nothing but joins its warp's lane sums.
-__device__ void value_grad_row(const BackwardParams& b, const RowLanes& rl, bool active,
-                               int64_t row, int64_t hv) {
+__device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, bool active,
+                                int64_t row, int64_t hv, RunStage& st) {
   const RecurrentParams& p = b.p;
   const int c0 = rl.c0;
   const int64_t vi = row * p.HV + hv;
-  const int vvalid = active ? clamp_run(p.V - c0) : 0;
-  if (b.dv.data && vvalid > 0) {
+  const int vvalid = active && b.dv.data ? clamp_run(p.V - c0) : 0;
+  const bool scalar = p.gate == GateForm::scalar, gated = p.gate != GateForm::none;
+  const int kvalid = active && gated ? clamp_run(p.K - c0) : 0;
+  // A scalar gate feeds every channel: its gradient is the sum of theirs, taken by lane 0.
+  const int valid = scalar ? (rl.leader() && active ? 1 : 0) : kvalid;
+  const bool beta_lane = b.dbeta.data && rl.leader() && active;
+  float* const dgate = b.ws.dg + vi * p.K;
+  st.copy_async_run(0, b.ws.dv + vi * p.V + c0, vvalid);
+  st.copy_async_run(1, dgate + c0, kvalid);
+  commit_async();
+  float x[8] = {}, dbeta = 0.f, raw_beta = 0.f;
+  if (gated) raw_gates(p, row, hv, scalar ? 0 : c0, valid, x);
+  if (beta_lane) {
+    dbeta = b.ws.dbeta[vi];
+    if (p.beta_sigmoid)
+      raw_beta = load_float(p.beta.data, p.beta.dtype, row_offset(p.beta, row, p.T, hv));
+  }
+  wait_async<0>();
+
+  if (vvalid > 0) {
     float d[8];
-    load_floats8(b.ws.dv + vi * p.V + c0, vvalid, d);
+    st.read(0, d);
     store_run8(b.dv, row_offset(b.dv, row, p.T, hv) + c0 * b.dv.stride[3], vvalid, d);
   }
-  if (b.dbeta.data && rl.leader() && active) {
-    float d = b.ws.dbeta[vi];
-    if (p.beta_sigmoid) {
-      const float raw = load_float(p.beta.data, p.beta.dtype, row_offset(p.beta, row, p.T, hv));
-      d *= p.beta_factor * sigmoid_exact(raw) * sigmoid_exact(-raw);
-    }
+  if (beta_lane) {
+    if (p.beta_sigmoid)
+      dbeta *= p.beta_factor * sigmoid_exact(raw_beta) * sigmoid_exact(-raw_beta);
     store_float(const_cast<void*>(b.dbeta.data), b.dbeta.dtype,
-                row_offset(b.dbeta, row, p.T, hv), d);
+                row_offset(b.dbeta, row, p.T, hv), dbeta);
   }
-  if (p.gate == GateForm::none) return;
-  float* dgate = b.ws.dg + vi * p.K;
-  const float a = gate_scale(p, hv);
-  const int kvalid = active ? clamp_run(p.K - c0) : 0;
+  if (!gated) return;
   float d[8];
-  load_floats8(dgate + c0, kvalid, d);
-  // A scalar gate feeds every channel: its gradient is the sum of theirs, taken by lane 0.
-  const bool scalar = p.gate == GateForm::scalar;
+  st.read(1, d);
   if (scalar) {
     float sum = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum += d[e];
     d[0] = rl.sum(sum);
   }
-  const int valid = scalar ? (rl.leader() && active ? 1 : 0) : kvalid;
-  float x[8], dA = 0.f;
-  raw_gates(p, row, hv, scalar ? 0 : c0, valid, x);
+  const float a = gate_scale(p, hv);
+  float dA = 0.f;
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
     const float g = activated_gate(p, x[e], a);
@@ -279,10 +342,10 @@ __device__ void value_grad_row(const BackwardParams& b, const RowLanes& rl, bool
     const float de = e < valid && !(g < kMinGate) ? d[e] : 0.f;
     const GateSlopes s = gate_slopes(p, x[e], a);
     dA += de * s.A_log;
-    d[e] = de * s.raw;  // kept for ddt_bias (params)
+    d[e] = de * s.raw;
   }
   if (valid > 0) {
-    store_floats8(dgate + (scalar ? 0 : c0), valid, d);
+    if (b.ddt_bias.data) store_floats8(dgate + (scalar ? 0 : c0), valid, d);
     if (b.dg.data)
       store_run8(b.dg, row_offset(b.dg, row, p.T, hv) + (scalar ? 0 : c0 * b.dg.stride[3]),
                  valid, d);
@@ -291,19 +354,21 @@ __device__ void value_grad_row(const BackwardParams& b, const RowLanes& rl, bool
   if (rl.leader() && active) b.ws.dA_log_part[vi] = dA;
 }
 
-__global__ void __launch_bounds__(kBackwardThreads) outputs_kernel(const BackwardParams b) {
+// Four blocks per SM (64 registers): left alone, ptxas takes 128 registers to hoist the
+// address arithmetic, and two blocks per SM have fewer loads in flight.
+__global__ void __launch_bounds__(kBackwardThreads, 4) outputs_kernel(const BackwardParams b) {
   const RecurrentParams& p = b.p;
   const RowLanes rl(p);
+  __shared__ RunStage stage;
   over_rows(b, rl, [&](bool is_key, int64_t item, bool active) {
     if (is_key) {
       int64_t row, h;
       split_index(item, b.H, row, h);
-      if (b.dq.data) key_grad_row(b, rl, active, p.q, b.dq, b.ws.dq, p.scale, row, h);
-      if (b.dk.data) key_grad_row(b, rl, active, p.k, b.dk, b.ws.dk, 1.f, row, h);
+      key_grads_row(b, rl, active, row, h, stage);
     } else {
       int64_t row, hv;
       split_index(item, p.HV, row, hv);
-      value_grad_row(b, rl, active, row, hv);
+      value_grads_row(b, rl, active, row, hv, stage);
     }
   });
 }

@@ -135,9 +135,17 @@ __device__ __forceinline__ void run8_to_float(const Run8& r, DType t, float (&ou
   }
 }
 
+// Eight floats by value: passed to a call in registers, where an array's address would put
+// the caller's array (and every value summed into it) in local memory.
+struct Floats8 {
+  float v[8];
+};
+
 inline __device__ __noinline__ void store_run8_elementwise(void* data, DType dtype, int64_t off,
-                                                    int64_t step, int valid, const float* in) {
-  for (int e = 0; e < valid && e < 8; ++e) store_float(data, dtype, off + e * step, in[e]);
+                                                           int64_t step, int valid, Floats8 in) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    if (e < valid) store_float(data, dtype, off + e * step, in.v[e]);
 }
 
 // Stores channels [0, valid) of eight at element offset `off` (one vector store for a
@@ -163,7 +171,10 @@ __device__ __forceinline__ void store_run8(const TokenTensor& x, int64_t off, in
       return;
     }
   }
-  store_run8_elementwise(base, x.dtype, off, x.stride[3], valid, in);
+  Floats8 f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f.v[e] = in[e];
+  store_run8_elementwise(base, x.dtype, off, x.stride[3], valid, f);
 }
 
 __device__ __forceinline__ int64_t load_index(const IndexTensor& t, int64_t row, int64_t col) {
