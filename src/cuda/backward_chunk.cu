@@ -23,24 +23,42 @@ constexpr int kWarps = kBackwardThreads / 32;
 // long; grads needs room for its tables.
 constexpr int kRecordSlice = 32, kGradSlice = 16;
 
-// Channels [c0, c0 + kW) of the chunk's rows (zeros past len / K).
-template <int kW>
+// Channels [c0, c0 + kW) of the chunk's rows (zeros past len / K), rows kLd floats long.
+template <int kW, int kLd = kW + 1>
 struct KeySlice {
-  float q[kC][kW + 1], k[kC][kW + 1], g[kC][kW + 1];
+  float q[kC][kLd], k[kC][kLd], g[kC][kLd];
 };
 
 // Issues asynchronous copies of a C x kW slice of float32 rows into shared memory, elements
 // (i, c0 + cc) for i < len and c0 + cc < K (0 elsewhere); `row(i)` is the start of row i.
+// Rows of a multiple of 4 floats take 16-byte copies where a run of 4 is in range and aligned
+// (a quarter of the copies and their index arithmetic), others 4-byte copies.
 // Commits nothing: the caller's commit_async / wait_async land it with its other copies.
 template <int kW, int kLd, class Row>
 __device__ void copy_slice_async(const ChunkRows& x, int c0, const Row& row, const float* a,
                                  float (&dst)[kC][kLd]) {
   const int64_t K = x.b.p.K;
-  for (int idx = threadIdx.x; idx < kC * kW; idx += blockDim.x) {
-    const int i = idx / kW, cc = idx % kW, c = c0 + cc;
-    const bool ok = i < x.len && c < K;
-    // 0 bytes: zero-filled, nothing read (the array start stands in for the address)
-    copy_async<4>(&dst[i][cc], ok ? row(i) + c : a, ok ? 4 : 0);
+  constexpr int kRun = kLd % 4 == 0 ? 4 : 1, kRuns = kW / kRun;
+  static_assert(kW % kRun == 0, "whole runs");
+  for (int idx = threadIdx.x; idx < kC * kRuns; idx += blockDim.x) {
+    const int i = idx / kRuns, cc = idx % kRuns * kRun, c = c0 + cc;
+    const bool row_ok = i < x.len;
+    if constexpr (kRun == 4) {
+      const float* src = row_ok ? row(i) + c : a;
+      if (c + 3 < K && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+        copy_async<16>(&dst[i][cc], src, row_ok ? 16 : 0);
+        continue;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool ok = row_ok && c + e < K;
+        copy_async<4>(&dst[i][cc + e], ok ? src + e : a, ok ? 4 : 0);
+      }
+    } else {
+      const bool ok = row_ok && c < K;
+      // 0 bytes: zero-filled, nothing read (the array start stands in for the address)
+      copy_async<4>(&dst[i][cc], ok ? row(i) + c : a, ok ? 4 : 0);
+    }
   }
 }
 
@@ -54,9 +72,9 @@ template <int kW, class Row>
 __device__ void stage_three(const ChunkRows& x, int c0, const Row& row, const float* a0,
                             const float* a1, const float* a2, float (&s0)[kC][kW + 1],
                             float (&s1)[kC][kW + 1], float (&s2)[kC][kW + 1]) {
-  copy_slice_async<kW>(x, c0, [&](int i) { return row(a0, 0, i); }, a0, s0);
-  copy_slice_async<kW>(x, c0, [&](int i) { return row(a1, 1, i); }, a1, s1);
-  copy_slice_async<kW>(x, c0, [&](int i) { return row(a2, 2, i); }, a2, s2);
+  copy_slice_async<kW, kW + 1>(x, c0, [&](int i) { return row(a0, 0, i); }, a0, s0);
+  copy_slice_async<kW, kW + 1>(x, c0, [&](int i) { return row(a1, 1, i); }, a1, s1);
+  copy_slice_async<kW, kW + 1>(x, c0, [&](int i) { return row(a2, 2, i); }, a2, s2);
   commit_async();
   wait_async<0>();
 }
@@ -115,14 +133,34 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
     if (c0 + static_cast<int>(threadIdx.x) < K) b.ws.decay[rec * K + c0 + threadIdx.x] = expf(G);
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < len * kSlice; idx += blockDim.x) {
-    const int i = idx / kSlice, cc = idx % kSlice, c = c0 + cc;
+  // Four channels per thread, stored as one 16-byte word per buffer where in range and aligned
+  // (the buffers are carved at aligned bases: one check holds for all four).
+  constexpr int kQuads = kSlice / 4;
+  for (int idx = threadIdx.x; idx < len * kQuads; idx += blockDim.x) {
+    const int i = idx / kQuads, cc = idx % kQuads * 4, c = c0 + cc;
     if (c >= K) continue;
-    const float g = s.g[i][cc], e = expf(g), kv = s.k[i][cc];
-    x.k_rec(b.ws.gamma, i)[c] = g;
-    x.k_rec(b.ws.qg, i)[c] = s.q[i][cc] * e;
-    x.k_rec(b.ws.kg, i)[c] = kv * expf(s.g[len - 1][cc] - g);
-    x.k_rec(b.ws.kb, i)[c] = beta[i] * kv * e;
+    float out[4][4];  // gamma, qg, kg, kb
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float g = s.g[i][cc + e], ex = expf(g), kv = s.k[i][cc + e];
+      out[0][e] = g;
+      out[1][e] = s.q[i][cc + e] * ex;
+      out[2][e] = kv * expf(s.g[len - 1][cc + e] - g);
+      out[3][e] = beta[i] * kv * ex;
+    }
+    float* const dst[4] = {x.k_rec(b.ws.gamma, i) + c, x.k_rec(b.ws.qg, i) + c,
+                           x.k_rec(b.ws.kg, i) + c, x.k_rec(b.ws.kb, i) + c};
+    const bool vec = c + 3 < K && (reinterpret_cast<uintptr_t>(dst[0]) & 15) == 0;
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      if (vec) {
+        *reinterpret_cast<float4*>(dst[a]) = make_float4(out[a][0], out[a][1], out[a][2], out[a][3]);
+        continue;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (c + e < K) dst[a][e] = out[a][e];
+    }
   }
 }
 
@@ -277,13 +315,17 @@ using GradTables = BlockTables<kGradSlice, kGradSlice + 8>;
 
 // Row lengths of 8 mod 32 floats: a tf32 fragment's 32 elements in distinct banks.
 constexpr int kTLd = kC + 8, kDwLd = kGradSlice + 8;
+// Grads' key slices: rows of 4 mod 32 floats take 16-byte copies; where the two half-warps
+// read neighbouring rows (the column sums), 4 lanes share a bank.
+constexpr int kGradSliceLd = kGradSlice + 4;
+using GradSlice = KeySlice<kGradSlice, kGradSliceLd>;
 
 // The pairwise sums of a key slice: sums of d A_qk k e^.. (p1) and d A_kk k e^.. (p2) over
 // j <= i, and of both column terms over r >= i (q12), per row and channel; with the delta
 // rule, p2 also takes d(beta k e^Gamma) = T^T dw's share (its factors, beta e^Gamma for dk
 // and k beta e^Gamma for dg, are p2's own: 1 and k), from T and the slice's dw.
 struct PairScratch {
-  KeySlice<kGradSlice> slice;
+  GradSlice slice;
   GradTables tables;
   float p1[kC][kGradSlice + 1], p2[kC][kGradSlice + 1], q12[kC][kGradSlice + 1];
   alignas(16) float tm[kC][kTLd];  // T (row-major), for T^T
@@ -435,7 +477,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   commit_async();
   wait_async<0>();
   __syncthreads();
-  const KeySlice<kGradSlice>& s = pr.slice;
+  const GradSlice& s = pr.slice;
   fill_block_tables(s, len, pr.tables);
   if (delta) {
     // p2 = beta e^Gamma (T^T dw) for the slice, a 16 x 8 tile per warp (rows 16 (w % 4) on,
