@@ -672,30 +672,25 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
 
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
-    // d(beta v) = T^T dv_new: to v and beta.
-    const TokenTensor& v = b.p.v;
-    const int64_t v0 = x.token_base(v);
-    staged_product(
-        len, V, len, T_t, x.v_recs(ws.dvn), st,
-        [&](int m, int n) {
-          return make_float2(sh.beta[m],
-                             load_float(v.data, v.dtype, v0 + m * v.stride[1] + n * v.stride[3]));
-        },
-        [&](int m, int n, float acc, float2 in) {
-          x.v_row(ws.dv, m)[n] = in.x * acc;
-          add_dbeta(m, n, acc * in.y);
-        });
+    // d(beta v) = T^T dv_new, stored as it is: the outputs stage scales it by beta into dv
+    // and adds its products with v to d beta, a row at a time in 16-byte loads (here every
+    // output waited on its own load of v).
+    staged_product(len, V, len, T_t, x.v_recs(ws.dvn), st,
+                   [&](int m, int n, float acc) { x.v_row(ws.dv, m)[n] = acc; });
     // d(beta k e^Gamma) = T^T dw, per key slice in add_pair_terms (its epilogue there adds
     // to dk and dg with the slice's k and Gamma staged).
-    // d A_kk = -T^T dT T^T (strictly lower).
+    // d A_kk = -T^T dT T^T (strictly lower); d beta takes its products with the unscaled
+    // A_kk products, loaded a tile at a time (the four loads in flight together).
     staged_product(len, len, len, Rows{&sh.products.dt[0][0], kLd}, T_t, st,
                    [&](int m, int n, float acc) { sh.products.after.x[m][n] = acc; });
-    staged_product(len, len, len, T_t, Rows{&sh.products.after.x[0][0], kLd}, st,
-                   [&](int m, int n, float acc) {
-                     const float d = n < m ? -acc : 0.f;
-                     sh.dakk[m][n] = sh.beta[m] * d;
-                     add_dbeta(m, n, d * kdot[m * kC + n]);
-                   });
+    staged_product(
+        len, len, len, T_t, Rows{&sh.products.after.x[0][0], kLd}, st,
+        [&](int m, int n) { return kdot[m * kC + n]; },
+        [&](int m, int n, float acc, float products) {
+          const float d = n < m ? -acc : 0.f;
+          sh.dakk[m][n] = sh.beta[m] * d;
+          add_dbeta(m, n, d * products);
+        });
     stage_inverse_async(tm, sh.pairs.tm);  // lands with the first key slice
   } else {
     for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)

@@ -57,7 +57,8 @@ struct BackwardWorkspace {
   float* decay = nullptr;                                // per record, K
   float* dgamma = nullptr;  // per record, K: d Gamma_end, from `keys` to `grads`
   float *states = nullptr, *dstates = nullptr;           // per record, K x V (K-first)
-  // Gradients of the transformed inputs, per value head.
+  // Gradients of the transformed inputs, per value head; dv holds d(beta v) and dbeta every
+  // term but sum_j d(beta v)_j v_j, which the outputs stage adds with beta's factor on dv.
   float *dq = nullptr, *dk = nullptr, *dg = nullptr, *dv = nullptr, *dbeta = nullptr;
   float* dA_log_part = nullptr;  // per value head and token
 };

@@ -286,15 +286,18 @@ __device__ GateSlopes gate_slopes(const RecurrentParams& p, float x, float a) {
 }
 
 // dv, dbeta and the gate gradient of value head hv at one token row, with every load of the
-// row out before anything is stored (RunStage). ws.dg keeps the raw gate's gradient only for
-// ddt_bias (params), the one stage that reads it again.
+// row out before anything is stored (RunStage). The workspace holds d(beta v): dv is beta
+// times it, and d beta gains its product with v, summed over the row here (with the delta
+// rule; the linear rules' beta is 1). ws.dg keeps the raw gate's gradient only for ddt_bias
+// (params), the one stage that reads it again.
 // An inactive row (padding) reads and writes nothing but joins its warp's lane sums.
 __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, bool active,
                                 int64_t row, int64_t hv, RunStage& st) {
   const RecurrentParams& p = b.p;
   const int c0 = rl.c0;
   const int64_t vi = row * p.HV + hv;
-  const int vvalid = active && b.dv.data ? clamp_run(p.V - c0) : 0;
+  const bool v_dot = p.delta && b.dbeta.data;  // the same in every lane
+  const int vvalid = active && (b.dv.data || v_dot) ? clamp_run(p.V - c0) : 0;
   const bool scalar = p.gate == GateForm::scalar, gated = p.gate != GateForm::none;
   const int kvalid = active && gated ? clamp_run(p.K - c0) : 0;
   // A scalar gate feeds every channel: its gradient is the sum of theirs, taken by lane 0.
@@ -304,6 +307,10 @@ __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, boo
   st.copy_async_run(0, b.ws.dv + vi * p.V + c0, vvalid);
   st.copy_async_run(1, dgate + c0, kvalid);
   commit_async();
+  Run8 vraw{};
+  if (v_dot && vvalid > 0)
+    vraw = load_run8(p.v, row_offset(p.v, row, p.T, hv) + c0 * p.v.stride[3], vvalid);
+  const float beta = active ? b.ws.beta[vi] : 0.f;
   float x[8] = {}, dbeta = 0.f, raw_beta = 0.f;
   if (gated) raw_gates(p, row, hv, scalar ? 0 : c0, valid, x);
   if (beta_lane) {
@@ -313,10 +320,19 @@ __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, boo
   }
   wait_async<0>();
 
-  if (vvalid > 0) {
-    float d[8];
+  {
+    float d[8], vals[8] = {};
     st.read(0, d);
-    store_run8(b.dv, row_offset(b.dv, row, p.T, hv) + c0 * b.dv.stride[3], vvalid, d);
+    if (v_dot && vvalid > 0) run8_to_float(vraw, p.v.dtype, vals);
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      dot = fmaf(d[e], vals[e], dot);
+      d[e] *= beta;
+    }
+    if (v_dot) dbeta += rl.sum(dot);
+    if (b.dv.data && vvalid > 0)
+      store_run8(b.dv, row_offset(b.dv, row, p.T, hv) + c0 * b.dv.stride[3], vvalid, d);
   }
   if (beta_lane) {
     if (p.beta_sigmoid)
