@@ -447,6 +447,27 @@ __device__ void stage_inverse_async(const float* tm, float (&dst)[kC][kTLd]) {
     copy_async<16>(&dst[idx / kQuads][idx % kQuads * 4], tm + idx * 4, 16);
 }
 
+// L2 prefetches of the chunk's rows, channels [c0, c0 + kGradSlice), of the pairwise stage's
+// inputs (q, k, Gamma, dw) or of the gradients it adds to (dq, dk, dg), a slice ahead of the
+// copies and read-modify-writes that wait on them (other blocks wrote them long before).
+// Worth 1% of grads (bench/NOTES.md (z)); the same in records and keys gained nothing.
+__device__ void prefetch_pair_inputs(const ChunkRows& x, int c0) {
+  const BackwardWorkspace& ws = x.b.ws;
+  const int64_t K = x.b.p.K, HK = x.b.H * K;
+  if (c0 >= K) return;
+  prefetch_rows(x.key_head(ws.qn, 0) + c0, HK, x.len, kGradSlice);
+  prefetch_rows(x.key_head(ws.kn, 0) + c0, HK, x.len, kGradSlice);
+  prefetch_rows(x.k_rec(ws.gamma, 0) + c0, K, x.len, kGradSlice);
+  if (x.b.p.delta) prefetch_rows(x.k_rec(ws.dw, 0) + c0, K, x.len, kGradSlice);
+}
+__device__ void prefetch_pair_grads(const ChunkRows& x, int c0) {
+  const BackwardWorkspace& ws = x.b.ws;
+  const int64_t K = x.b.p.K, VK = x.b.p.HV * K;
+  prefetch_rows(x.k_row(ws.dq, 0) + c0, VK, x.len, kGradSlice);
+  prefetch_rows(x.k_row(ws.dk, 0) + c0, VK, x.len, kGradSlice);
+  prefetch_rows(x.k_row(ws.dg, 0) + c0, VK, x.len, kGradSlice);
+}
+
 // Adds the pairwise terms of d A_qk and d A_kk (row-major [i][j] in shared memory, zero
 // outside j <= i < len) over key channels c0 .. c0 + kGradSlice - 1 to the chunk's rows of dq,
 // dk and dg (cuda/backward_blocks.cuh): row sums (their i side) and column sums (j side).
@@ -465,6 +486,8 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   constexpr int kColTiles = kGradSlice / 8;
   constexpr int kRowJobs = 2 * (kBlocks - 1) * kColTiles;
   const bool delta = x.b.p.delta;
+  prefetch_pair_inputs(x, c0 + kGradSlice);
+  prefetch_pair_grads(x, c0);
   __syncthreads();
   const auto head_row = [&](const float* a) { return [&x, a](int i) { return x.key_head(a, i); }; };
   const auto rec_row = [&](const float* a) {
@@ -650,6 +673,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   auto add_dbeta = [&](int m, int n, float v) { sh.dbeta[m][epilogue_slot(n)] += v; };
   const Rows dO = x.v_rows(ws.dout);
   ProductStage<16>& st = sh.products.after.stage;
+  prefetch_pair_inputs(x, 0);  // the first key slice, needed after the products
   // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
   // workspace for reverse_cumsum_dg.
 

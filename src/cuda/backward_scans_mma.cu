@@ -90,17 +90,6 @@ __device__ void stage_rows(float* dst, int ld, int width, const float* src, int6
   }
 }
 
-// Queues L2 prefetches of `rows` rows of row_floats floats from p (row stride `stride`), one
-// 128-byte line per thread at a time; nothing waits on them. 32-bit indices: a 64-bit
-// division per line is a long call, on the scans' critical path.
-__device__ void prefetch_rows(const float* p, int64_t stride, int rows, int64_t row_floats) {
-  const int lines = static_cast<int>((row_floats + 31) / 32);
-  for (int idx = threadIdx.x; idx < rows * lines; idx += blockDim.x) {
-    const float* line = p + idx / lines * stride + idx % lines * 32;
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
-  }
-}
-
 // Queues the record's decay per key into dst (zeros past K), with the stage's copies.
 template <int KP>
 __device__ void stage_decay(const BackwardParams& b, int64_t rec, float* dst) {
