@@ -53,18 +53,8 @@ __device__ __forceinline__ void store_float(void* base, DType t, int64_t off, fl
   }
 }
 
-// Eight consecutive floats of a float32 buffer; `valid` channels, the rest read as 0.
-__device__ __forceinline__ void load_floats8(const float* src, int valid, float (&v)[8]) {
-  if (valid == 8 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
-    const float4 a = reinterpret_cast<const float4*>(src)[0];
-    const float4 b = reinterpret_cast<const float4*>(src)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    return;
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = e < valid ? src[e] : 0.f;
-}
-
+// Eight consecutive floats into a float32 buffer; channels at or past `valid` are not
+// touched.
 __device__ __forceinline__ void store_floats8(float* dst, int valid, const float (&v)[8]) {
   if (valid == 8 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
     reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
