@@ -62,23 +62,6 @@ __device__ void copy_slice_async(const ChunkRows& x, int c0, const Row& row, con
   }
 }
 
-// Copies three C x kW slices into shared memory as asynchronous copies that all go out
-// before any lands: a load-then-store loop waits on every load (the compiler cannot move a
-// global load above a shared store through a generic pointer; ncu: 11% of records' samples,
-// 5% of grads'), and holding the loads in registers instead spilled grads. `row(a, which, i)`
-// is the start of row i of array a, the which-th. Ends with the thread's copies landed: a
-// barrier after it makes the slices visible to the block.
-template <int kW, class Row>
-__device__ void stage_three(const ChunkRows& x, int c0, const Row& row, const float* a0,
-                            const float* a1, const float* a2, float (&s0)[kC][kW + 1],
-                            float (&s1)[kC][kW + 1], float (&s2)[kC][kW + 1]) {
-  copy_slice_async<kW, kW + 1>(x, c0, [&](int i) { return row(a0, 0, i); }, a0, s0);
-  copy_slice_async<kW, kW + 1>(x, c0, [&](int i) { return row(a1, 1, i); }, a1, s1);
-  copy_slice_async<kW, kW + 1>(x, c0, [&](int i) { return row(a2, 2, i); }, a2, s2);
-  commit_async();
-  wait_async<0>();
-}
-
 // The chunk's beta (0 past len) into shared memory: epilogues read it per element, and a
 // global load there is a long-scoreboard wait per element (ncu: ~10% of records' samples).
 __device__ void stage_beta(const ChunkRows& x, float* beta) {
@@ -109,10 +92,18 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
   constexpr int kSlice = kRecordSlice;
   const int64_t K = b.p.K;
   const int len = x.len;
-  const auto row = [&](const float* a, int which, int i) {
-    return which == 0 ? x.k_row(const_cast<float*>(a), i) : x.key_head(a, i);
-  };
-  stage_three<kSlice>(x, c0, row, b.ws.gate, b.ws.qn, b.ws.kn, s.g, s.q, s.k);
+  // The gate, q and k slices as asynchronous copies that all go out before any lands: a
+  // load-then-store loop waits on every load (the compiler cannot move a global load above a
+  // shared store through a generic pointer; ncu: 11% of records' samples), and holding the
+  // loads in registers instead spilled. Landed for this thread, then for the block.
+  copy_slice_async<kSlice, kSlice + 1>(
+      x, c0, [&](int i) { return x.k_row(b.ws.gate, i); }, b.ws.gate, s.g);
+  copy_slice_async<kSlice, kSlice + 1>(
+      x, c0, [&](int i) { return x.key_head(b.ws.qn, i); }, b.ws.qn, s.q);
+  copy_slice_async<kSlice, kSlice + 1>(
+      x, c0, [&](int i) { return x.key_head(b.ws.kn, i); }, b.ws.kn, s.k);
+  commit_async();
+  wait_async<0>();
   __syncthreads();
   if (threadIdx.x < kSlice) {
     // The cumulative sum down a channel, 16 rows loaded at a time (the staged rows past len
@@ -414,7 +405,7 @@ struct GradsShared {
   float beta[kC];
   union {
     struct {
-      float dt[kC][kLd];  // d T, then d A_kk * unscaled products (for d beta)
+      float dt[kC][kLd];  // d T
       union {
         struct {
           float x[kC][kLd];  // d T T^T
