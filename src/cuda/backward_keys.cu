@@ -146,23 +146,17 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   float kg_colsum[kKeyTiles8][2] = {};  // this lane's rows' A2 kg, per key 8 nt + 2c + e
 #pragma unroll
   for (int nt = 0; nt < kKeyTiles8; ++nt) {
-    float4 in[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int m = m0 + acc_row(r), n = 8 * nt + acc_col(r);
-      if (m < len && n < keys)
-        in[r] = make_float4(f.gamma[m][n], f.qg[m][n], f.kg[m][n], f.gamma[len - 1][n]);
-    }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int m = m0 + acc_row(r), n = 8 * nt + acc_col(r), key = k0 + n;
       if (m >= len || n >= keys) continue;
+      const float gamma = f.gamma[m][n];
       // Each product rounded before the difference (never contracted into an fma); the A2 kg
       // subtracted is the one summed into d Gamma_end.
-      const float t = __fmul_rn(a2[nt].d[r], in[r].z);
-      x.k_row(ws.dq, m)[key] = a1[nt].d[r] * expf(in[r].x);
-      x.k_row(ws.dk, m)[key] = a2[nt].d[r] * expf(in[r].w - in[r].x);
-      x.k_row(ws.dg, m)[key] = __fmul_rn(a1[nt].d[r], in[r].y) - t;
+      const float t = __fmul_rn(a2[nt].d[r], f.kg[m][n]);
+      x.k_row(ws.dq, m)[key] = a1[nt].d[r] * expf(gamma);
+      x.k_row(ws.dk, m)[key] = a2[nt].d[r] * expf(f.gamma[len - 1][n] - gamma);
+      x.k_row(ws.dg, m)[key] = __fmul_rn(a1[nt].d[r], f.qg[m][n]) - t;
       if (b.p.delta) x.k_rec(ws.dw, m)[key] = -a3[nt].d[r];
       kg_colsum[nt][r % 2] += t;
     }
