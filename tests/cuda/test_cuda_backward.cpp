@@ -100,10 +100,14 @@ BackwardArgs upload_args(const BackwardArgs& host, DeviceMirror& mirror) {
 
 // poison_workspace: the backward runs in a caller workspace filled with NaN (0xff bytes), so
 // a gradient element no stage writes (or one added to before it is written) shows.
+// only < kNumSlots: that gradient alone is asked for (the others are not wanted).
 Gradients cuda_gradients(const BackwardCase& b, DType dtype = DType::f32,
-                         bool poison_workspace = false) {
+                         bool poison_workspace = false, size_t only = kNumSlots) {
   BackwardArgs host = b.args();
   Gradients g = allocate_gradients(b, host, dtype);
+  if (only < kNumSlots)
+    for (size_t i = 0; i < kNumSlots; ++i)
+      if (i != only) host.*kGradInputs[i].grad = TensorView{};
   DeviceMirror mirror;
   BackwardArgs d = upload_args(host, mirror);
   void* workspace = nullptr;
@@ -131,18 +135,20 @@ constexpr double kParamTolerance = 5e-3;
 // Gradients stored in bfloat16 round to 8 significant bits.
 constexpr double kBf16Tolerance = 1.6e-2;
 
+// The tolerance of gradient slot i stored in grad_dtype.
+double tolerance(size_t i, DType grad_dtype) {
+  const bool param = kGradInputs[i].value == &BackwardArgs::A_log ||
+                     kGradInputs[i].value == &BackwardArgs::dt_bias;
+  return grad_dtype == DType::bf16 ? kBf16Tolerance : param ? kParamTolerance : kTolerance;
+}
+
 void expect_gradients_match(const BackwardCase& b, const std::string& what,
                             DType grad_dtype = DType::f32, bool poison_workspace = false) {
   const Gradients ref = reference_gradients(b);
   const Gradients gpu = cuda_gradients(b, grad_dtype, poison_workspace);
   for (size_t i = 0; i < kNumSlots; ++i) {
     if (ref.t[i].bytes.empty() || !ref.t[i].view.present()) continue;
-    const bool param = kGradInputs[i].value == &BackwardArgs::A_log ||
-                       kGradInputs[i].value == &BackwardArgs::dt_bias;
-    const double tol = grad_dtype == DType::bf16 ? kBf16Tolerance
-                       : param                   ? kParamTolerance
-                                                 : kTolerance;
-    EXPECT_LT(rel_error(gpu.values(i), ref.values(i)), tol)
+    EXPECT_LT(rel_error(gpu.values(i), ref.values(i)), tolerance(i, grad_dtype))
         << what << ": d" << kGradInputs[i].name << " relative error";
   }
 }
@@ -217,18 +223,8 @@ TEST(CudaBackward, EachGradientAlone) {
     const Gradients ref = reference_gradients(b);
     for (size_t want = 0; want < kNumSlots; ++want) {
       if (ref.t[want].bytes.empty() || !ref.t[want].view.present()) continue;
-      BackwardArgs host = b.args();
-      Gradients g = allocate_gradients(b, host, DType::f32);
-      for (size_t i = 0; i < kNumSlots; ++i)
-        if (i != want) host.*kGradInputs[i].grad = TensorView{};
-      DeviceMirror mirror;
-      const BackwardArgs d = upload_args(host, mirror);
-      backward(d, b.c.options, Schedule::chunk);
-      check_cuda(cudaDeviceSynchronize(), "backward");
-      mirror.download(d.*kGradInputs[want].grad, host.*kGradInputs[want].grad);
-      const bool param = kGradInputs[want].value == &BackwardArgs::A_log ||
-                         kGradInputs[want].value == &BackwardArgs::dt_bias;
-      EXPECT_LT(rel_error(g.values(want), ref.values(want)), param ? kParamTolerance : kTolerance)
+      const Gradients gpu = cuda_gradients(b, DType::f32, false, want);
+      EXPECT_LT(rel_error(gpu.values(want), ref.values(want)), tolerance(want, DType::f32))
           << mechanism_name(m) << ": d" << kGradInputs[want].name << " alone";
     }
   }
