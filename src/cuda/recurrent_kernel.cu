@@ -107,7 +107,10 @@ template <int KB, int RK, bool KeyContig, class S>
 __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK, KeyContig>& tile,
                          const Task& w, S* state) {
   using T = Tile<KB, RK, KeyContig>;
-  const int64_t n = w.n, hv = w.hv, h = hv / p.group;
+  // The key head in 32-bit arithmetic (w.hv is an int): a 64-bit division is a long call on
+  // the critical path of a one-token step.
+  const int64_t n = w.n, hv = w.hv,
+                h = p.group <= INT_MAX ? w.hv / static_cast<int>(p.group) : hv / p.group;
   const int j0 = w.j0;
   const Sequence seq = sequence_of(p, n);
   const RowOffsets row{token_offset(p.q, seq, h),    token_offset(p.k, seq, h),
