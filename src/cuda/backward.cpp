@@ -56,6 +56,7 @@ Carver layout(cuda::BackwardParams& b, bool varlen) {
   c.add(w.dgamma, records * K);
   c.add(w.states, records * K * V);
   c.add(w.dstates, records * K * V);
+  c.add(w.segment_maps, b.segments > 1 ? b.p.N * HV * b.segments * K * (K + V) : 0);
   return c;
 }
 
@@ -79,6 +80,13 @@ cuda::BackwardParams backward_params(const Problem& p, const BackwardArgs& a) {
   b.H = p.H;
   b.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;
   b.max_chunks = p.cu_seqlens.present() ? b.chunks_per_row + p.N : p.B * b.chunks_per_row;
+  // No sequence has more chunks than chunks_per_row (a varlen batch's T is its total).
+  const int64_t segments =
+      cuda_backward_scan_segments(p.N * p.HV, p.K, p.V, b.chunks_per_row);
+  b.segment_chunks = (b.chunks_per_row + segments - 1) / segments;
+  b.segments = b.segment_chunks > 0
+                   ? (b.chunks_per_row + b.segment_chunks - 1) / b.segment_chunks
+                   : 1;
   b.d_o = token_tensor(a.d_o);
   b.d_final = state_tensor(StateView{a.d_final_state, layout});
   b.d_final_dtype = a.d_final_state.dtype;
@@ -243,6 +251,29 @@ bool cuda_backward_scans_mma(int64_t K) {
   return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma"}) != "tiles" && K <= 128;
 }
 
+int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
+  const std::string setting =
+      env_setting("FLASHDELTA_BACKWARD_SCAN_SEGMENTS", {"auto", "1", "2", "3", "4", "8"});
+  if (K > 128 || chunks < 2) return 1;
+  if (!setting.empty() && setting != "auto") return std::min<int64_t>(std::stoi(setting), chunks);
+  // The fewest chunk steps on the critical path, one block per SM (the scans' shared memory)
+  // on a GPU of 128 SMs taken as a wave: the maps' kernel (scans x map_tiles blocks per
+  // segment but one) in its waves of a segment's chunks, then one carry per earlier segment,
+  // then the scan (scans x value_tiles blocks per segment) in its waves. Segments of 16 chunks
+  // at the least. (64 columns per block.)
+  constexpr int64_t kWave = 128, kMinSegmentChunks = 16;
+  const int64_t value_tiles = (V + 63) / 64, map_tiles = value_tiles + (K + 63) / 64;
+  auto waves = [](int64_t blocks) { return (blocks + kWave - 1) / kWave; };
+  int64_t best = 1, best_steps = waves(scans * value_tiles) * chunks;
+  for (int64_t s = 2; s <= chunks / kMinSegmentChunks; ++s) {
+    const int64_t per = (chunks + s - 1) / s;
+    const int64_t steps = waves(scans * map_tiles * (s - 1)) * per + (s - 1) +
+                          waves(scans * value_tiles * s) * per;
+    if (steps < best_steps) best = s, best_steps = steps;
+  }
+  return best;
+}
+
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
   return workspace_bytes(p, heads_per_pass(p));
 }
@@ -285,6 +316,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     cuda::BackwardParams b = backward_params(ps, as);
     b.scan_cols = scan_cols;
     b.scans_mma = scans_mma;
+    if (!scans_mma) b.segments = 1;  // the tile scans run whole sequences
     const Carver regions = layout(b, varlen);
     if (regions.total() > 0) {
       regions.carve(memory.data());

@@ -16,7 +16,9 @@
 //             state and v_new
 //   dstates   the same, chunks in reverse: the state gradient leaving every chunk and dv_new
 // With scans_mma (K <= 128) the two scans run per (sequence, value head, 64 columns) with the
-// state in tensor-core accumulators (cuda/backward_scans_mma.cu).
+// state in tensor-core accumulators (cuda/backward_scans_mma.cu); when those blocks are too
+// few to fill the GPU, per segment of each sequence too, after a pass that gives every
+// segment's affine map (segment_maps).
 //   keys      per (chunk, value head, 64-key tile), in parallel: the key gradients' products
 //             over V and d Gamma_end, each gradient written once (cuda/backward_keys.cu)
 //   grads     per (chunk, value head), in parallel: everything else (notes (h))
@@ -57,6 +59,9 @@ struct BackwardWorkspace {
   float* decay = nullptr;                                // per record, K
   float* dgamma = nullptr;  // per record, K: d Gamma_end, from `keys` to `grads`
   float *states = nullptr, *dstates = nullptr;           // per record, K x V (K-first)
+  // Per (sequence, value head, segment) of split scans, K x (V + K), K-first: the segment's
+  // response to a zero state (V columns) and to each unit state (K columns).
+  float* segment_maps = nullptr;
   // Gradients of the transformed inputs, per value head; dv holds d(beta v) and dbeta every
   // term but sum_j d(beta v)_j v_j, which the outputs stage adds with beta's factor on dv.
   float *dq = nullptr, *dk = nullptr, *dg = nullptr, *dv = nullptr, *dbeta = nullptr;
@@ -73,6 +78,9 @@ struct BackwardParams {
   RecurrentParams p;  // sizes, options, q k v g beta, A_log, dt_bias, cu_seqlens, state_in
   int scan_cols = kScanColumnWidths[0];  // one of kScanColumnWidths (backward_scan_columns)
   bool scans_mma = false;                // the scans in registers (K <= 128)
+  // The scans in registers split each sequence into `segments` runs of segment_chunks chunks
+  // (1: not split; cuda/backward_scans_mma.cu).
+  int64_t segments = 1, segment_chunks = 0;
   DType state_in_dtype = DType::f32;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;

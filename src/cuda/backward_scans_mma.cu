@@ -16,6 +16,16 @@
 // by every warp; a warp's products read only the stage and its own registers. Products are
 // m16n8k8 tf32 (rounded to nearest) with float32 sums, as everywhere in the backward.
 //
+// Split sequences (BackwardParams::segments > 1, when the blocks above are too few to fill the
+// GPU, DESIGN.md section 3): over a segment a column of the state (or of its gradient) moves
+// by an affine map, x_out = P x_in + e, the same P for every column. A first kernel
+// (kEnds) runs every segment from a zero state, giving e for the V columns, and from the
+// identity with no inhomogeneous terms (u, dO zero), giving P's K columns; the second runs
+// every segment from its true entry, which it first carries across the segments before it
+// (S^T <- S^T P^T + e^T, in the same tensor-core form as the chunks' products). The
+// critical path goes from the chunks of a sequence to those of a segment, twice, plus one
+// carry per earlier segment.
+//
 // A left operand taken from accumulators: m16n8k8 gives a lane the A elements at k-slots c
 // and c + 4 (c = lane % 4), while an n8 accumulator tile holds its columns 2c and 2c + 1. So
 // every product here maps k-slot c to index 2c and slot c + 4 to index 2c + 1 of its 8-wide
@@ -131,25 +141,48 @@ __device__ __forceinline__ void times_kn(Acc (&acc)[kTiles], const uint32_t (&a)
     mma_tf32(acc[nt], a, to_tf32(r0[8 * nt]), to_tf32(r0[ld + 8 * nt]));
 }
 
-// The scans' block: sequence n, value head hv, 64 columns from j0; this warp's 16 from jw,
-// and its share `half` of the keys. Warps w and w ^ 4 carry the same columns.
+// Column tiles of the segment-ends kernel: V's, then the identity's K.
+__host__ __device__ inline int64_t map_column_tiles(int64_t K, int64_t V) {
+  return mma_column_tiles(V) + mma_column_tiles(K);
+}
+
+// The scans' block: sequence n, value head hv, segment seg (its chunks [c0, c1)), 64 columns
+// from j0 of V or, in the segment-ends kernel, of the identity (`map`); this warp's 16 from
+// jw, and its share `half` of the keys. Warps w and w ^ 4 carry the same columns. Blocks are
+// numbered ((n * HV + hv) * segments + seg) * tiles + tile.
 struct MmaScanBlock : ScanChunks {
   static_assert(kKeyHalves == 2 && kMmaColumns == 64, "warp w's partner is w ^ 4");
   int64_t j0, jw;
   int wc;    // the warp's first column in the block's tile
   int half;  // 0: keys [0, KP / 2), 1: the rest
+  bool map;  // the identity's columns: P of the segment map
+  int64_t width;  // V, or K for the identity's columns
+  int64_t seg, c0, c1;
+  int64_t used;  // segments of the sequence that hold chunks
 
-  __device__ explicit MmaScanBlock(const BackwardParams& b)
-      : ScanChunks(b, mma_column_tiles(b.p.V)) {
+  __device__ MmaScanBlock(const BackwardParams& b, int64_t tiles)
+      : ScanChunks(b, tiles * b.segments) {
     const int warp = static_cast<int>(threadIdx.x / 32);
-    j0 = blockIdx.x % mma_column_tiles(b.p.V) * kMmaColumns;
+    const int64_t tile = blockIdx.x % tiles, value_tiles = mma_column_tiles(b.p.V);
+    map = tile >= value_tiles;
+    width = map ? b.p.K : b.p.V;
+    j0 = (map ? tile - value_tiles : tile) * kMmaColumns;
     wc = 16 * (warp % 4);
     half = warp / 4;
     jw = j0 + wc;
+    seg = blockIdx.x / tiles % b.segments;
+    const int64_t per = b.segments > 1 ? b.segment_chunks : chunks.count;
+    used = per > 0 ? (chunks.count + per - 1) / per : 0;
+    c0 = seg * per;
+    c1 = chunks.count < c0 + per ? chunks.count : c0 + per;
   }
-  // Columns of the block's tile inside V.
-  __device__ int cols(const BackwardParams& b) const {
-    return static_cast<int>(b.p.V - j0 < kMmaColumns ? b.p.V - j0 : kMmaColumns);
+  // Columns of the block's tile inside its width.
+  __device__ int cols() const {
+    return static_cast<int>(width - j0 < kMmaColumns ? width - j0 : kMmaColumns);
+  }
+  // Segment s's map: K rows of V + K floats.
+  __device__ float* segment_map(const BackwardParams& b, int64_t s) const {
+    return b.ws.segment_maps + ((n * b.p.HV + hv) * b.segments + s) * b.p.K * (b.p.V + b.p.K);
   }
 };
 
@@ -163,41 +196,53 @@ struct MmaState {
 
   __device__ explicit MmaState(const MmaScanBlock& blk) : key0(blk.half * kKeys) {}
 
-  // f(value, key, column) for each of this lane's elements inside K x V.
+  // f(value, key, column) for each of this lane's elements inside K x the block's width.
   template <class F>
-  __device__ void for_each(const BackwardParams& b, int64_t jw, F&& f) {
+  __device__ void for_each(const BackwardParams& b, const MmaScanBlock& blk, F&& f) {
 #pragma unroll
     for (int nt = 0; nt < kKeys / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + 8 * nt + acc_col(e);
-        const int64_t col = jw + acc_row(e);
-        if (key < b.p.K && col < b.p.V) f(acc[nt].d[e], key, col);
+        const int64_t col = blk.jw + acc_row(e);
+        if (key < b.p.K && col < blk.width) f(acc[nt].d[e], key, col);
       }
   }
   // Entry (n, hv) of a state the caller gave (any layout and float dtype; zeros if absent).
   __device__ void load(const BackwardParams& b, const StateTensor& s, DType dtype,
                        const MmaScanBlock& blk) {
     if (s.data)
-      for_each(b, blk.jw, [&](float& x, int key, int64_t col) {
+      for_each(b, blk, [&](float& x, int key, int64_t col) {
         x = load_float(s.data, dtype, state_offset(s, blk.n, blk.hv, key, col));
       });
   }
   __device__ void store(const BackwardParams& b, const StateTensor& s, DType dtype,
                         const MmaScanBlock& blk) {
     if (s.data)
-      for_each(b, blk.jw, [&](float& x, int key, int64_t col) {
+      for_each(b, blk, [&](float& x, int key, int64_t col) {
         store_float(s.data, dtype, state_offset(s, blk.n, blk.hv, key, col), x);
       });
   }
-  // To a record's K x V float32 K-first slab of the workspace, while the chunk's stage (its
-  // copies queued by every thread) lands; returns once it has landed for every thread.
-  __device__ void store_record_while_staging(const BackwardParams& b, int64_t jw, float* out) {
+  // To a record's K x V float32 K-first slab of the workspace (none if out is null), while
+  // the chunk's stage (its copies queued by every thread) lands; returns once it has landed
+  // for every thread.
+  __device__ void store_record_while_staging(const BackwardParams& b, const MmaScanBlock& blk,
+                                             float* out) {
     commit_async();
     const int64_t V = b.p.V;
-    for_each(b, jw, [&](float& x, int key, int64_t col) { out[key * V + col] = x; });
+    if (out) for_each(b, blk, [&](float& x, int key, int64_t col) { out[key * V + col] = x; });
     wait_async<0>();
     __syncthreads();
+  }
+  // The identity's columns (a map block's start), or zeros.
+  __device__ void start(const BackwardParams& b, const MmaScanBlock& blk) {
+    if (blk.map) for_each(b, blk, [](float& x, int key, int64_t col) { x = key == col; });
+  }
+  // The segment's end, into its map (columns V .. V + K - 1 for the identity's).
+  __device__ void store_segment_end(const BackwardParams& b, const MmaScanBlock& blk) {
+    const int64_t ld = b.p.V + b.p.K;
+    float* m = blk.segment_map(b, blk.seg) + (blk.map ? b.p.V : 0);
+    for_each(b, blk, [&](float& x, int key, int64_t col) { m[key * ld + col] = x; });
   }
   // acc *= decay along the keys (d indexed by key).
   __device__ void decay(const float* d) {
@@ -260,6 +305,40 @@ __device__ void add_partner(Acc (&t)[kTokenTiles], Exchange& xch) {
   }
 }
 
+// S^T = S^T P^T + e^T: the state carried across segment s by its map (P, e). P's rows (the
+// result's keys) go through `stage` (kC rows of KP + 8 floats) kC at a time, as the
+// left-operand products of the chunks do with w or kg; each warp keeps the rows of its own
+// keys. Starts and ends with a block barrier: the stage and the exchange are free after.
+template <int KP>
+__device__ void carry_across_segment(const BackwardParams& b, const MmaScanBlock& blk, int64_t s,
+                                     MmaState<KP>& S, float* stage, Exchange& xch) {
+  constexpr int kTiles = MmaState<KP>::kKeys / 8;
+  const int64_t K = b.p.K, ld = b.p.V + K;
+  const float* m = blk.segment_map(b, s);
+  Acc next[kTiles];
+#pragma unroll
+  for (int r = 0; r * kC < KP; ++r) {
+    __syncthreads();
+    const int rows = static_cast<int>(K - r * kC < kC ? K - r * kC : kC);
+    stage_rows(stage, KP + 8, KP, m + r * kC * ld + b.p.V, ld, rows, static_cast<int>(K));
+    commit_async();
+    wait_async<0>();
+    __syncthreads();
+    Acc t[kTokenTiles];
+    state_times_rows(t, S, stage, KP + 8);
+    add_partner(t, xch);
+#pragma unroll
+    for (int nt = 0; nt < kTokenTiles; ++nt)
+#pragma unroll
+      for (int kt = 0; kt < kTiles; ++kt)
+        if (r * kC + 8 * nt == S.key0 + 8 * kt) next[kt] = t[nt];
+  }
+#pragma unroll
+  for (int kt = 0; kt < kTiles; ++kt) S.acc[kt] = next[kt];
+  S.for_each(b, blk, [&](float& x, int key, int64_t col) { x += m[key * ld + col]; });
+  __syncthreads();
+}
+
 // Calls f(value, token, column) for this lane's elements of the warp's half of a 16 x kC
 // token tile (the partner writes the other) that lie inside the chunk (token < len) and V.
 template <class F>
@@ -285,23 +364,25 @@ __device__ void stage_states_operands(const BackwardParams& b, const MmaScanBloc
                                       int64_t ci, int len, StatesShared<KP>& sh) {
   const int64_t K = b.p.K, V = b.p.V, rec = blk.record(b, ci);
   if (b.p.delta) stage_rows(&sh.w[0][0], KP + 8, KP, b.ws.w + rec * kC * K, K, len, int(K));
-  stage_rows(&sh.u[0][0], kMmaColumns + 4, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V, len,
-             blk.cols(b));
+  if (!blk.map)
+    stage_rows(&sh.u[0][0], kMmaColumns + 4, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V,
+               len, blk.cols());
   stage_rows(&sh.kg[0][0], KP + 4, KP, b.ws.kg + rec * kC * K, K, len, int(K));
   stage_decay<KP>(b, rec, sh.decay);
 }
-// L2 prefetches of chunk ci's operands (none past the sequence).
+// L2 prefetches of chunk ci's operands (none past the segment).
 __device__ void prefetch_states_operands(const BackwardParams& b, const MmaScanBlock& blk,
                                          int64_t ci) {
-  const int len = ci < blk.chunks.count ? blk.len(ci) : 0;
+  const int len = ci < blk.c1 ? blk.len(ci) : 0;
   if (len == 0) return;
   const int64_t K = b.p.K, V = b.p.V, r = blk.record(b, ci);
   if (b.p.delta) prefetch_rows(b.ws.w + r * kC * K, K, len, K);
   prefetch_rows(b.ws.kg + r * kC * K, K, len, K);
-  prefetch_rows(b.ws.u + r * kC * V + blk.j0, V, len, blk.cols(b));
+  if (!blk.map) prefetch_rows(b.ws.u + r * kC * V + blk.j0, V, len, blk.cols());
 }
 
-// v_new^T = u^T - S^T w^T (the linear rule: v_new = u), summed over the pair's keys.
+// v_new^T = u^T - S^T w^T (the linear rule: v_new = u; u is zero for a map's columns), summed
+// over the pair's keys.
 template <int KP>
 __device__ void vn_phase(const BackwardParams& b, const MmaScanBlock& blk, const MmaState<KP>& S,
                          StatesShared<KP>& sh, Acc (&vn)[kTokenTiles]) {
@@ -313,42 +394,53 @@ __device__ void vn_phase(const BackwardParams& b, const MmaScanBlock& blk, const
   for (int nt = 0; nt < kTokenTiles; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      vn[nt].d[e] = sh.u[8 * nt + acc_col(e)][blk.wc + acc_row(e)] - vn[nt].d[e];
+      vn[nt].d[e] = (blk.map ? 0.f : sh.u[8 * nt + acc_col(e)][blk.wc + acc_row(e)]) - vn[nt].d[e];
 }
 
-// v_new out; S^T = S^T diag(decay) + v_new^T kg.
-template <int KP>
+// v_new out (kStore); S^T = S^T diag(decay) + v_new^T kg.
+template <int KP, bool kStore>
 __device__ void state_update_phase(const BackwardParams& b, const MmaScanBlock& blk, int len,
                                    int64_t rec, MmaState<KP>& S, const StatesShared<KP>& sh,
                                    const Acc (&vn)[kTokenTiles]) {
   const int64_t V = b.p.V;
   float* out = b.ws.vn + rec * kC * V;
-  for_each_token(vn, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
+  if (kStore)
+    for_each_token(vn, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
   S.decay(sh.decay);
   add_tokens_times_rows(S, vn, 1.f, &sh.kg[0][0], KP + 4);
 }
 
-template <int KP>
+// kEnds: the maps of every segment but a sequence's last (nothing else written); otherwise
+// the states of every segment's chunks, from its true entry.
+template <int KP, bool kEnds>
 __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const BackwardParams b) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<StatesShared<KP>*>(smem);
-  const MmaScanBlock blk(b);
+  const MmaScanBlock blk(
+      b, kEnds ? map_column_tiles(b.p.K, b.p.V) : mma_column_tiles(b.p.V));
+  if (kEnds ? blk.seg + 1 >= blk.used : blk.seg > 0 && blk.seg >= blk.used) return;
   const int64_t K = b.p.K, V = b.p.V;
   MmaState<KP> S(blk);
-  S.load(b, b.p.state_in, b.state_in_dtype, blk);
-  for (int64_t ci = 0; ci < blk.chunks.count; ++ci) {
+  if (kEnds) {
+    S.start(b, blk);
+  } else {
+    S.load(b, b.p.state_in, b.state_in_dtype, blk);
+    for (int64_t s = 0; s < blk.seg; ++s) carry_across_segment(b, blk, s, S, &sh.w[0][0], sh.xch);
+  }
+  for (int64_t ci = blk.c0; ci < blk.c1; ++ci) {
     const int len = blk.len(ci);
     if (len == 0) continue;  // defensive, as in the tile scan
     const int64_t rec = blk.record(b, ci);
     stage_states_operands(b, blk, ci, len, sh);
     prefetch_states_operands(b, blk, ci + 1);
     // The state entering the chunk, written while the stage lands.
-    S.store_record_while_staging(b, blk.jw, b.ws.states + rec * K * V);
+    S.store_record_while_staging(b, blk, kEnds ? nullptr : b.ws.states + rec * K * V);
     Acc vn[kTokenTiles];
     vn_phase(b, blk, S, sh, vn);
-    state_update_phase(b, blk, len, rec, S, sh, vn);
+    state_update_phase<KP, !kEnds>(b, blk, len, rec, S, sh, vn);
     __syncthreads();  // every warp is done with the stage before the next chunk's copies
   }
+  if (kEnds) S.store_segment_end(b, blk);
 }
 
 // Queues the dstates scan's operands of chunk ci (len tokens): those of dv_new (kg, A_qk,
@@ -358,35 +450,39 @@ __device__ void stage_dstates_operands(const BackwardParams& b, const MmaScanBlo
                                        int64_t ci, int len, DstatesShared<KP>& sh) {
   const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV, rec = blk.record(b, ci);
   stage_rows(&sh.kg[0][0], KP + 8, KP, b.ws.kg + rec * kC * K, K, len, int(K));
-  stage_rows(&sh.aqk[0][0], kC + 4, kC, b.ws.aqk + rec * kC * kC, kC, len, kC);
-  stage_rows(&sh.dout[0][0], kMmaColumns + 4, kMmaColumns,
-             b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0, HV * V, len, blk.cols(b));
-  stage_rows(&sh.qg[0][0], KP + 4, KP, b.ws.qg + rec * kC * K, K, len, int(K));
+  if (!blk.map) {  // the dO terms; a map's columns have none
+    stage_rows(&sh.aqk[0][0], kC + 4, kC, b.ws.aqk + rec * kC * kC, kC, len, kC);
+    stage_rows(&sh.dout[0][0], kMmaColumns + 4, kMmaColumns,
+               b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0, HV * V, len,
+               blk.cols());
+    stage_rows(&sh.qg[0][0], KP + 4, KP, b.ws.qg + rec * kC * K, K, len, int(K));
+  }
   if (b.p.delta) stage_rows(&sh.w[0][0], KP + 4, KP, b.ws.w + rec * kC * K, K, len, int(K));
   stage_decay<KP>(b, rec, sh.decay);
 }
-// L2 prefetches of chunk ci's operands (none before the sequence).
+// L2 prefetches of chunk ci's operands (none before the segment).
 __device__ void prefetch_dstates_operands(const BackwardParams& b, const MmaScanBlock& blk,
                                           int64_t ci) {
-  const int len = ci >= 0 ? blk.len(ci) : 0;
+  const int len = ci >= blk.c0 ? blk.len(ci) : 0;
   if (len == 0) return;
   const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV, r = blk.record(b, ci);
   prefetch_rows(b.ws.kg + r * kC * K, K, len, K);
-  prefetch_rows(b.ws.qg + r * kC * K, K, len, K);
   if (b.p.delta) prefetch_rows(b.ws.w + r * kC * K, K, len, K);
+  if (blk.map) return;
+  prefetch_rows(b.ws.qg + r * kC * K, K, len, K);
   prefetch_rows(b.ws.aqk + r * kC * kC, kC, len, kC);
   prefetch_rows(b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0, HV * V, len,
-                blk.cols(b));
+                blk.cols());
 }
 
-// dv_new^T = dO^T A_qk + dS'^T kg^T, the first term by the first warp of the pair, the second
-// summed over the pair's keys. A_qk[r][i] is zero for i > r: k-step kt (tokens 8 kt ..)
-// reaches token tiles nt <= kt.
+// dv_new^T = dO^T A_qk + dS'^T kg^T, the first term (none for a map's columns) by the first
+// warp of the pair, the second summed over the pair's keys. A_qk[r][i] is zero for i > r:
+// k-step kt (tokens 8 kt ..) reaches token tiles nt <= kt.
 template <int KP>
 __device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S, DstatesShared<KP>& sh,
                          Acc (&dv)[kTokenTiles]) {
   const int c = threadIdx.x % 4, g = threadIdx.x % 32 / 4;
-  if (blk.half == 0) {
+  if (blk.half == 0 && !blk.map) {
 #pragma unroll
     for (int kt = 0; kt < kTokenTiles; ++kt) {
       uint32_t a[4];
@@ -401,56 +497,83 @@ __device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S, Dstates
   add_partner(dv, sh.xch);
 }
 
-// dv_new out; dS^T = dS'^T diag(decay) + dO^T qg - dv_new^T w.
-template <int KP>
+// dv_new out (kStore); dS^T = dS'^T diag(decay) + dO^T qg (none for a map's columns)
+// - dv_new^T w.
+template <int KP, bool kStore>
 __device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock& blk, int len,
                                     int64_t rec, MmaState<KP>& S, const DstatesShared<KP>& sh,
                                     const Acc (&dv)[kTokenTiles]) {
   const int64_t V = b.p.V;
   float* out = b.ws.dvn + rec * kC * V;
-  for_each_token(dv, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
+  if (kStore)
+    for_each_token(dv, b, len, blk, [&](float x, int i, int64_t col) { out[i * V + col] = x; });
   S.decay(sh.decay);
+  if (!blk.map)
 #pragma unroll
-  for (int kt = 0; kt < kTokenTiles; ++kt) {
-    uint32_t a[4];
-    dout_fragment(sh.dout, kt, blk.wc, a);
-    times_kn(S.acc, a, &sh.qg[0][S.key0], KP + 4, kt);
-  }
+    for (int kt = 0; kt < kTokenTiles; ++kt) {
+      uint32_t a[4];
+      dout_fragment(sh.dout, kt, blk.wc, a);
+      times_kn(S.acc, a, &sh.qg[0][S.key0], KP + 4, kt);
+    }
   if (b.p.delta) add_tokens_times_rows(S, dv, -1.f, &sh.w[0][0], KP + 4);
 }
 
-template <int KP>
+// kEnds: the maps of every segment but a sequence's first (nothing else written); otherwise
+// dS' and dv_new of every segment's chunks, from its true exit, and the initial state's
+// gradient from the first segment.
+template <int KP, bool kEnds>
 __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const BackwardParams b) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<DstatesShared<KP>*>(smem);
-  const MmaScanBlock blk(b);
+  const MmaScanBlock blk(
+      b, kEnds ? map_column_tiles(b.p.K, b.p.V) : mma_column_tiles(b.p.V));
+  if (kEnds ? blk.seg == 0 || blk.seg >= blk.used : blk.seg > 0 && blk.seg >= blk.used) return;
   const int64_t K = b.p.K, V = b.p.V;
   MmaState<KP> S(blk);  // dS^T
-  S.load(b, b.d_final, b.d_final_dtype, blk);
-  for (int64_t ci = blk.chunks.count - 1; ci >= 0; --ci) {
+  if (kEnds) {
+    S.start(b, blk);
+  } else {
+    S.load(b, b.d_final, b.d_final_dtype, blk);
+    for (int64_t s = blk.used - 1; s > blk.seg; --s)
+      carry_across_segment(b, blk, s, S, &sh.kg[0][0], sh.xch);
+  }
+  for (int64_t ci = blk.c1 - 1; ci >= blk.c0; --ci) {
     const int len = blk.len(ci);
     if (len == 0) continue;  // defensive, as in the tile scan
     const int64_t rec = blk.record(b, ci);
     stage_dstates_operands(b, blk, ci, len, sh);
     prefetch_dstates_operands(b, blk, ci - 1);
     // dS', the gradient of the state leaving the chunk, written while the stage lands.
-    S.store_record_while_staging(b, blk.jw, b.ws.dstates + rec * K * V);
+    S.store_record_while_staging(b, blk, kEnds ? nullptr : b.ws.dstates + rec * K * V);
     Acc dv[kTokenTiles];
     dv_phase(blk, S, sh, dv);
-    dstate_update_phase(b, blk, len, rec, S, sh, dv);
+    dstate_update_phase<KP, !kEnds>(b, blk, len, rec, S, sh, dv);
     __syncthreads();  // every warp is done with the stage before the next chunk's copies
   }
-  S.store(b, b.d_initial, b.d_initial_dtype, blk);
+  if (kEnds)
+    S.store_segment_end(b, blk);
+  else if (blk.seg == 0)
+    S.store(b, b.d_initial, b.d_initial_dtype, blk);
 }
 
-// One block per (sequence, value head, 64 columns) of kernel<KP>, with shared memory Shared.
+// One block per (sequence, value head, segment, tile of 64 columns) of kernel, with shared
+// memory Shared.
 template <class Shared>
-void launch_mma_scan(void (*kernel)(BackwardParams), const BackwardParams& b, void* stream) {
-  const int64_t blocks = b.p.N * b.p.HV * mma_column_tiles(b.p.V);
+void launch_mma_scan(void (*kernel)(BackwardParams), const BackwardParams& b, int64_t tiles,
+                     void* stream) {
+  const int64_t blocks = b.p.N * b.p.HV * b.segments * tiles;
   if (blocks == 0) return;
   set_shared_bytes(kernel, sizeof(Shared));
   kernel<<<static_cast<unsigned>(blocks), kMmaThreads, sizeof(Shared),
            static_cast<cudaStream_t>(stream)>>>(b);
+}
+
+// The segments' maps first where the sequences are split.
+template <class Shared>
+void launch_mma_scans(void (*ends)(BackwardParams), void (*scan)(BackwardParams),
+                      const BackwardParams& b, void* stream) {
+  if (b.segments > 1) launch_mma_scan<Shared>(ends, b, map_column_tiles(b.p.K, b.p.V), stream);
+  launch_mma_scan<Shared>(scan, b, mma_column_tiles(b.p.V), stream);
 }
 
 }  // namespace
@@ -461,13 +584,19 @@ int64_t backward_scans_mma_shared_bytes(int64_t K) {
 }
 
 void launch_backward_states_mma(const BackwardParams& b, void* stream) {
-  if (b.p.K <= 64) return launch_mma_scan<StatesShared<64>>(states_mma_kernel<64>, b, stream);
-  launch_mma_scan<StatesShared<128>>(states_mma_kernel<128>, b, stream);
+  if (b.p.K <= 64)
+    return launch_mma_scans<StatesShared<64>>(states_mma_kernel<64, true>,
+                                              states_mma_kernel<64, false>, b, stream);
+  launch_mma_scans<StatesShared<128>>(states_mma_kernel<128, true>, states_mma_kernel<128, false>,
+                                      b, stream);
 }
 
 void launch_backward_dstates_mma(const BackwardParams& b, void* stream) {
-  if (b.p.K <= 64) return launch_mma_scan<DstatesShared<64>>(dstates_mma_kernel<64>, b, stream);
-  launch_mma_scan<DstatesShared<128>>(dstates_mma_kernel<128>, b, stream);
+  if (b.p.K <= 64)
+    return launch_mma_scans<DstatesShared<64>>(dstates_mma_kernel<64, true>,
+                                               dstates_mma_kernel<64, false>, b, stream);
+  launch_mma_scans<DstatesShared<128>>(dstates_mma_kernel<128, true>,
+                                       dstates_mma_kernel<128, false>, b, stream);
 }
 
 }  // namespace flashdelta::detail::cuda

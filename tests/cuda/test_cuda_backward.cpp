@@ -6,7 +6,8 @@
 // schedules refused; both forms of the sequential scans (in registers, the default for
 // K <= 128, and the tile scans at every width: FLASHDELTA_BACKWARD_SCANS, _SCAN_COLUMNS), their
 // selection on the host too; the key gradients' products over V (the `keys` stage) on every
-// case. Skipped on machines without a GPU.
+// case; sequences split into segments (FLASHDELTA_BACKWARD_SCAN_SEGMENTS). Skipped on
+// machines without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -364,6 +365,7 @@ TEST(CudaBackward, BitwiseDeterministic) {
 
 constexpr const char* kScanColumns = "FLASHDELTA_BACKWARD_SCAN_COLUMNS";
 constexpr const char* kScans = "FLASHDELTA_BACKWARD_SCANS";
+constexpr const char* kScanSegments = "FLASHDELTA_BACKWARD_SCAN_SEGMENTS";
 
 // With environment variable `name` set to `bad`, call() throws Error(invalid_argument) whose
 // message names the variable and the value.
@@ -451,6 +453,76 @@ TEST(CudaBackwardScansMma, FollowsTheEnvironmentVariable) {
   }
   for (const char* bad : {"MMA", "pipelined"})  // `pipelined`: a form since removed
     expect_rejected(kScans, bad, [] { detail::cuda_backward_scans_mma(128); });
+}
+
+// Host only: how many segments the scans in registers split each sequence into.
+TEST(CudaBackwardScanSegments, FollowsTheEnvironmentVariable) {
+  for (const char* automatic_setting : {static_cast<const char*>(nullptr), "", "auto"}) {
+    const ScopedEnv automatic(kScanSegments, automatic_setting);
+    // The fewest chunk steps one after another: maps' waves x a segment's chunks + carries +
+    // the scan's waves x a segment's chunks, 128 blocks a wave.
+    EXPECT_EQ(detail::cuda_backward_scan_segments(8, 128, 128, 512), 8);   // issue 6's B=1 passes
+    EXPECT_EQ(detail::cuda_backward_scan_segments(64, 128, 128, 64), 1);   // its B=8 passes
+    EXPECT_EQ(detail::cuda_backward_scan_segments(16, 128, 128, 512), 3);  // 171 + 2 + 171 steps
+    EXPECT_EQ(detail::cuda_backward_scan_segments(4, 128, 128, 512), 16);  // 2 x 32 + 15 + 32
+    EXPECT_EQ(detail::cuda_backward_scan_segments(2, 64, 64, 512), 32);    // 16 chunks each
+    EXPECT_EQ(detail::cuda_backward_scan_segments(2, 128, 128, 49), 3);    // 17 + 2 + 17 < 49
+    EXPECT_EQ(detail::cuda_backward_scan_segments(2, 128, 128, 33), 1);    // 17 + 1 + 17 > 33
+    EXPECT_EQ(detail::cuda_backward_scan_segments(1, 128, 128, 31), 1);    // too short
+    EXPECT_EQ(detail::cuda_backward_scan_segments(8, 192, 128, 512), 1);   // the tile scans
+  }
+  {
+    const ScopedEnv forced(kScanSegments, "3");
+    EXPECT_EQ(detail::cuda_backward_scan_segments(1000, 128, 128, 512), 3);
+    EXPECT_EQ(detail::cuda_backward_scan_segments(1, 128, 128, 2), 2);   // at most the chunks
+    EXPECT_EQ(detail::cuda_backward_scan_segments(1, 129, 128, 512), 1);
+  }
+  for (const char* bad : {"0", "5", "auto ", "x"})
+    expect_rejected(kScanSegments, bad,
+                    [] { detail::cuda_backward_scan_segments(1, 128, 128, 64); });
+}
+
+// Sequences split into segments (the segments' maps, then every segment from its carried
+// entry): the reference's gradients with the initial state and the final state's gradient
+// carried across 1 to 5 segment boundaries, varlen with empty, one-token and one-chunk
+// sequences (fewer segments than the batch's), weak gates (what crosses a boundary matters),
+// the linear write, kept states (the state
+// gradient's scan split alone), K = V = 128 and K < 64; bitwise the same from run to run; and
+// the automatic split of a long sequence over few heads.
+TEST(CudaBackward, SplitScansMatchTheReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv mma(kScans, nullptr);
+  {
+    const CaseConfig c{.T = 700, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+                       .qk_l2norm = true, .gate_min = -0.05, .seed = 8200};
+    const BackwardCase b = make_backward_case(c);
+    for (const char* segments : {"3", "8"}) {
+      const ScopedEnv split(kScanSegments, segments);
+      expect_gradients_match(b, describe(c) + ", segments " + segments);
+    }
+    const ScopedEnv split(kScanSegments, "8");
+    const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
+    for (size_t i = 0; i < kNumSlots; ++i)
+      EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << "d" << kGradInputs[i].name << " differs";
+  }
+  const ScopedEnv split(kScanSegments, "3");
+  const CaseConfig varlen{.mechanism = Mechanism::gated_deltanet, .T = 766, .H = 2, .HV = 4,
+                          .K = 64, .V = 48, .dtype = DType::f16,
+                          .seqlens = {0, 1, 400, 65, 300, 0}, .layout = StateLayout::v_first,
+                          .gate_min = -0.05, .seed = 8201};
+  expect_gradients_match(make_backward_case(varlen), "split varlen");
+  const CaseConfig linear{.mechanism = Mechanism::gla, .B = 2, .T = 520, .K = 40, .V = 100,
+                          .dtype = DType::f32, .gate_min = -0.05, .seed = 8202};
+  expect_gradients_match(make_backward_case(linear, false), "split linear write, no d_final");
+  const CaseConfig kept{.T = 700, .H = 1, .HV = 2, .K = 64, .V = 64, .dtype = DType::bf16,
+                        .gate_min = -0.05, .seed = 8203};
+  expect_gradients_match(with_kept_states(kept), "split, kept states");
+  {
+    const ScopedEnv automatic(kScanSegments, nullptr);  // 49 chunks over 2 heads: 3 segments
+    const CaseConfig c{.T = 3100, .H = 1, .HV = 2, .K = 128, .V = 128, .dtype = DType::bf16,
+                       .qk_l2norm = true, .beta_sigmoid = true, .seed = 8204};
+    expect_gradients_match(make_backward_case(c), "automatic split");
+  }
 }
 
 // The tile scans (cuda/backward_scan.cu) on the grid's cases with K <= 128, where the default
