@@ -252,26 +252,11 @@ bool cuda_backward_scans_mma(int64_t K) {
 }
 
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
-  const std::string setting =
-      env_setting("FLASHDELTA_BACKWARD_SCAN_SEGMENTS", {"auto", "1", "2", "3", "4", "8"});
-  if (K > 128 || chunks < 2) return 1;
-  if (!setting.empty() && setting != "auto") return std::min<int64_t>(std::stoi(setting), chunks);
-  // The fewest chunk steps on the critical path, one block per SM (the scans' shared memory)
-  // on a GPU of 128 SMs taken as a wave: the maps' kernel (scans x map_tiles blocks per
-  // segment but one) in its waves of a segment's chunks, then one carry per earlier segment,
-  // then the scan (scans x value_tiles blocks per segment) in its waves. Segments of 16 chunks
-  // at the least. (64 columns per block.)
-  constexpr int64_t kWave = 128, kMinSegmentChunks = 16;
+  // 64 columns per block, of V, and of V and the identity's K in the maps' kernel.
   const int64_t value_tiles = (V + 63) / 64, map_tiles = value_tiles + (K + 63) / 64;
-  auto waves = [](int64_t blocks) { return (blocks + kWave - 1) / kWave; };
-  int64_t best = 1, best_steps = waves(scans * value_tiles) * chunks;
-  for (int64_t s = 2; s <= chunks / kMinSegmentChunks; ++s) {
-    const int64_t per = (chunks + s - 1) / s;
-    const int64_t steps = waves(scans * map_tiles * (s - 1)) * per + (s - 1) +
-                          waves(scans * value_tiles * s) * per;
-    if (steps < best_steps) best = s, best_steps = steps;
-  }
-  return best;
+  const int64_t segments = scan_segments("FLASHDELTA_BACKWARD_SCAN_SEGMENTS", scans,
+                                         value_tiles, map_tiles, chunks);
+  return K > 128 ? 1 : segments;  // the tile scans run whole sequences
 }
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {

@@ -20,7 +20,7 @@ constexpr int chunk_key_width(int64_t K) { return K <= 64 ? 64 : K <= 128 ? 128 
 constexpr int64_t chunk_value_width(int64_t V) { return (V + 63) / 64 * 64; }
 // Value columns one state-kernel block owns: 16 per warp, whose K x 16 state tile stays in
 // registers.
-constexpr int chunk_state_columns(int) { return 64; }
+constexpr int chunk_state_columns(int) { return 64; }  // cuda_chunk_state_segments assumes it
 
 // One record per (chunk, value head), index chunk * HV + hv, all zero past the chunk's last
 // token and past K / V (decay is 1 past K), with Gamma the cumulative log2 decay from the
@@ -33,6 +33,9 @@ struct ChunkWorkspace {
   uint16_t* aqk = nullptr;  // [C, C]  bf16: scale q_i . k_j 2^(Gamma_i - Gamma_j), j <= i
   float* decay = nullptr;   // [KP] 2^Gamma_end
   int64_t* chunk_start = nullptr;  // [N + 1] first chunk of each sequence (cu_seqlens only)
+  // Per (sequence, value head, segment) of split sequences, K x (V + K) float32, K-first: the
+  // segment's end from a zero state (V columns) and from each unit state (K columns).
+  float* segment_maps = nullptr;
 };
 
 struct ChunkParams {
@@ -41,6 +44,9 @@ struct ChunkParams {
   int64_t VP = 64;
   int64_t chunks_per_row = 0;  // ceil(T / C), batch rows without cu_seqlens
   int64_t max_chunks = 0;      // chunks of all sequences, or an upper bound with cu_seqlens
+  // The state kernel splits each sequence into `segments` runs of segment_chunks chunks
+  // (1: not split; K <= 128 only).
+  int64_t segments = 1, segment_chunks = 0;
   ChunkWorkspace ws;
   // ForwardArgs::chunk_states (data == nullptr: not wanted): entry first + i of a sequence
   // whose chunks are [first, first + count) holds the state entering its chunk i. Entries

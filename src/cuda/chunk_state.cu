@@ -16,6 +16,13 @@
 // accumulates in float32; every tensor-core operand is bfloat16. When the per-chunk states
 // are wanted (ForwardArgs::chunk_states), each warp writes its columns of the state entering
 // every chunk straight from the accumulators.
+//
+// Split sequences (ChunkParams::segments > 1, K <= 128, when the blocks above are too few to
+// fill the GPU; DESIGN.md section 3): a first launch (kEnds) runs every segment but a
+// sequence's last from a zero state and from the identity without u, writing its affine map
+// x_out = P x_in + e for every state column (ws.segment_maps); the second runs every segment,
+// first carrying the state across the segments before it (S^T <- S^T P^T + e^T, a float32
+// product on tf32 tensor cores, where the chunks' bfloat16 would round the whole state).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -61,10 +68,11 @@ struct StateShared {
   alignas(16) float o[G::kWarps][kChunk][kWarpColumns + 4];  // each warp's output, staged
 };
 
-// Copies one record's rows (this block's columns of u) into a stage.
+// Copies one record's rows (this block's columns of u, unless with_u is false: a map's
+// identity columns have none) into a stage.
 template <int KP>
 __device__ void fetch_record(const ChunkParams& c, const Record& r, int64_t j0, bool delta,
-                             Stage<KP>& st) {
+                             bool with_u, Stage<KP>& st) {
   using G = StateGeometry<KP>;
   const int tid = threadIdx.x;
   constexpr int kRow = KP / 8;  // 16-byte pieces per row
@@ -74,7 +82,7 @@ __device__ void fetch_record(const ChunkParams& c, const Record& r, int64_t j0, 
     copy_async<16>(&st.kg[t][x], r.kg + t * KP + x, 16);
     if (delta) copy_async<16>(&st.w[t][x], r.w + t * KP + x, 16);
   }
-  for (int e = tid; e < kChunk * (G::BV / 8); e += G::kThreads) {
+  for (int e = tid; with_u && e < kChunk * (G::BV / 8); e += G::kThreads) {
     const int t = e / (G::BV / 8), x = 8 * (e % (G::BV / 8));
     copy_async<16>(&st.u[t][x], r.u + t * c.VP + j0 + x, 16);
   }
@@ -159,6 +167,31 @@ struct StateColumns {
     if (out) for_each_value(p, p.state_out, n, hv, j0, [&](float& x, int64_t off) { out[off] = x; });
   }
 
+  // Columns j0 .. of the K x K identity (a segment map's P part starts from them).
+  __device__ void identity(const RecurrentParams& p, int64_t j0) {
+#pragma unroll
+    for (int nt = 0; nt < KP / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = 8 * nt + acc_col(e), j = j0 + acc_row(e);
+        acc[nt].d[e] = i == j && i < p.K ? 1.f : 0.f;
+      }
+  }
+
+  // f(value, element offset in a K x (V + K) segment map) for this thread's values inside K
+  // and width, the block's columns starting at column `first` of the map.
+  template <class F>
+  __device__ void for_each_map_value(const RecurrentParams& p, int64_t j0, int64_t width,
+                                     int64_t first, F&& f) {
+#pragma unroll
+    for (int nt = 0; nt < KP / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = 8 * nt + acc_col(e), j = j0 + acc_row(e);
+        if (i < p.K && j < width) f(acc[nt].d[e], i * (p.V + p.K) + first + j);
+      }
+  }
+
   // Entry `entry` of the chunk states. It runs once per chunk, inside the sequential loop:
   // the dtype is resolved once, and a slice inside K x V (K = KP) stores at fixed offsets
   // from one address, key pairs as one vector store where keys are dense (V-first).
@@ -209,40 +242,117 @@ struct StateColumns {
   }
 };
 
+// S^T = S^T P^T + e^T: the state carried across the segment whose map is m (K rows of
+// V + K floats: e, then P). P's rows (the result's keys) go through `scratch` (kChunk rows of
+// KP + 8 floats, the stages' memory) kChunk at a time; tf32 products with float32 sums. The
+// first half of the result waits in the warp's output rows `ob` while the second is formed
+// (the whole result in registers beside S spilled). Starts and ends with a block barrier.
+template <int KP>
+__device__ void carry_across_segment(const RecurrentParams& p, const float* m, int64_t jw,
+                                     StateColumns<KP>& S, float (*scratch)[KP + 8],
+                                     float (*ob)[kWarpColumns + 4]) {
+  static_assert(KP <= 2 * kChunk, "two rounds of kChunk keys at the most");
+  constexpr int kRounds = KP / kChunk, kTiles = kChunk / 8;
+  const int64_t K = p.K, ld = p.V + p.K;
+  const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+  Acc t[kTiles];
+#pragma unroll
+  for (int r = 0; r < kRounds; ++r) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < kChunk * KP; e += blockDim.x) {
+      const int row = e / KP, col = e % KP, key = r * kChunk + row;
+      scratch[row][col] = key < K && col < K ? m[key * ld + p.V + col] : 0.f;
+    }
+    __syncthreads();
+    // k-slot c is key 2c of the k-step and slot c + 4 key 2c + 1 (the accumulator's layout),
+    // in both operands.
+#pragma unroll
+    for (int nt = 0; nt < kTiles; ++nt) t[nt] = Acc{};
+#pragma unroll
+    for (int kt = 0; kt < KP / 8; ++kt) {
+      const Acc& x = S.acc[kt];
+      const uint32_t a[4] = {to_tf32(x.d[0]), to_tf32(x.d[2]), to_tf32(x.d[1]), to_tf32(x.d[3])};
+#pragma unroll
+      for (int nt = 0; nt < kTiles; ++nt) {
+        const float2 b = *reinterpret_cast<const float2*>(&scratch[8 * nt + g][8 * kt + 2 * c]);
+        mma_tf32(t[nt], a, to_tf32(b.x), to_tf32(b.y));
+      }
+    }
+    if (r + 1 < kRounds)
+#pragma unroll
+      for (int nt = 0; nt < kTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ob[8 * nt + acc_col(e)][acc_row(e)] = t[nt].d[e];
+  }
+  __syncwarp();
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) {
+    S.acc[(kRounds - 1) * kTiles + nt] = t[nt];
+    if (kRounds == 2)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S.acc[nt].d[e] = ob[8 * nt + acc_col(e)][acc_row(e)];
+  }
+  S.for_each_map_value(p, jw, p.V, 0, [&](float& x, int64_t off) { x += m[off]; });
+  __syncthreads();
+}
+
 // kRecord: write the chunk states. A template flag rather than a run-time test, so the
 // common path compiles to the same code as without the feature (ptxas allocates the loop's
-// registers differently once it holds the stores).
-template <int KP, bool kRecord>
+// registers differently once it holds the stores). kEnds: the segment maps' launch (nothing
+// but the maps written). Blocks are numbered ((n * HV + hv) * segments + seg) * tiles + tile,
+// the maps' launch with the identity's K columns as tiles after V's.
+template <int KP, bool kRecord, bool kEnds>
 __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kernel(const ChunkParams c) {
   using G = StateGeometry<KP>;
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<StateShared<KP>*>(smem);
   const RecurrentParams& p = c.p;
-  const int64_t tiles = (p.V + G::BV - 1) / G::BV;
-  const int64_t blk = blockIdx.x, n = blk / (tiles * p.HV), hv = blk / tiles % p.HV;
+  const int64_t value_tiles = (p.V + G::BV - 1) / G::BV;
+  const int64_t tiles = kEnds ? value_tiles + (p.K + G::BV - 1) / G::BV : value_tiles;
+  const int64_t blk = blockIdx.x, tile = blk % tiles, seg = blk / tiles % c.segments,
+                n = blk / (tiles * c.segments * p.HV), hv = blk / (tiles * c.segments) % p.HV;
+  const bool map = kEnds && tile >= value_tiles;  // the identity's columns
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t j0 = blk % tiles * G::BV, jw = j0 + kWarpColumns * warp;  // block's, warp's columns
+  // The block's and the warp's columns.
+  const int64_t j0 = (map ? tile - value_tiles : tile) * G::BV, jw = j0 + kWarpColumns * warp;
   const Sequence seq = sequence_of(p, n);
   const ChunkRange chunks = chunk_range(c, n);
   const int64_t o_base = token_offset(p.o, seq, hv);
+  // The segment's chunks [c0, c1); `used` segments of the sequence hold chunks.
+  const int64_t per = c.segments > 1 ? c.segment_chunks : chunks.count;
+  const int64_t used = per > 0 ? (chunks.count + per - 1) / per : 0, c0 = seg * per,
+                c1 = chunks.count < c0 + per ? chunks.count : c0 + per;
+  if (kEnds ? seg + 1 >= used : seg > 0 && seg >= used) return;
+  auto segment_map = [&](int64_t s) {
+    return c.ws.segment_maps + ((n * p.HV + hv) * c.segments + s) * p.K * (p.V + p.K);
+  };
 
   StateColumns<KP> S;
-  S.load(p, n, hv, jw);
+  if (!kEnds) {
+    S.load(p, n, hv, jw);
+    if constexpr (KP <= 128)  // the host splits sequences only there
+      for (int64_t s = 0; s < seg; ++s)
+        carry_across_segment(p, segment_map(s), jw, S,
+                             reinterpret_cast<float(*)[KP + 8]>(&sh.stage[0]), sh.o[warp]);
+  } else if (map) {
+    S.identity(p, jw);
+  }
   auto record = [&](int64_t i) { return record_of(c, (chunks.first + i) * p.HV + hv); };
-  if (G::kStages == 2 && chunks.count > 0) fetch_record(c, record(0), j0, p.delta, sh.stage[0]);
+  if (G::kStages == 2 && c0 < c1)
+    fetch_record(c, record(c0), j0, p.delta, !map, sh.stage[c0 % 2]);
 
-  for (int64_t i = 0; i < chunks.count; ++i) {
+  for (int64_t i = c0; i < c1; ++i) {
     // The registers hold the state entering chunk i: recorded straight from them.
-    if (kRecord && chunks.first + i < c.chunk_states_count)
+    if (kRecord && !kEnds && chunks.first + i < c.chunk_states_count)
       S.store_entry(c, chunks.first + i, hv, jw);
     Stage<KP>& st = sh.stage[G::kStages == 2 ? i % 2 : 0];
-    if (G::kStages == 1) fetch_record(c, record(i), j0, p.delta, st);
+    if (G::kStages == 1) fetch_record(c, record(i), j0, p.delta, !map, st);
     wait_async<0>();
     // Chunk i's stage has landed for every thread, and every warp is done with chunk i - 1,
     // whose stage the prefetch of chunk i + 1 then overwrites while chunk i computes.
     __syncthreads();
-    if (G::kStages == 2 && i + 1 < chunks.count)
-      fetch_record(c, record(i + 1), j0, p.delta, sh.stage[(i + 1) % 2]);
+    if (G::kStages == 2 && i + 1 < c1)
+      fetch_record(c, record(i + 1), j0, p.delta, !map, sh.stage[(i + 1) % 2]);
 
     // v_new^T = u^T - S^T w^T (this warp's columns, all 64 tokens).
     Acc vn[G::kTokenTiles];
@@ -253,15 +363,15 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + acc_col(e), col = wc + acc_row(e);
-        vn[nt].d[e] = __bfloat162float(st.u[t][col]) - vn[nt].d[e];
+        vn[nt].d[e] = (map ? 0.f : __bfloat162float(st.u[t][col])) - vn[nt].d[e];
       }
 
     // o^T = S^T qg^T + v_new^T A_qk^T; A_qk is zero right of the diagonal, so token block
     // kk of v_new only reaches output tokens from 16 kk on.
     Acc o[G::kTokenTiles];
-    times_token_rows<KP>(o, S.acc, &st.qg[0][0]);
+    if (!kEnds) times_token_rows<KP>(o, S.acc, &st.qg[0][0]);
 #pragma unroll
-    for (int kk = 0; kk < kChunk / 16; ++kk) {
+    for (int kk = 0; kk < (kEnds ? 0 : kChunk / 16); ++kk) {
       uint32_t a[4];
       a_from_acc(a, vn, kk);
 #pragma unroll
@@ -292,6 +402,10 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
       }
     }
 
+    if (kEnds) {
+      if (G::kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
+      continue;
+    }
     // The output, through this warp's staging rows, in runs of 8 columns (one vector store
     // each for contiguous 16-bit outputs).
     auto& ob = sh.o[warp];
@@ -314,18 +428,35 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
     __syncwarp();  // the next chunk rewrites the staging rows
     if (G::kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
   }
-  S.store(p, n, hv, jw);
+  if (kEnds)  // the segment's end, into its map (columns V .. for the identity's)
+    S.for_each_map_value(p, jw, map ? p.K : p.V, map ? p.V : 0,
+                         [&](float& x, int64_t off) { segment_map(seg)[off] = x; });
+  else if (seg == (used > 0 ? used - 1 : 0))
+    S.store(p, n, hv, jw);
+}
+
+// One block per (sequence, value head, segment, tile of BV columns).
+template <int KP>
+void launch_state_kernel(void (*kernel)(ChunkParams), const ChunkParams& c, int64_t tiles,
+                         cudaStream_t stream) {
+  using G = StateGeometry<KP>;
+  constexpr int smem = sizeof(StateShared<KP>);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const int64_t blocks = c.p.N * c.p.HV * c.segments * tiles;
+  if (blocks > 0) kernel<<<static_cast<unsigned>(blocks), G::kThreads, smem, stream>>>(c);
 }
 
 template <int KP>
 void launch_state(const ChunkParams& c, cudaStream_t stream) {
-  using G = StateGeometry<KP>;
-  const auto kernel =
-      c.chunk_states.data ? chunk_state_kernel<KP, true> : chunk_state_kernel<KP, false>;
-  constexpr int smem = sizeof(StateShared<KP>);
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const int64_t blocks = c.p.N * c.p.HV * ((c.p.V + G::BV - 1) / G::BV);
-  if (blocks > 0) kernel<<<static_cast<unsigned>(blocks), G::kThreads, smem, stream>>>(c);
+  constexpr int64_t BV = StateGeometry<KP>::BV;
+  const int64_t value_tiles = (c.p.V + BV - 1) / BV;
+  if constexpr (KP <= 128)  // the host splits sequences only there
+    if (c.segments > 1)
+      launch_state_kernel<KP>(chunk_state_kernel<KP, false, true>, c,
+                              value_tiles + (c.p.K + BV - 1) / BV, stream);
+  const auto kernel = c.chunk_states.data ? chunk_state_kernel<KP, true, false>
+                                          : chunk_state_kernel<KP, false, false>;
+  launch_state_kernel<KP>(kernel, c, value_tiles, stream);
 }
 
 template <int KP>

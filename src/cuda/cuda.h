@@ -27,6 +27,10 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
                         size_t workspace_bytes);
 // Bytes of workspace the chunkwise forward of p needs (host arithmetic only).
 int64_t cuda_chunk_workspace_bytes(const Problem& p);
+// Segments the forward's state kernel splits each sequence of `chunks` chunks into (K <= 128;
+// 1 otherwise), for `scans` (sequence, value head) pairs of V columns: scan_segments
+// (cuda/host_params.h) under FLASHDELTA_CHUNK_STATE_SEGMENTS.
+int64_t cuda_chunk_state_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks);
 // The chunkwise backward (sm_80 or later); allocates its float32 workspace in stream order
 // (cuda_chunk_backward_workspace_bytes of it).
 void cuda_chunk_backward(const Problem& p, const BackwardArgs& args);

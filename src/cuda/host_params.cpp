@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdlib>
@@ -134,6 +135,25 @@ int sm_count() {
   if (device >= 0 && device < static_cast<int>(cached.size()))
     cached[device].store(sms, std::memory_order_relaxed);
   return sms;
+}
+
+int64_t scan_segments(const char* setting, int64_t scans, int64_t value_tiles,
+                      int64_t map_tiles, int64_t chunks) {
+  const std::string value = env_setting(setting, {"auto", "1", "2", "3", "4", "8"});
+  if (chunks < 2) return 1;
+  if (!value.empty() && value != "auto") return std::min<int64_t>(std::stoi(value), chunks);
+  // The maps' launch in its waves of a segment's chunks, one carry per earlier segment, then
+  // the scan in its waves.
+  constexpr int64_t kWave = 128, kMinSegmentChunks = 16;
+  auto waves = [](int64_t blocks) { return (blocks + kWave - 1) / kWave; };
+  int64_t best = 1, best_steps = waves(scans * value_tiles) * chunks;
+  for (int64_t s = 2; s <= chunks / kMinSegmentChunks; ++s) {
+    const int64_t per = (chunks + s - 1) / s;
+    const int64_t steps = waves(scans * map_tiles * (s - 1)) * per + (s - 1) +
+                          waves(scans * value_tiles * s) * per;
+    if (steps < best_steps) best = s, best_steps = steps;
+  }
+  return best;
 }
 
 }  // namespace flashdelta::detail

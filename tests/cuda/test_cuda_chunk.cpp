@@ -2,7 +2,8 @@
 // lengths that are not multiples of the 64-token chunk, every key width the kernels are
 // compiled for (64 / 128 / 256, with odd K and V padded), GVA, both state layouts, every
 // input dtype, varlen with empty and one-token sequences, the fused transforms, strong
-// gates, the per-chunk states. Skipped on machines without a GPU; run on the device by
+// gates, the per-chunk states, sequences split into segments (FLASHDELTA_CHUNK_STATE_SEGMENTS,
+// and automatically for long ones over few heads). Skipped on machines without a GPU; run on the device by
 // scripts/device-run.sh.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -11,8 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "cuda/cuda.h"
 #include "cuda/device_mirror.h"
 #include "cuda/forward_check.h"
+#include "scoped_env.h"
 #include "test_util.h"
 
 namespace flashdelta::testing {
@@ -476,6 +479,72 @@ TEST(CudaChunk, LongSequenceAccuracy) {
     expect_forward_matches_reference(make_case(c), std::string("T = 4000 ") + mechanism_name(m),
                                      kChunk);
   }
+}
+
+constexpr const char* kSegments = "FLASHDELTA_CHUNK_STATE_SEGMENTS";
+
+// Host only: how many segments the state kernel splits each sequence into.
+TEST(CudaChunkStateSegments, FollowsTheEnvironmentVariable) {
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
+    const ScopedEnv setting(kSegments, automatic);
+    // The fewest chunk steps one after another (detail::scan_segments).
+    EXPECT_EQ(detail::cuda_chunk_state_segments(16, 128, 128, 512), 3);  // B=1 H=16 T=32768
+    EXPECT_EQ(detail::cuda_chunk_state_segments(32, 128, 128, 512), 1);  // H=32: 513 > 512
+    EXPECT_EQ(detail::cuda_chunk_state_segments(2, 128, 128, 63), 3);    // LongSequenceAccuracy
+    EXPECT_EQ(detail::cuda_chunk_state_segments(128, 128, 128, 64), 1);  // B=8 H=16
+    EXPECT_EQ(detail::cuda_chunk_state_segments(1, 256, 256, 512), 1);   // K > 128: not split
+  }
+  {
+    const ScopedEnv forced(kSegments, "4");
+    EXPECT_EQ(detail::cuda_chunk_state_segments(1000, 64, 64, 100), 4);
+    EXPECT_EQ(detail::cuda_chunk_state_segments(1, 64, 64, 3), 3);  // at most the chunks
+    EXPECT_EQ(detail::cuda_chunk_state_segments(1, 200, 64, 100), 1);
+  }
+  for (const char* bad : {"0", "6", "auto ", "x"}) {
+    const ScopedEnv wrong(kSegments, bad);
+    try {
+      detail::cuda_chunk_state_segments(1, 64, 64, 100);
+      ADD_FAILURE() << kSegments << ": accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(kSegments), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Sequences split into 3 and 8 segments (the segments' maps, then each segment from its
+// carried entry): outputs, final states and recorded chunk states as the reference's, with
+// weak gates (what crosses a boundary matters), the initial state carried across up to 7
+// boundaries, varlen with empty, one-token and one-chunk sequences, V-first states, the
+// linear write, no gate at all (DeltaNet), K = 40 and K = V = 128; and bitwise the same from
+// run to run.
+TEST(CudaChunk, SplitSequencesMatchTheReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig cases[] = {
+      {.T = 700, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16, .qk_l2norm = true,
+       .gate_min = -0.05, .seed = 5700},
+      {.mechanism = Mechanism::gated_deltanet, .T = 766, .H = 2, .HV = 4, .K = 64, .V = 48,
+       .dtype = DType::f16, .seqlens = {0, 1, 400, 65, 300, 0}, .layout = StateLayout::v_first,
+       .gate_min = -0.05, .seed = 5701},
+      {.mechanism = Mechanism::gla, .B = 2, .T = 520, .K = 40, .V = 100, .gate_min = -0.05,
+       .seed = 5702},
+      {.mechanism = Mechanism::deltanet, .T = 1000, .H = 1, .HV = 2, .K = 128, .V = 128,
+       .dtype = DType::bf16, .qk_l2norm = true, .beta_sigmoid = true, .seed = 5703}};
+  for (const char* segments : {"3", "8"}) {
+    const ScopedEnv split(kSegments, segments);
+    for (const CaseConfig& c : cases) {
+      const std::string what = describe(c) + ", segments " + segments;
+      expect_forward_matches_reference(make_case(c), what, kChunk);
+      expect_chunk_states_match(make_case(c), DType::f32, what);
+    }
+  }
+  const ScopedEnv split(kSegments, "8");
+  const Case c = make_case(cases[0]);
+  const ChunkStatesRun first = run_with_chunk_states(c, DType::f32, kChunk),
+                       second = run_with_chunk_states(c, DType::f32, kChunk);
+  EXPECT_EQ(first.o, second.o);
+  EXPECT_EQ(first.state, second.state);
+  EXPECT_EQ(first.chunks, second.chunks);
 }
 
 }  // namespace
