@@ -296,21 +296,27 @@ __device__ void carry_across_segment(const RecurrentParams& p, const float* m, i
   __syncthreads();
 }
 
-// kRecord: write the chunk states. A template flag rather than a run-time test, so the
-// common path compiles to the same code as without the feature (ptxas allocates the loop's
-// registers differently once it holds the stores). kEnds: the segment maps' launch (nothing
-// but the maps written). Blocks are numbered ((n * HV + hv) * segments + seg) * tiles + tile,
-// the maps' launch with the identity's K columns as tiles after V's.
-template <int KP, bool kRecord, bool kEnds>
+// The launches of the state kernel: whole sequences, or split ones (the maps, then the
+// segments).
+enum class StatePass { whole, ends, segments };
+
+// kRecord: write the chunk states. Template flags rather than run-time tests, so the common
+// path compiles to the same code as without the features (ptxas allocates the loop's
+// registers differently once it holds the stores or the segments' bounds). Blocks are
+// numbered ((n * HV + hv) * segments + seg) * tiles + tile, the maps' launch with the
+// identity's K columns as tiles after V's.
+template <int KP, bool kRecord, StatePass kPass>
 __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kernel(const ChunkParams c) {
   using G = StateGeometry<KP>;
+  constexpr bool kEnds = kPass == StatePass::ends;
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<StateShared<KP>*>(smem);
   const RecurrentParams& p = c.p;
+  const int64_t segments = kPass == StatePass::whole ? 1 : c.segments;
   const int64_t value_tiles = (p.V + G::BV - 1) / G::BV;
   const int64_t tiles = kEnds ? value_tiles + (p.K + G::BV - 1) / G::BV : value_tiles;
-  const int64_t blk = blockIdx.x, tile = blk % tiles, seg = blk / tiles % c.segments,
-                n = blk / (tiles * c.segments * p.HV), hv = blk / (tiles * c.segments) % p.HV;
+  const int64_t blk = blockIdx.x, tile = blk % tiles, seg = blk / tiles % segments,
+                n = blk / (tiles * segments * p.HV), hv = blk / (tiles * segments) % p.HV;
   const bool map = kEnds && tile >= value_tiles;  // the identity's columns
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // The block's and the warp's columns.
@@ -319,18 +325,22 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
   const ChunkRange chunks = chunk_range(c, n);
   const int64_t o_base = token_offset(p.o, seq, hv);
   // The segment's chunks [c0, c1); `used` segments of the sequence hold chunks.
-  const int64_t per = c.segments > 1 ? c.segment_chunks : chunks.count;
-  const int64_t used = per > 0 ? (chunks.count + per - 1) / per : 0, c0 = seg * per,
-                c1 = chunks.count < c0 + per ? chunks.count : c0 + per;
-  if (kEnds ? seg + 1 >= used : seg > 0 && seg >= used) return;
+  int64_t c0 = 0, c1 = chunks.count, used = 1;
+  if constexpr (kPass != StatePass::whole) {
+    const int64_t per = c.segment_chunks;
+    used = (chunks.count + per - 1) / per;
+    c0 = seg * per;
+    c1 = chunks.count < c0 + per ? chunks.count : c0 + per;
+    if (kEnds ? seg + 1 >= used : seg > 0 && seg >= used) return;
+  }
   auto segment_map = [&](int64_t s) {
-    return c.ws.segment_maps + ((n * p.HV + hv) * c.segments + s) * p.K * (p.V + p.K);
+    return c.ws.segment_maps + ((n * p.HV + hv) * segments + s) * p.K * (p.V + p.K);
   };
 
   StateColumns<KP> S;
   if (!kEnds) {
     S.load(p, n, hv, jw);
-    if constexpr (KP <= 128)  // the host splits sequences only there
+    if constexpr (kPass == StatePass::segments)
       for (int64_t s = 0; s < seg; ++s)
         carry_across_segment(p, segment_map(s), jw, S,
                              reinterpret_cast<float(*)[KP + 8]>(&sh.stage[0]), sh.o[warp]);
@@ -431,7 +441,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
   if (kEnds)  // the segment's end, into its map (columns V .. for the identity's)
     S.for_each_map_value(p, jw, map ? p.K : p.V, map ? p.V : 0,
                          [&](float& x, int64_t off) { segment_map(seg)[off] = x; });
-  else if (seg == (used > 0 ? used - 1 : 0))
+  else if (kPass == StatePass::whole || seg == (used > 0 ? used - 1 : 0))
     S.store(p, n, hv, jw);
 }
 
@@ -450,13 +460,21 @@ template <int KP>
 void launch_state(const ChunkParams& c, cudaStream_t stream) {
   constexpr int64_t BV = StateGeometry<KP>::BV;
   const int64_t value_tiles = (c.p.V + BV - 1) / BV;
-  if constexpr (KP <= 128)  // the host splits sequences only there
-    if (c.segments > 1)
-      launch_state_kernel<KP>(chunk_state_kernel<KP, false, true>, c,
+  const bool record = c.chunk_states.data != nullptr;
+  if constexpr (KP <= 128) {  // the host splits sequences only there
+    if (c.segments > 1) {
+      constexpr StatePass kEnds = StatePass::ends, kSegments = StatePass::segments;
+      launch_state_kernel<KP>(chunk_state_kernel<KP, false, kEnds>, c,
                               value_tiles + (c.p.K + BV - 1) / BV, stream);
-  const auto kernel = c.chunk_states.data ? chunk_state_kernel<KP, true, false>
-                                          : chunk_state_kernel<KP, false, false>;
-  launch_state_kernel<KP>(kernel, c, value_tiles, stream);
+      return launch_state_kernel<KP>(record ? chunk_state_kernel<KP, true, kSegments>
+                                            : chunk_state_kernel<KP, false, kSegments>,
+                                     c, value_tiles, stream);
+    }
+  }
+  constexpr StatePass kWhole = StatePass::whole;
+  launch_state_kernel<KP>(
+      record ? chunk_state_kernel<KP, true, kWhole> : chunk_state_kernel<KP, false, kWhole>, c,
+      value_tiles, stream);
 }
 
 template <int KP>
