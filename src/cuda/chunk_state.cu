@@ -18,7 +18,7 @@
 // every chunk straight from the accumulators.
 //
 // Split sequences (ChunkParams::segments > 1, K <= 128, when the blocks above are too few to
-// fill the GPU; DESIGN.md section 3): a first launch (kEnds) runs every segment but a
+// fill the GPU; DESIGN.md section 3): a first launch (StatePass::ends) runs every segment but a
 // sequence's last from a zero state and from the identity without u, writing its affine map
 // x_out = P x_in + e for every state column (ws.segment_maps); the second runs every segment,
 // first carrying the state across the segments before it (S^T <- S^T P^T + e^T, a float32

@@ -47,12 +47,9 @@ int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms);
 // registers). Any other value throws Error(invalid_argument) naming the variable.
 bool cuda_backward_scans_mma(int64_t K);
 // Segments each sequence of `chunks` chunks is split into by the scans in registers
-// (K <= 128; 1 otherwise), for `scans` (sequence, value head) pairs of V columns. The
-// environment variable FLASHDELTA_BACKWARD_SCAN_SEGMENTS picks: unset or `auto`, as many as
-// give the fewest chunk steps one after another (a model of one block per SM and 128 SMs),
-// with segments of 16 chunks at the least; 1, 2, 3, 4 or 8, that many (at most `chunks`). Device-independent, so
-// the gradients are the same on every GPU. Any other value throws Error(invalid_argument)
-// naming the variable.
+// (K <= 128; 1 otherwise), for `scans` (sequence, value head) pairs of V columns:
+// scan_segments (cuda/host_params.h: a device-independent model unless forced) under
+// FLASHDELTA_BACKWARD_SCAN_SEGMENTS.
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks);
 
 }  // namespace flashdelta::detail

@@ -3,8 +3,8 @@
 // compiled for (64 / 128 / 256, with odd K and V padded), GVA, both state layouts, every
 // input dtype, varlen with empty and one-token sequences, the fused transforms, strong
 // gates, the per-chunk states, sequences split into segments (FLASHDELTA_CHUNK_STATE_SEGMENTS,
-// and automatically for long ones over few heads). Skipped on machines without a GPU; run on the device by
-// scripts/device-run.sh.
+// and automatically for long ones over few heads). Skipped on machines without a GPU; run on
+// the device by scripts/device-run.sh.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
