@@ -29,6 +29,9 @@ namespace {
 // only dbeta and dA_log_part, which some mechanisms leave unwritten, are zeroed then.
 constexpr size_t kTokenGradRegions = 4, kZeroedRegions = 6;
 
+// Forces the scans' split (split_scan).
+constexpr const char* kSegmentsSetting = "FLASHDELTA_BACKWARD_SCAN_SEGMENTS";
+
 Carver layout(cuda::BackwardParams& b, bool varlen) {
   cuda::BackwardWorkspace& w = b.ws;
   const int64_t rows = b.B * b.p.T, HV = b.p.HV, K = b.p.K, V = b.p.V;
@@ -81,12 +84,9 @@ cuda::BackwardParams backward_params(const Problem& p, const BackwardArgs& a) {
   b.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;
   b.max_chunks = p.cu_seqlens.present() ? b.chunks_per_row + p.N : p.B * b.chunks_per_row;
   // No sequence has more chunks than chunks_per_row (a varlen batch's T is its total).
-  const int64_t segments =
-      cuda_backward_scan_segments(p.N * p.HV, p.K, p.V, b.chunks_per_row);
-  b.segment_chunks = (b.chunks_per_row + segments - 1) / segments;
-  b.segments = b.segment_chunks > 0
-                   ? (b.chunks_per_row + b.segment_chunks - 1) / b.segment_chunks
-                   : 1;
+  const ScanSplit split = split_scan(kSegmentsSetting, p.N * p.HV, p.K, p.V, b.chunks_per_row);
+  b.segments = split.segments;
+  b.segment_chunks = split.segment_chunks;
   b.d_o = token_tensor(a.d_o);
   b.d_final = state_tensor(StateView{a.d_final_state, layout});
   b.d_final_dtype = a.d_final_state.dtype;
@@ -252,11 +252,7 @@ bool cuda_backward_scans_mma(int64_t K) {
 }
 
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
-  // 64 columns per block, of V, and of V and the identity's K in the maps' kernel.
-  const int64_t value_tiles = (V + 63) / 64, map_tiles = value_tiles + (K + 63) / 64;
-  const int64_t segments = scan_segments("FLASHDELTA_BACKWARD_SCAN_SEGMENTS", scans,
-                                         value_tiles, map_tiles, chunks);
-  return K > 128 ? 1 : segments;  // the tile scans run whole sequences
+  return split_scan(kSegmentsSetting, scans, K, V, chunks).segments;
 }
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {

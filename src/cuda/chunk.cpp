@@ -16,6 +16,9 @@
 namespace flashdelta::detail {
 namespace {
 
+// Forces the state kernel's split (split_scan).
+constexpr const char* kSegmentsSetting = "FLASHDELTA_CHUNK_STATE_SEGMENTS";
+
 // The chunk table numbers the chunk states too (ForwardArgs::chunk_states).
 static_assert(cuda::kChunk == kChunkStateTokens);
 
@@ -53,22 +56,16 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
   // With cu_seqlens each sequence adds at most one partial chunk to T / C whole ones.
   c.max_chunks = p.cu_seqlens.present() ? c.chunks_per_row + p.N : p.B * c.chunks_per_row;
   // No sequence has more chunks than chunks_per_row (a varlen batch's T is its total).
-  const int64_t segments = cuda_chunk_state_segments(p.N * p.HV, p.K, p.V, c.chunks_per_row);
-  c.segment_chunks = (c.chunks_per_row + segments - 1) / segments;
-  c.segments =
-      c.segment_chunks > 0 ? (c.chunks_per_row + c.segment_chunks - 1) / c.segment_chunks : 1;
+  const ScanSplit split = split_scan(kSegmentsSetting, p.N * p.HV, p.K, p.V, c.chunks_per_row);
+  c.segments = split.segments;
+  c.segment_chunks = split.segment_chunks;
   return c;
 }
 
 }  // namespace
 
 int64_t cuda_chunk_state_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
-  // 64 columns per block (chunk_state_columns), of V, and of V and the identity's K in the
-  // maps' launch.
-  const int64_t value_tiles = (V + 63) / 64, map_tiles = value_tiles + (K + 63) / 64;
-  const int64_t segments = scan_segments("FLASHDELTA_CHUNK_STATE_SEGMENTS", scans, value_tiles,
-                                         map_tiles, chunks);
-  return K > 128 ? 1 : segments;
+  return split_scan(kSegmentsSetting, scans, K, V, chunks).segments;
 }
 
 int64_t cuda_chunk_workspace_bytes(const Problem& p) {

@@ -28,7 +28,7 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
 // Bytes of workspace the chunkwise forward of p needs (host arithmetic only).
 int64_t cuda_chunk_workspace_bytes(const Problem& p);
 // Segments the forward's state kernel splits each sequence of `chunks` chunks into (K <= 128;
-// 1 otherwise), for `scans` (sequence, value head) pairs of V columns: scan_segments
+// 1 otherwise), for `scans` (sequence, value head) pairs of V columns: split_scan
 // (cuda/host_params.h) under FLASHDELTA_CHUNK_STATE_SEGMENTS.
 int64_t cuda_chunk_state_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks);
 // The chunkwise backward (sm_80 or later); allocates its float32 workspace in stream order
@@ -48,7 +48,7 @@ int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms);
 bool cuda_backward_scans_mma(int64_t K);
 // Segments each sequence of `chunks` chunks is split into by the scans in registers
 // (K <= 128; 1 otherwise), for `scans` (sequence, value head) pairs of V columns:
-// scan_segments (cuda/host_params.h: a device-independent model unless forced) under
+// split_scan (cuda/host_params.h: a device-independent model unless forced) under
 // FLASHDELTA_BACKWARD_SCAN_SEGMENTS.
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks);
 

@@ -137,23 +137,31 @@ int sm_count() {
   return sms;
 }
 
-int64_t scan_segments(const char* setting, int64_t scans, int64_t value_tiles,
-                      int64_t map_tiles, int64_t chunks) {
+ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, int64_t chunks) {
   const std::string value = env_setting(setting, {"auto", "1", "2", "3", "4", "8"});
-  if (chunks < 2) return 1;
-  if (!value.empty() && value != "auto") return std::min<int64_t>(std::stoi(value), chunks);
-  // The maps' launch in its waves of a segment's chunks, one carry per earlier segment, then
-  // the scan in its waves.
-  constexpr int64_t kWave = 128, kMinSegmentChunks = 16;
-  auto waves = [](int64_t blocks) { return (blocks + kWave - 1) / kWave; };
-  int64_t best = 1, best_steps = waves(scans * value_tiles) * chunks;
-  for (int64_t s = 2; s <= chunks / kMinSegmentChunks; ++s) {
-    const int64_t per = (chunks + s - 1) / s;
-    const int64_t steps = waves(scans * map_tiles * (s - 1)) * per + (s - 1) +
-                          waves(scans * value_tiles * s) * per;
-    if (steps < best_steps) best = s, best_steps = steps;
+  int64_t best = 1;
+  if (K > 128 || chunks < 2) {
+    best = 1;
+  } else if (!value.empty() && value != "auto") {
+    best = std::min<int64_t>(std::stoi(value), chunks);
+  } else {
+    constexpr int64_t kWave = 128, kMinSegmentChunks = 16;
+    const int64_t value_tiles = (V + 63) / 64, map_tiles = value_tiles + (K + 63) / 64;
+    auto waves = [](int64_t blocks) { return (blocks + kWave - 1) / kWave; };
+    int64_t best_steps = waves(scans * value_tiles) * chunks;
+    for (int64_t s = 2; s <= chunks / kMinSegmentChunks; ++s) {
+      const int64_t per = (chunks + s - 1) / s;
+      const int64_t steps = waves(scans * map_tiles * (s - 1)) * per + (s - 1) +
+                            waves(scans * value_tiles * s) * per;
+      if (steps < best_steps) best = s, best_steps = steps;
+    }
   }
-  return best;
+  // As many segments as whole runs of the rounded-up length fill (no empty last one).
+  ScanSplit split;
+  split.segment_chunks = (chunks + best - 1) / best;
+  if (split.segment_chunks > 0)
+    split.segments = (chunks + split.segment_chunks - 1) / split.segment_chunks;
+  return split;
 }
 
 }  // namespace flashdelta::detail

@@ -30,14 +30,20 @@ std::string env_setting(const char* name, std::initializer_list<const char*> all
 // the decode path asks on every call.
 int sm_count();
 
-// Segments a sequential scan over `chunks` chunks is split into (1: not split; DESIGN.md
-// section 3), with the environment variable `setting` (one of auto, 1, 2, 3, 4, 8; unset or
-// `auto`: the model) deciding. The model: the fewest chunk steps one after another for
-// `scans` (sequence, value head) pairs of value_tiles blocks each, whose segments' maps take
-// map_tiles blocks per segment but one, one block per SM and 128 SMs a wave (the same count
-// on every GPU, so the same results); segments of 16 chunks at the least. A forced count is
-// at most `chunks`. Throws Error(invalid_argument) naming the variable for any other value.
-int64_t scan_segments(const char* setting, int64_t scans, int64_t value_tiles,
-                      int64_t map_tiles, int64_t chunks);
+// How a sequential scan over at most `chunks` chunks per sequence is split (DESIGN.md section
+// 3): `segments` runs of segment_chunks chunks (1: not split).
+struct ScanSplit {
+  int64_t segments = 1, segment_chunks = 0;
+};
+// The split of the scans over K x V states in blocks of 64 columns (both sides' scans in
+// registers; K <= 128, else not split), for `scans` (sequence, value head) pairs, with the
+// environment variable `setting` (one of auto, 1, 2, 3, 4, 8; unset or `auto`: the model)
+// deciding. The model: the fewest chunk steps one after another, the segments' maps (V's and
+// the identity's K columns, for every segment but one) in their waves of a segment's
+// chunks, a carry per earlier segment, then the scan in its waves; one block per SM and 128
+// SMs a wave (the same split on every GPU, so the same results); segments of 16 chunks at
+// the least. A forced count is at most `chunks`. Throws Error(invalid_argument) naming the
+// variable for any other value.
+ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, int64_t chunks);
 
 }  // namespace flashdelta::detail

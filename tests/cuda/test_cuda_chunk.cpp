@@ -487,7 +487,7 @@ constexpr const char* kSegments = "FLASHDELTA_CHUNK_STATE_SEGMENTS";
 TEST(CudaChunkStateSegments, FollowsTheEnvironmentVariable) {
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv setting(kSegments, automatic);
-    // The fewest chunk steps one after another (detail::scan_segments).
+    // The fewest chunk steps one after another (detail::split_scan).
     EXPECT_EQ(detail::cuda_chunk_state_segments(16, 128, 128, 512), 3);  // B=1 H=16 T=32768
     EXPECT_EQ(detail::cuda_chunk_state_segments(32, 128, 128, 512), 1);  // H=32: 513 > 512
     EXPECT_EQ(detail::cuda_chunk_state_segments(2, 128, 128, 63), 3);    // LongSequenceAccuracy
