@@ -56,7 +56,6 @@ so a run cut short keeps the cases it finished).
 """
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -66,7 +65,7 @@ import traceback
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import Timer, error_text, versions  # noqa: E402
+from bench_decode import Timer, environment_of, error_text, versions  # noqa: E402
 
 MIB = 1 << 20
 DEVICE = "cuda"  # where Inputs lives (a check of this script's logic may point it at the CPU)
@@ -136,33 +135,6 @@ class Inputs:
 
     def kwargs(self):
         return dict(initial_state=self.h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-
-
-def variant_settings(impl):
-    """The environment settings of impl: {} for 'ours', 'kept' and 'fla', else impl is a
-    variant of ours, 'NAME=VALUE+NAME=VALUE...'."""
-    if impl in ("ours", "kept", "fla"):
-        return {}
-    pairs = [p.split("=", 1) for p in impl.split("+")]
-    if any(len(p) != 2 or not p[0] for p in pairs):
-        sys.exit(f"bench_backward.py: a variant is NAME=VALUE pairs joined by '+', got {impl!r}")
-    return dict(pairs)
-
-
-@contextlib.contextmanager
-def environment_of(impl):
-    """impl's environment settings applied for the block, the previous values restored."""
-    settings = variant_settings(impl)
-    saved = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def function_of(impl, mech):

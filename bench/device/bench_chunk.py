@@ -23,6 +23,11 @@ whichever is larger.
 Accuracy (first case): relative Frobenius error of o against an fp64 token-by-token
 recurrence run with torch on the GPU from the same bf16 inputs, for fla and for FlashDelta.
 
+--variants also times ours under other settings of its environment variables, in the same
+process on the same inputs, each reported with its speedup and its output's difference from
+ours, e.g. --variants FLASHDELTA_CHUNK_STATE_SEGMENTS=1,FLASHDELTA_CHUNK_STATE_SEGMENTS=2
+(the state kernel's split, src/cuda/chunk_state.cu).
+
 Outputs under --out: bench_chunk.txt, bench_chunk.json, bench_chunk.png (time against
 sequence length, B=1 H=32).
 
@@ -39,7 +44,8 @@ import traceback
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import Timer, copy_bandwidth, error_text, versions  # noqa: E402
+from bench_decode import (Timer, copy_bandwidth, environment_of, error_text,  # noqa: E402
+                          versions)
 
 PEAK_FLOPS = 680e12
 CHUNK = 64
@@ -54,6 +60,10 @@ def parse_args(argv):
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep")
     p.add_argument("--no-accuracy", action="store_true")
+    p.add_argument("--variants", default="",
+                   help="comma-separated variants of ours to time beside it, each NAME=VALUE "
+                        "pairs joined by '+' (environment settings), e.g. "
+                        "FLASHDELTA_CHUNK_STATE_SEGMENTS=2")
     return p.parse_args(argv)
 
 
@@ -190,14 +200,17 @@ def run_case(torch, timer, case, args, copy_bw, accuracy):
     ref = reference_o(torch, x) if accuracy else None
     row["reference_s"] = time.perf_counter() - t0
     outs = {}
-    for impl in ("fla", "ours"):
+    variants = list(filter(None, args.variants.split(",")))
+    row["variants"] = variants
+    for impl in ("fla", "ours", *variants):
         try:
             calls = [call_of(impl, torch, s) for s in sets]
-            t0 = time.perf_counter()
-            outs[impl] = calls[0]()
-            torch.cuda.synchronize()
-            row[impl + "_first_call_s"] = time.perf_counter() - t0  # compile / autotune
-            t = timer.per_call(lambda i: calls[i](), len(calls), args.reps, args.warmup)
+            with environment_of(impl):
+                t0 = time.perf_counter()
+                outs[impl] = calls[0]()
+                torch.cuda.synchronize()
+                row[impl + "_first_call_s"] = time.perf_counter() - t0  # compile / autotune
+                t = timer.per_call(lambda i: calls[i](), len(calls), args.reps, args.warmup)
             row[impl + "_ms"] = t["median"] * 1e3
             row[impl + "_p10_ms"], row[impl + "_p90_ms"] = t["p10"] * 1e3, t["p90"] * 1e3
             if ref is not None:
@@ -210,6 +223,10 @@ def run_case(torch, timer, case, args, copy_bw, accuracy):
         row["o_diff_vs_fla"] = ((o_o - o_f).norm() / o_f.norm()).item()
         s_f, s_o = outs["fla"][1].float(), outs["ours"][1].float()
         row["state_diff_vs_fla"] = ((s_o - s_f).norm() / s_f.norm()).item()
+    for impl in variants:
+        if impl in outs and "ours" in outs:
+            o_v, o_o = outs[impl][0].float(), outs["ours"][0].float()
+            row[impl + "_o_diff_vs_ours"] = ((o_v - o_o).norm() / o_o.norm()).item()
     if "fla_ms" in row and "ours_ms" in row:
         row["speedup"] = row["fla_ms"] / row["ours_ms"]
         row["ours_over_floor"] = row["ours_ms"] / row["floor_ms"]
@@ -236,7 +253,13 @@ def table(rows, copy_bw, gpu):
                      f"{fmt(r.get('floor_ms'), '8.3f')}{fmt(r.get('ours_over_floor'), '8.1f')}"
                      f"{fmt(r.get('fla_over_floor'), '8.1f')}{fmt(r.get('fla_rel_err'), '9.1e')}"
                      f"{fmt(r.get('ours_rel_err'), '9.1e')}{fmt(r.get('o_diff_vs_fla'), '9.1e')}")
-        for impl in ("fla", "ours"):
+        for impl in r.get("variants", []):
+            if impl + "_ms" in r:
+                speedup = r["fla_ms"] / r[impl + "_ms"] if "fla_ms" in r else None
+                lines.append(f"    ours with {impl}: {r[impl + '_ms']:.3f} ms, speedup "
+                             f"{fmt(speedup, '5.2f')}, o vs ours "
+                             f"{fmt(r.get(impl + '_o_diff_vs_ours'), '7.1e')}")
+        for impl in ("fla", "ours", *r.get("variants", [])):
             if impl + "_error" in r:
                 lines.append(f"    {impl}: {r[impl + '_error'][:300]}")
     return "\n".join(lines)

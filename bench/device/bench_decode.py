@@ -38,6 +38,7 @@ implementation that raises is recorded with its error and the rest still runs.
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -361,6 +362,33 @@ def rel_diff(torch, a, b):
     a, b = a.float(), b.float()
     scale = b.abs().max().item()
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def variant_settings(impl):
+    """The environment settings of impl: {} for 'ours', 'kept' and 'fla', else impl is a
+    variant of ours (bench_backward.py, bench_chunk.py --variants), 'NAME=VALUE+NAME=VALUE...'."""
+    if impl in ("ours", "kept", "fla"):
+        return {}
+    pairs = [p.split("=", 1) for p in impl.split("+")]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        sys.exit(f"a variant is NAME=VALUE pairs joined by '+', got {impl!r}")
+    return dict(pairs)
+
+
+@contextlib.contextmanager
+def environment_of(impl):
+    """impl's environment settings applied for the block, the previous values restored."""
+    settings = variant_settings(impl)
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def error_text(e):
