@@ -20,7 +20,7 @@ constexpr int chunk_key_width(int64_t K) { return K <= 64 ? 64 : K <= 128 ? 128 
 constexpr int64_t chunk_value_width(int64_t V) { return (V + 63) / 64 * 64; }
 // Value columns one state-kernel block owns: 16 per warp, whose K x 16 state tile stays in
 // registers.
-constexpr int chunk_state_columns(int) { return 64; }  // cuda_chunk_state_segments assumes it
+constexpr int chunk_state_columns(int) { return 64; }  // split_scan (host_params.h) assumes it
 
 // One record per (chunk, value head), index chunk * HV + hv, all zero past the chunk's last
 // token and past K / V (decay is 1 past K), with Gamma the cumulative log2 decay from the
