@@ -298,6 +298,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     b.scan_cols = scan_cols;
     b.scans_mma = scans_mma;
     if (!scans_mma) b.segments = 1;  // the tile scans run whole sequences
+    b.transposed_maps = b.segments > 1 && !b.chunk_states.data;
     const Carver regions = layout(b, varlen);
     if (regions.total() > 0) {
       regions.carve(memory.data());

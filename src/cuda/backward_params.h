@@ -81,6 +81,11 @@ struct BackwardParams {
   // The scans in registers split each sequence into `segments` runs of segment_chunks chunks
   // (1: not split; cuda/backward_scans_mma.cu).
   int64_t segments = 1, segment_chunks = 0;
+  // With split states and dstates scans: the dstates scan carries by the transpose of the
+  // states scan's maps (a chunk moves the state by A = diag(decay) - kg^T w and its gradient
+  // by A^T, so a segment's gradient map is P^T), and its own maps form only their e. Not
+  // with kept states: no states scan then.
+  bool transposed_maps = false;
   DType state_in_dtype = DType::f32;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;

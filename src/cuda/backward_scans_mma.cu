@@ -24,7 +24,8 @@
 // every segment from its true entry, which it first carries across the segments before it
 // (S^T <- S^T P^T + e^T, in the same tensor-core form as the chunks' products). The
 // critical path goes from the chunks of a sequence to those of a segment, twice, plus one
-// carry per earlier segment.
+// carry per earlier segment. Where both scans are split, the dstates scan's P is the states
+// scan's transposed (BackwardParams::transposed_maps): its maps kernel forms only e.
 //
 // A left operand taken from accumulators: m16n8k8 gives a lane the A elements at k-slots c
 // and c + 4 (c = lane % 4), while an n8 accumulator tile holds its columns 2c and 2c + 1. So
@@ -76,30 +77,6 @@ struct alignas(16) DstatesShared {
   Exchange xch;
 };
 
-// Queues the kC x width block of dst (row length ld): rows < rows and columns < cols from a
-// row-major source (row stride `stride`), zeros elsewhere; 16-byte copies where the source
-// rows allow them.
-__device__ void stage_rows(float* dst, int ld, int width, const float* src, int64_t stride,
-                           int rows, int cols) {
-  const int quads = width / 4;
-  const bool whole = stride % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
-  for (int idx = threadIdx.x; idx < kC * quads; idx += blockDim.x) {
-    const int r = idx / quads, q = idx % quads * 4;
-    float* d = dst + r * ld + q;
-    if (r < rows && whole && q + 3 < cols) {
-      copy_async<16>(d, src + r * stride + q, 16);
-      continue;
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (r < rows && q + e < cols)
-        copy_async<4>(d + e, src + r * stride + q + e, 4);
-      else
-        d[e] = 0.f;
-    }
-  }
-}
-
 // Queues the record's decay per key into dst (zeros past K), with the stage's copies.
 template <int KP>
 __device__ void stage_decay(const BackwardParams& b, int64_t rec, float* dst) {
@@ -144,6 +121,10 @@ __device__ __forceinline__ void times_kn(Acc (&acc)[kTiles], const uint32_t (&a)
 // Column tiles of the segment-ends kernel: V's, then the identity's K.
 __host__ __device__ inline int64_t map_column_tiles(int64_t K, int64_t V) {
   return mma_column_tiles(V) + mma_column_tiles(K);
+}
+// ... of the dstates scan's: V's alone where P comes from the states scan's maps.
+__host__ __device__ inline int64_t dstates_ends_tiles(const BackwardParams& b) {
+  return b.transposed_maps ? mma_column_tiles(b.p.V) : map_column_tiles(b.p.K, b.p.V);
 }
 
 // The scans' block: sequence n, value head hv, segment seg (its chunks [c0, c1)), 64 columns
@@ -320,12 +301,52 @@ __device__ void carry_across_segment(const BackwardParams& b, const MmaScanBlock
   for (int r = 0; r * kC < KP; ++r) {
     __syncthreads();
     const int rows = static_cast<int>(K - r * kC < kC ? K - r * kC : kC);
-    stage_rows(stage, KP + 8, KP, m + r * kC * ld + b.p.V, ld, rows, static_cast<int>(K));
+    stage_rows(stage, KP + 8, kC, KP, m + r * kC * ld + b.p.V, ld, rows, static_cast<int>(K));
     commit_async();
     wait_async<0>();
     __syncthreads();
     Acc t[kTokenTiles];
     state_times_rows(t, S, stage, KP + 8);
+    add_partner(t, xch);
+#pragma unroll
+    for (int nt = 0; nt < kTokenTiles; ++nt)
+#pragma unroll
+      for (int kt = 0; kt < kTiles; ++kt)
+        if (r * kC + 8 * nt == S.key0 + 8 * kt) next[kt] = t[nt];
+  }
+#pragma unroll
+  for (int kt = 0; kt < kTiles; ++kt) S.acc[kt] = next[kt];
+  S.for_each(b, blk, [&](float& x, int key, int64_t col) { x += m[key * ld + col]; });
+  __syncthreads();
+}
+
+// dS^T = dS^T P + e^T: the gradient carried back across segment s by the transpose of the
+// states scan's map P of the segment (BackwardParams::transposed_maps) and its own e (the
+// map's first V columns). P's columns (the result's keys) go through `stage` kC at a time as
+// KP rows (every source key) of kC + 4 floats: the right operand of the warp's own keys, as
+// in the state updates; the pair then adds its partial sums.
+template <int KP>
+__device__ void carry_by_transposed_map(const BackwardParams& b, const MmaScanBlock& blk,
+                                        int64_t s, MmaState<KP>& S, float* stage, Exchange& xch) {
+  constexpr int kTiles = MmaState<KP>::kKeys / 8, kLd = kC + 4;
+  const int64_t K = b.p.K, ld = b.p.V + K;
+  const float* m = blk.segment_map(b, s);
+  Acc next[kTiles];
+#pragma unroll
+  for (int r = 0; r * kC < KP; ++r) {
+    __syncthreads();
+    const int cols = static_cast<int>(K - r * kC < kC ? K - r * kC : kC);
+    stage_rows(stage, kLd, KP, kC, m + b.p.V + r * kC, ld, static_cast<int>(K), cols);
+    commit_async();
+    wait_async<0>();
+    __syncthreads();
+    Acc t[kTokenTiles];
+#pragma unroll
+    for (int kt = 0; kt < kTiles; ++kt) {
+      uint32_t a[4];
+      acc_fragment(S.acc[kt], 1.f, a);
+      times_kn(t, a, stage + S.key0 * kLd, kLd, kt);
+    }
     add_partner(t, xch);
 #pragma unroll
     for (int nt = 0; nt < kTokenTiles; ++nt)
@@ -363,11 +384,11 @@ template <int KP>
 __device__ void stage_states_operands(const BackwardParams& b, const MmaScanBlock& blk,
                                       int64_t ci, int len, StatesShared<KP>& sh) {
   const int64_t K = b.p.K, V = b.p.V, rec = blk.record(b, ci);
-  if (b.p.delta) stage_rows(&sh.w[0][0], KP + 8, KP, b.ws.w + rec * kC * K, K, len, int(K));
+  if (b.p.delta) stage_rows(&sh.w[0][0], KP + 8, kC, KP, b.ws.w + rec * kC * K, K, len, int(K));
   if (!blk.map)
-    stage_rows(&sh.u[0][0], kMmaColumns + 4, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V,
+    stage_rows(&sh.u[0][0], kMmaColumns + 4, kC, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V,
                len, blk.cols());
-  stage_rows(&sh.kg[0][0], KP + 4, KP, b.ws.kg + rec * kC * K, K, len, int(K));
+  stage_rows(&sh.kg[0][0], KP + 4, kC, KP, b.ws.kg + rec * kC * K, K, len, int(K));
   stage_decay<KP>(b, rec, sh.decay);
 }
 // L2 prefetches of chunk ci's operands (none past the segment).
@@ -410,15 +431,20 @@ __device__ void state_update_phase(const BackwardParams& b, const MmaScanBlock& 
   add_tokens_times_rows(S, vn, 1.f, &sh.kg[0][0], KP + 4);
 }
 
-// kEnds: the maps of every segment but a sequence's last (nothing else written); otherwise
-// the states of every segment's chunks, from its true entry.
+// kEnds: the maps of every segment but a sequence's last, and with transposed_maps the last
+// one's P too (nothing else written); otherwise the states of every segment's chunks, from
+// its true entry.
 template <int KP, bool kEnds>
 __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const BackwardParams b) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<StatesShared<KP>*>(smem);
   const MmaScanBlock blk(
       b, kEnds ? map_column_tiles(b.p.K, b.p.V) : mma_column_tiles(b.p.V));
-  if (kEnds ? blk.seg + 1 >= blk.used : blk.seg > 0 && blk.seg >= blk.used) return;
+  // The maps of a sequence's last segment are not needed here; its P is by the dstates scan.
+  const bool last_wanted = b.transposed_maps && blk.map;
+  if (kEnds ? blk.seg >= blk.used || (blk.seg + 1 == blk.used && !last_wanted)
+            : blk.seg > 0 && blk.seg >= blk.used)
+    return;
   const int64_t K = b.p.K, V = b.p.V;
   MmaState<KP> S(blk);
   if (kEnds) {
@@ -449,15 +475,15 @@ template <int KP>
 __device__ void stage_dstates_operands(const BackwardParams& b, const MmaScanBlock& blk,
                                        int64_t ci, int len, DstatesShared<KP>& sh) {
   const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV, rec = blk.record(b, ci);
-  stage_rows(&sh.kg[0][0], KP + 8, KP, b.ws.kg + rec * kC * K, K, len, int(K));
+  stage_rows(&sh.kg[0][0], KP + 8, kC, KP, b.ws.kg + rec * kC * K, K, len, int(K));
   if (!blk.map) {  // the dO terms; a map's columns have none
-    stage_rows(&sh.aqk[0][0], kC + 4, kC, b.ws.aqk + rec * kC * kC, kC, len, kC);
-    stage_rows(&sh.dout[0][0], kMmaColumns + 4, kMmaColumns,
+    stage_rows(&sh.aqk[0][0], kC + 4, kC, kC, b.ws.aqk + rec * kC * kC, kC, len, kC);
+    stage_rows(&sh.dout[0][0], kMmaColumns + 4, kC, kMmaColumns,
                b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0, HV * V, len,
                blk.cols());
-    stage_rows(&sh.qg[0][0], KP + 4, KP, b.ws.qg + rec * kC * K, K, len, int(K));
+    stage_rows(&sh.qg[0][0], KP + 4, kC, KP, b.ws.qg + rec * kC * K, K, len, int(K));
   }
-  if (b.p.delta) stage_rows(&sh.w[0][0], KP + 4, KP, b.ws.w + rec * kC * K, K, len, int(K));
+  if (b.p.delta) stage_rows(&sh.w[0][0], KP + 4, kC, KP, b.ws.w + rec * kC * K, K, len, int(K));
   stage_decay<KP>(b, rec, sh.decay);
 }
 // L2 prefetches of chunk ci's operands (none before the segment).
@@ -475,16 +501,23 @@ __device__ void prefetch_dstates_operands(const BackwardParams& b, const MmaScan
                 blk.cols());
 }
 
-// dv_new^T = dO^T A_qk + dS'^T kg^T, the first term (none for a map's columns) by the first
-// warp of the pair, the second summed over the pair's keys. A_qk[r][i] is zero for i > r:
-// k-step kt (tokens 8 kt ..) reaches token tiles nt <= kt.
+// Which warp of the pair takes k-step kt of dO^T A_qk: A_qk[r][i] is zero for i > r, so
+// k-step kt (tokens 8 kt ..) reaches token tiles nt <= kt, kt + 1 tiles; steps 4-6 are 18 of
+// the 36, the rest the other 18.
+__host__ __device__ constexpr int dout_aqk_half(int kt) { return kt >= 4 && kt < 7 ? 1 : 0; }
+static_assert(kTokenTiles == 8, "the split above is for 8 token tiles");
+
+// dv_new^T = dO^T A_qk + dS'^T kg^T, both summed over the pair: the first term (none for a
+// map's columns) by k-steps shared between the two warps (it was all on one, its partner
+// waiting at the exchange), the second over each warp's keys.
 template <int KP>
 __device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S, DstatesShared<KP>& sh,
                          Acc (&dv)[kTokenTiles]) {
   const int c = threadIdx.x % 4, g = threadIdx.x % 32 / 4;
-  if (blk.half == 0 && !blk.map) {
+  if (!blk.map) {
 #pragma unroll
     for (int kt = 0; kt < kTokenTiles; ++kt) {
+      if (dout_aqk_half(kt) != blk.half) continue;
       uint32_t a[4];
       dout_fragment(sh.dout, kt, blk.wc, a);
       const float* r = &sh.aqk[8 * kt + 2 * c][g];
@@ -518,15 +551,15 @@ __device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock&
   if (b.p.delta) add_tokens_times_rows(S, dv, -1.f, &sh.w[0][0], KP + 4);
 }
 
-// kEnds: the maps of every segment but a sequence's first (nothing else written); otherwise
+// kEnds: the maps of every segment but a sequence's first, only their e with transposed_maps
+// (nothing else written); otherwise
 // dS' and dv_new of every segment's chunks, from its true exit, and the initial state's
 // gradient from the first segment.
 template <int KP, bool kEnds>
 __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const BackwardParams b) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<DstatesShared<KP>*>(smem);
-  const MmaScanBlock blk(
-      b, kEnds ? map_column_tiles(b.p.K, b.p.V) : mma_column_tiles(b.p.V));
+  const MmaScanBlock blk(b, kEnds ? dstates_ends_tiles(b) : mma_column_tiles(b.p.V));
   if (kEnds ? blk.seg == 0 || blk.seg >= blk.used : blk.seg > 0 && blk.seg >= blk.used) return;
   const int64_t K = b.p.K, V = b.p.V;
   MmaState<KP> S(blk);  // dS^T
@@ -534,8 +567,13 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const Backw
     S.start(b, blk);
   } else {
     S.load(b, b.d_final, b.d_final_dtype, blk);
-    for (int64_t s = blk.used - 1; s > blk.seg; --s)
-      carry_across_segment(b, blk, s, S, &sh.kg[0][0], sh.xch);
+    static_assert(sizeof(sh.kg) >= sizeof(float) * KP * (kC + 4), "the transposed carry's stage");
+    for (int64_t s = blk.used - 1; s > blk.seg; --s) {
+      if (b.transposed_maps)
+        carry_by_transposed_map(b, blk, s, S, &sh.kg[0][0], sh.xch);
+      else
+        carry_across_segment(b, blk, s, S, &sh.kg[0][0], sh.xch);
+    }
   }
   for (int64_t ci = blk.c1 - 1; ci >= blk.c0; --ci) {
     const int len = blk.len(ci);
@@ -568,11 +606,11 @@ void launch_mma_scan(void (*kernel)(BackwardParams), const BackwardParams& b, in
            static_cast<cudaStream_t>(stream)>>>(b);
 }
 
-// The segments' maps first where the sequences are split.
+// The segments' maps first (ends_tiles column tiles) where the sequences are split.
 template <class Shared>
 void launch_mma_scans(void (*ends)(BackwardParams), void (*scan)(BackwardParams),
-                      const BackwardParams& b, void* stream) {
-  if (b.segments > 1) launch_mma_scan<Shared>(ends, b, map_column_tiles(b.p.K, b.p.V), stream);
+                      const BackwardParams& b, int64_t ends_tiles, void* stream) {
+  if (b.segments > 1) launch_mma_scan<Shared>(ends, b, ends_tiles, stream);
   launch_mma_scan<Shared>(scan, b, mma_column_tiles(b.p.V), stream);
 }
 
@@ -584,19 +622,21 @@ int64_t backward_scans_mma_shared_bytes(int64_t K) {
 }
 
 void launch_backward_states_mma(const BackwardParams& b, void* stream) {
+  const int64_t ends = map_column_tiles(b.p.K, b.p.V);
   if (b.p.K <= 64)
     return launch_mma_scans<StatesShared<64>>(states_mma_kernel<64, true>,
-                                              states_mma_kernel<64, false>, b, stream);
+                                              states_mma_kernel<64, false>, b, ends, stream);
   launch_mma_scans<StatesShared<128>>(states_mma_kernel<128, true>, states_mma_kernel<128, false>,
-                                      b, stream);
+                                      b, ends, stream);
 }
 
 void launch_backward_dstates_mma(const BackwardParams& b, void* stream) {
+  const int64_t ends = dstates_ends_tiles(b);
   if (b.p.K <= 64)
     return launch_mma_scans<DstatesShared<64>>(dstates_mma_kernel<64, true>,
-                                               dstates_mma_kernel<64, false>, b, stream);
+                                               dstates_mma_kernel<64, false>, b, ends, stream);
   launch_mma_scans<DstatesShared<128>>(dstates_mma_kernel<128, true>,
-                                       dstates_mma_kernel<128, false>, b, stream);
+                                       dstates_mma_kernel<128, false>, b, ends, stream);
 }
 
 }  // namespace flashdelta::detail::cuda

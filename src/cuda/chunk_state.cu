@@ -244,7 +244,8 @@ struct StateColumns {
 
 // S^T = S^T P^T + e^T: the state carried across the segment whose map is m (K rows of
 // V + K floats: e, then P). P's rows (the result's keys) go through `scratch` (kChunk rows of
-// KP + 8 floats, the stages' memory) kChunk at a time; tf32 products with float32 sums. The
+// KP + 8 floats, the stages' memory) kChunk at a time, by asynchronous copies that all go out
+// before any lands; tf32 products with float32 sums. The
 // first half of the result waits in the warp's output rows `ob` while the second is formed
 // (the whole result in registers beside S spilled). Starts and ends with a block barrier.
 template <int KP>
@@ -259,10 +260,11 @@ __device__ void carry_across_segment(const RecurrentParams& p, const float* m, i
 #pragma unroll
   for (int r = 0; r < kRounds; ++r) {
     __syncthreads();
-    for (int e = threadIdx.x; e < kChunk * KP; e += blockDim.x) {
-      const int row = e / KP, col = e % KP, key = r * kChunk + row;
-      scratch[row][col] = key < K && col < K ? m[key * ld + p.V + col] : 0.f;
-    }
+    const int64_t rows = K - r * kChunk < kChunk ? K - r * kChunk : kChunk;
+    stage_rows(&scratch[0][0], KP + 8, kChunk, KP, m + r * kChunk * ld + p.V, ld,
+               static_cast<int>(rows), static_cast<int>(K));
+    commit_async();
+    wait_async<0>();
     __syncthreads();
     // k-slot c is key 2c of the k-step and slot c + 4 key 2c + 1 (the accumulator's layout),
     // in both operands.

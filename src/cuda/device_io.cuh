@@ -251,4 +251,29 @@ __device__ __forceinline__ void wait_async() {
 #endif
 }
 
+// Queues the height x width block of dst (row length ld, floats): rows < rows and columns <
+// cols from a row-major float32 source (row stride `stride`), zeros elsewhere; 16-byte copies
+// where the source rows allow them. All copies go out before any lands (a load-then-store
+// loop would wait on every load); the caller commits and waits.
+__device__ inline void stage_rows(float* dst, int ld, int height, int width, const float* src,
+                                  int64_t stride, int rows, int cols) {
+  const int quads = width / 4;
+  const bool whole = stride % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+  for (int idx = threadIdx.x; idx < height * quads; idx += blockDim.x) {
+    const int r = idx / quads, q = idx % quads * 4;
+    float* d = dst + r * ld + q;
+    if (r < rows && whole && q + 3 < cols) {
+      copy_async<16>(d, src + r * stride + q, 16);
+      continue;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (r < rows && q + e < cols)
+        copy_async<4>(d + e, src + r * stride + q + e, 4);
+      else
+        d[e] = 0.f;
+    }
+  }
+}
+
 }  // namespace flashdelta::detail::cuda
