@@ -501,23 +501,17 @@ __device__ void prefetch_dstates_operands(const BackwardParams& b, const MmaScan
                 blk.cols());
 }
 
-// Which warp of the pair takes k-step kt of dO^T A_qk: A_qk[r][i] is zero for i > r, so
-// k-step kt (tokens 8 kt ..) reaches token tiles nt <= kt, kt + 1 tiles; steps 4-6 are 18 of
-// the 36, the rest the other 18.
-__host__ __device__ constexpr int dout_aqk_half(int kt) { return kt >= 4 && kt < 7 ? 1 : 0; }
-static_assert(kTokenTiles == 8, "the split above is for 8 token tiles");
-
-// dv_new^T = dO^T A_qk + dS'^T kg^T, both summed over the pair: the first term (none for a
-// map's columns) by k-steps shared between the two warps (it was all on one, its partner
-// waiting at the exchange), the second over each warp's keys.
+// dv_new^T = dO^T A_qk + dS'^T kg^T, the first term (none for a map's columns) by the first
+// warp of the pair, the second summed over the pair's keys. A_qk[r][i] is zero for i > r:
+// k-step kt (tokens 8 kt ..) reaches token tiles nt <= kt. (Splitting the first term's
+// k-steps 18/18 tiles over the pair measured 4% slower: bench/NOTES.md (ab).)
 template <int KP>
 __device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S, DstatesShared<KP>& sh,
                          Acc (&dv)[kTokenTiles]) {
   const int c = threadIdx.x % 4, g = threadIdx.x % 32 / 4;
-  if (!blk.map) {
+  if (blk.half == 0 && !blk.map) {
 #pragma unroll
     for (int kt = 0; kt < kTokenTiles; ++kt) {
-      if (dout_aqk_half(kt) != blk.half) continue;
       uint32_t a[4];
       dout_fragment(sh.dout, kt, blk.wc, a);
       const float* r = &sh.aqk[8 * kt + 2 * c][g];
@@ -552,9 +546,8 @@ __device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock&
 }
 
 // kEnds: the maps of every segment but a sequence's first, only their e with transposed_maps
-// (nothing else written); otherwise
-// dS' and dv_new of every segment's chunks, from its true exit, and the initial state's
-// gradient from the first segment.
+// (nothing else written); otherwise dS' and dv_new of every segment's chunks, from its true
+// exit, and the initial state's gradient from the first segment.
 template <int KP, bool kEnds>
 __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const BackwardParams b) {
   extern __shared__ __align__(16) unsigned char smem[];
