@@ -28,8 +28,13 @@ __device__ void invert_unit_lower(const float* a, int lda, float* t, int ldt, In
   static_assert(kThreads / 32 >= kInverseBlocks, "a warp per diagonal block");
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   __syncthreads();
-  for (int e = tid; e < kChunk * kChunk; e += kThreads) t[e / kChunk * ldt + e % kChunk] = 0.f;
-  __syncthreads();
+  // The blocks above the diagonal are zeros; the others are all written below.
+  constexpr int kQuadsPerRow = kChunk / 4;
+  for (int e = tid; e < kChunk * kQuadsPerRow; e += kThreads) {
+    const int r = e / kQuadsPerRow, q = e % kQuadsPerRow;
+    if (4 * q / kSubChunk > r / kSubChunk)
+      *reinterpret_cast<float4*>(&t[r * ldt + 4 * q]) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   if (warp < kInverseBlocks && lane < kSubChunk) {
     const int b = kSubChunk * warp;
     float x[kSubChunk];

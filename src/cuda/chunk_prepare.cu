@@ -82,6 +82,7 @@ struct PrepareShared {
   float fix_qk[4][kSubChunk][kSubChunk], fix_kk[4][kSubChunk][kSubChunk];
   float beta[kChunk], gs[kChunk];  // beta; scalar gate: Gamma after each token
   float inv_q[kChunk], inv_k[kChunk];
+  alignas(16) float bias[KP];  // vector gate in the kernel: dt_bias per key (zeros past K)
 
   __device__ bf16* tb() { return reinterpret_cast<bf16*>(&u.v.a[0][0]); }  // [C][kChunkLd]
   __device__ bf16* vb() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }  // [C][kValueLd]
@@ -103,6 +104,11 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
                                    const ChunkRef& ref, int64_t hv, float a_gate) {
   const int tid = threadIdx.x;
   const int64_t h = hv / p.group;
+  if (G == GateForm::vector && p.gate_in_kernel)
+    for (int e = tid; e < KP; e += kThreads)
+      sh.bias[e] = p.dt_bias && e < p.K ? load_float(p.dt_bias, p.dt_bias_dtype,
+                                                    hv * p.dt_bias_head_stride + e * p.dt_bias_key_stride)
+                                        : 0.f;
   if (tid < kChunk) {
     const int t = tid;
     const bool live = t < ref.len;
@@ -184,13 +190,6 @@ __device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
     rk[x] = load_run8(p.k, ok + t * p.k.stride[1], valid);
     if (G == GateForm::vector) rg[x] = load_run8(p.g, og + t * p.g.stride[1], valid);
   }
-  float bias[8] = {};
-  if (G == GateForm::vector && p.gate_in_kernel && p.dt_bias)
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      if (e < valid_k)
-        bias[e] = load_float(p.dt_bias, p.dt_bias_dtype,
-                             hv * p.dt_bias_head_stride + (key + e) * p.dt_bias_key_stride);
 #pragma unroll
   for (int x = 0; x < kPasses; ++x) {
     const int t = tid / kGroups + x * kTokensPerPass;
@@ -199,12 +198,15 @@ __device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
     run8_to_float(rk[x], p.k.dtype, k);
     if constexpr (G == GateForm::vector) {
       run8_to_float(rg[x], p.g.dtype, g);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        float gx = g[e];
-        if (p.gate_in_kernel) gx = activate_gate(p, gx + bias[e], a_gate);
-        g[e] = e < valid_k && t < ref.len ? floor_gate(gx * kLog2e) : 0.f;
+      if (p.gate_in_kernel) {
+        const float4 b0 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8]);
+        const float4 b1 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8 + 4]);
+        g[0] += b0.x, g[1] += b0.y, g[2] += b0.z, g[3] += b0.w;
+        g[4] += b1.x, g[5] += b1.y, g[6] += b1.z, g[7] += b1.w;
+        activate_gates(p, g, a_gate);
       }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) g[e] = e < valid_k && t < ref.len ? floor_gate(g[e] * kLog2e) : 0.f;
     }
 #pragma unroll
     for (int e = 0; e < 8; e += 4) {
@@ -409,9 +411,13 @@ __device__ void solve(PrepareShared<KP>& sh) {
   auto& v = sh.u.v;
   const int tid = threadIdx.x;
   invert_unit_lower<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4, v.inverse);
-  bf16* tb = sh.tb();  // A_kk is dead: T in bfloat16 takes its place
-  for (int e = tid; e < kChunk * kChunk; e += kThreads)
-    tb[e / kChunk * kChunkLd + e % kChunk] = __float2bfloat16(v.t[e / kChunk][e % kChunk]);
+  bf16* tb = sh.tb();  // A_kk is dead: T in bfloat16 takes its place, four entries a thread
+  constexpr int kQuadsPerRow = kChunk / 4;
+  for (int e = tid; e < kChunk * kQuadsPerRow; e += kThreads) {
+    const int r = e / kQuadsPerRow, q = 4 * (e % kQuadsPerRow);
+    const float4 x = *reinterpret_cast<const float4*>(&v.t[r][q]);
+    *reinterpret_cast<uint2*>(tb + r * kChunkLd + q) = make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
+  }
   __syncthreads();
 }
 
@@ -486,6 +492,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
   const float a_gate = p.gate_in_kernel && p.A_log
                            ? expf(load_float(p.A_log, p.A_log_dtype, hv * p.A_log_stride))
                            : 1.f;
+  // The gate and v are first read well after the start (q and k, for the L2 norms, at once):
+  // their DRAM latency is then not waited on.
+  if (G == GateForm::vector)
+    prefetch_token_rows(p.g, token_offset(p.g, ref.seq, hv) + ref.t * p.g.stride[1], ref.len,
+                        static_cast<int>(p.K));
+  prefetch_token_rows(p.v, token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1], ref.len,
+                      static_cast<int>(p.V));
   const int tid = threadIdx.x;
   for (int e = tid; e < 4 * kSubChunk * kSubChunk; e += kThreads) {
     (&sh.fix_qk[0][0][0])[e] = 0.f;

@@ -112,16 +112,33 @@ __device__ __forceinline__ Run8 load_run8(const TokenTensor& x, int64_t off, int
 }
 
 __device__ __forceinline__ void run8_to_float(const Run8& r, DType t, float (&out)[8]) {
-  if (r.packed) {
+  // The dtype is branched on once per run, not per element (both conversions and a select).
+  if (r.packed && t == DType::bf16) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      out[e] = __uint_as_float(e % 2 ? r.w[e / 2] & 0xffff0000u : r.w[e / 2] << 16);
+  } else if (r.packed) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const uint32_t half = e % 2 ? r.w[e / 2] >> 16 : r.w[e / 2] & 0xffffu;
-      out[e] = t == DType::bf16 ? __uint_as_float(half << 16)
-                                : __half2float(__ushort_as_half(static_cast<unsigned short>(half)));
+      out[e] = __half2float(__ushort_as_half(static_cast<unsigned short>(half)));
     }
   } else {
 #pragma unroll
     for (int e = 0; e < 8; ++e) out[e] = raw_to_float(r.w[e], t);
+  }
+}
+
+// Queues L2 prefetches of `rows` token rows of a 16-bit tensor with unit channel stride
+// (channels [0, channels) from element offset `off`, row stride x.stride[1]), one 128-byte
+// line per thread at a time; nothing waits on them. Other layouts are not prefetched.
+__device__ inline void prefetch_token_rows(const TokenTensor& x, int64_t off, int rows, int channels) {
+  if (!is_16bit(x.dtype) || x.stride[3] != 1) return;
+  const auto* base = static_cast<const unsigned short*>(x.data) + off;
+  const int lines = (channels + 63) / 64;
+  for (int idx = threadIdx.x; idx < rows * lines; idx += blockDim.x) {
+    const unsigned short* line = base + (idx / lines) * x.stride[1] + (idx % lines) * 64;
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
   }
 }
 

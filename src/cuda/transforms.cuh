@@ -31,6 +31,19 @@ __device__ __forceinline__ float activate_gate(const RecurrentParams& p, float x
   return p.has_lower_bound ? p.lower_bound * sigmoidf(a * x) : -a * softplusf(x);
 }
 
+// activate_gate over a run of channels, the form chosen once for the run (per element, the
+// branch and both forms' set-up were 8% of the chunk prepare kernel's instructions).
+template <int N>
+__device__ __forceinline__ void activate_gates(const RecurrentParams& p, float (&x)[N], float a) {
+  if (p.has_lower_bound) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] = p.lower_bound * sigmoidf(a * x[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] = -a * softplusf(x[e]);
+  }
+}
+
 // beta from its raw input (sigmoid when fused).
 __device__ __forceinline__ float activate_beta(const RecurrentParams& p, float b) {
   return p.beta_sigmoid ? p.beta_factor * sigmoidf(b) : b;
