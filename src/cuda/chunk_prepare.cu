@@ -64,7 +64,7 @@ struct PrepareShared {
     alignas(16) bf16 xq[4][kSubChunk][kSliceLd];  // row factors per warp
     alignas(16) bf16 xk[4][kSubChunk][kSliceLd];
     alignas(16) bf16 kbar[kKbarRows][kSliceLd];  // column factors
-    float ref[4][kSlice];  // vector gate: reference point of each row block and channel
+    alignas(16) float ref[4][kSlice];  // vector gate: reference point of each row block and channel
     bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
   // After the slices (step 3 and the record). T in bfloat16 (tb) takes the place of A_kk
@@ -293,14 +293,25 @@ template <GateForm G, int KP>
 __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&acc_k)[8]) {
   auto& s = sh.u.s;
   const int I = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = kSubChunk * I;
-  const int c = lane;  // key channel of this lane
-  const bool exact = G != GateForm::vector || s.exact[I][c];
+  const bool exact = G != GateForm::vector || s.exact[I][lane];  // lane = key channel here
+  // The factors: a lane takes a pair of channels (cp, cp + 1) and every other row or token
+  // (parity h), so that each float32 read and bfloat16 store moves the pair at once.
+  const int cp = 2 * (lane % 16), h = lane / 16;
+  auto pair = [&](const float (&row)[kSlice]) { return *reinterpret_cast<const float2*>(&row[cp]); };
+  auto store = [&](bf16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = pack_bf16(lo, hi); };
   {
-    const float r = G == GateForm::vector ? s.ref[I][c] : 0.f;
-    for (int i = 0; i < kSubChunk; ++i) {
-      const float e = G == GateForm::vector ? exp2f(s.gamma[r0 + i][c] - r) : 1.f;
-      s.xq[I][i][c] = __float2bfloat16(s.q[r0 + i][c] * e);
-      s.xk[I][i][c] = __float2bfloat16(s.k[r0 + i][c] * e);
+    const float2 r = G == GateForm::vector ? pair(s.ref[I]) : make_float2(0.f, 0.f);
+#pragma unroll
+    for (int u = 0; u < kSubChunk / 2; ++u) {
+      const int i = 2 * u + h;
+      float2 e = make_float2(1.f, 1.f);
+      if constexpr (G == GateForm::vector) {
+        const float2 g = pair(s.gamma[r0 + i]);
+        e = make_float2(exp2f(g.x - r.x), exp2f(g.y - r.y));
+      }
+      const float2 q = pair(s.q[r0 + i]), k = pair(s.k[r0 + i]);
+      store(&s.xq[I][i][cp], q.x * e.x, q.y * e.y);
+      store(&s.xk[I][i][cp], k.x * e.x, k.y * e.y);
     }
   }
   // Column factors k_j 2^(r_J - Gamma_j) of tokens j = I + 4 m (every warp takes 4 tokens of
@@ -308,30 +319,39 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
   // block's and block B + 1's by one exp2 each, each later one from the one before by the
   // channel's step 2^(r_J - r_(J-1)) <= 1 (the exponents only fall, so an underflow to 0
   // is the right limit).
-  float step[4] = {1.f, 1.f, 1.f, 1.f};
-  if constexpr (G == GateForm::vector)
+  constexpr int kBlocks = kChunk / kSubChunk;
+  static_assert(kSubChunk == 16, "a warp's tokens m = 2 u and 2 u + 1 lie in one block, u / 2");
+  float2 step[kBlocks];
 #pragma unroll
-    for (int J = 1; J < 4; ++J) step[J] = exp2f(s.ref[J][c] - s.ref[J - 1][c]);
+  for (int J = 0; J < kBlocks; ++J) {
+    step[J] = make_float2(1.f, 1.f);
+    if (G == GateForm::vector && J > 0) {
+      const float2 a = pair(s.ref[J]), b = pair(s.ref[J - 1]);
+      step[J] = make_float2(exp2f(a.x - b.x), exp2f(a.y - b.y));
+    }
+  }
 #pragma unroll
-  for (int m = 0; m < kChunk / 4; ++m) {
-    constexpr int kBlocks = kChunk / kSubChunk;
-    const int B = m / (kSubChunk / 4), j = I + 4 * m;
-    const float kj = s.k[j][c];
+  for (int u = 0; u < kChunk / 8; ++u) {
+    const int B = u / 2, j = I + 4 * (2 * u + h);
+    const float2 kj = pair(s.k[j]);
     if constexpr (G == GateForm::vector) {
-      const float gj = s.gamma[j][c];
-      s.kbar[kbar_base(B) + j][c] = __float2bfloat16(s.exact[B][c] ? kj * exp2f(s.ref[B][c] - gj) : 0.f);
+      const float2 gj = pair(s.gamma[j]), rb = pair(s.ref[B]);
+      store(&s.kbar[kbar_base(B) + j][cp], s.exact[B][cp] ? kj.x * exp2f(rb.x - gj.x) : 0.f,
+            s.exact[B][cp + 1] ? kj.y * exp2f(rb.y - gj.y) : 0.f);
       if (B + 1 < kBlocks) {
-        float x = kj * exp2f(s.ref[B + 1][c] - gj);
-        s.kbar[kbar_base(B + 1) + j][c] = __float2bfloat16(x);
+        const float2 rn = pair(s.ref[B + 1]);
+        float x0 = kj.x * exp2f(rn.x - gj.x), x1 = kj.y * exp2f(rn.y - gj.y);
+        store(&s.kbar[kbar_base(B + 1) + j][cp], x0, x1);
 #pragma unroll
         for (int J = B + 2; J < kBlocks; ++J) {
-          x *= step[J];
-          s.kbar[kbar_base(J) + j][c] = __float2bfloat16(x);
+          x0 *= step[J].x;
+          x1 *= step[J].y;
+          store(&s.kbar[kbar_base(J) + j][cp], x0, x1);
         }
       }
     } else {
 #pragma unroll
-      for (int J = B; J < kBlocks; ++J) s.kbar[kbar_base(J) + j][c] = __float2bfloat16(kj);
+      for (int J = B; J < kBlocks; ++J) store(&s.kbar[kbar_base(J) + j][cp], kj.x, kj.y);
     }
   }
   __syncthreads();
