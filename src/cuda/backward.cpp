@@ -31,6 +31,9 @@ constexpr size_t kTokenGradRegions = 4, kZeroedRegions = 6;
 
 // Forces the scans' split (split_scan).
 constexpr const char* kSegmentsSetting = "FLASHDELTA_BACKWARD_SCAN_SEGMENTS";
+// A maps step against a scan step: counted alike here (measured 0.65-0.9 of one, bench/
+// NOTES.md (aa); the split counts were chosen and tested with this weight).
+constexpr double kMapsStep = 1.0;
 
 Carver layout(cuda::BackwardParams& b, bool varlen) {
   cuda::BackwardWorkspace& w = b.ws;
@@ -84,7 +87,7 @@ cuda::BackwardParams backward_params(const Problem& p, const BackwardArgs& a) {
   b.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;
   b.max_chunks = p.cu_seqlens.present() ? b.chunks_per_row + p.N : p.B * b.chunks_per_row;
   // No sequence has more chunks than chunks_per_row (a varlen batch's T is its total).
-  const ScanSplit split = split_scan(kSegmentsSetting, p.N * p.HV, p.K, p.V, b.chunks_per_row);
+  const ScanSplit split = split_scan(kSegmentsSetting, p.N * p.HV, p.K, p.V, b.chunks_per_row, kMapsStep);
   b.segments = split.segments;
   b.segment_chunks = split.segment_chunks;
   b.d_o = token_tensor(a.d_o);
@@ -252,7 +255,7 @@ bool cuda_backward_scans_mma(int64_t K) {
 }
 
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
-  return split_scan(kSegmentsSetting, scans, K, V, chunks).segments;
+  return split_scan(kSegmentsSetting, scans, K, V, chunks, kMapsStep).segments;
 }
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {

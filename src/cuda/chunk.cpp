@@ -18,6 +18,9 @@ namespace {
 
 // Forces the state kernel's split (split_scan).
 constexpr const char* kSegmentsSetting = "FLASHDELTA_CHUNK_STATE_SEGMENTS";
+// A maps step against a scan step (no outputs, no A_qk term): 2.0 against 3.2-3.7 us on the
+// H200 (bench/NOTES.md (ab)).
+constexpr double kMapsStep = 0.6;
 
 // The chunk table numbers the chunk states too (ForwardArgs::chunk_states).
 static_assert(cuda::kChunk == kChunkStateTokens);
@@ -56,7 +59,7 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
   // With cu_seqlens each sequence adds at most one partial chunk to T / C whole ones.
   c.max_chunks = p.cu_seqlens.present() ? c.chunks_per_row + p.N : p.B * c.chunks_per_row;
   // No sequence has more chunks than chunks_per_row (a varlen batch's T is its total).
-  const ScanSplit split = split_scan(kSegmentsSetting, p.N * p.HV, p.K, p.V, c.chunks_per_row);
+  const ScanSplit split = split_scan(kSegmentsSetting, p.N * p.HV, p.K, p.V, c.chunks_per_row, kMapsStep);
   c.segments = split.segments;
   c.segment_chunks = split.segment_chunks;
   return c;
@@ -65,7 +68,7 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
 }  // namespace
 
 int64_t cuda_chunk_state_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
-  return split_scan(kSegmentsSetting, scans, K, V, chunks).segments;
+  return split_scan(kSegmentsSetting, scans, K, V, chunks, kMapsStep).segments;
 }
 
 int64_t cuda_chunk_workspace_bytes(const Problem& p) {

@@ -137,7 +137,8 @@ int sm_count() {
   return sms;
 }
 
-ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, int64_t chunks) {
+ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, int64_t chunks,
+                     double maps_step) {
   const std::string value = env_setting(setting, {"auto", "1", "2", "3", "4", "8"});
   int64_t best = 1;
   if (K > 128 || chunks < 2) {
@@ -148,11 +149,11 @@ ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, i
     constexpr int64_t kWave = 128, kMinSegmentChunks = 16;
     const int64_t value_tiles = (V + 63) / 64, map_tiles = value_tiles + (K + 63) / 64;
     auto waves = [](int64_t blocks) { return (blocks + kWave - 1) / kWave; };
-    int64_t best_steps = waves(scans * value_tiles) * chunks;
+    double best_steps = static_cast<double>(waves(scans * value_tiles) * chunks);
     for (int64_t s = 2; s <= chunks / kMinSegmentChunks; ++s) {
       const int64_t per = (chunks + s - 1) / s;
-      const int64_t steps = waves(scans * map_tiles * (s - 1)) * per + (s - 1) +
-                            waves(scans * value_tiles * s) * per;
+      const double steps = maps_step * static_cast<double>(waves(scans * map_tiles * (s - 1)) * per) +
+                           static_cast<double>((s - 1) + waves(scans * value_tiles * s) * per);
       if (steps < best_steps) best = s, best_steps = steps;
     }
   }

@@ -40,10 +40,12 @@ struct ScanSplit {
 // environment variable `setting` (one of auto, 1, 2, 3, 4, 8; unset or `auto`: the model)
 // deciding. The model: the fewest chunk steps one after another, the segments' maps (V's and
 // the identity's K columns, for every segment but one) in their waves of a segment's
-// chunks, a carry per earlier segment, then the scan in its waves; one block per SM and 128
-// SMs a wave (the same split on every GPU, so the same results); segments of 16 chunks at
-// the least. A forced count is at most `chunks`. Throws Error(invalid_argument) naming the
-// variable for any other value.
-ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, int64_t chunks);
+// chunks, each map step `maps_step` of a scan step (a side's maps skip its outputs), a carry
+// per earlier segment, then the scan in its waves; one block per SM and 128 SMs a wave (the
+// same split on every GPU, so the same results); segments of 16 chunks at the least. A
+// forced count is at most `chunks`. Throws Error(invalid_argument) naming the variable for
+// any other value.
+ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, int64_t chunks,
+                     double maps_step);
 
 }  // namespace flashdelta::detail
