@@ -24,7 +24,8 @@
 #
 # Environment (all optional):
 #   OUT          output folder (default: ./device-out)
-#   BUDGET_S     time budget of the whole run in seconds (default 450)
+#   BUDGET_S     time budget of the whole run in seconds (default 450); below the sum of the
+#                stages' minimums (MIN below) the run stops before any stage, with exit 2
 #   STAGES       stages to run, in order (default: "info deps configure build ctest sanitize
 #                pytest bench bench-chunk kernel-bench overhead pytest-all"); e.g.
 #                STAGES="deps configure build bench". Opt-in stages, never in the default:
@@ -359,6 +360,18 @@ run_stage() {
 
 log "FlashDelta device run: $(date -u '+%F %T UTC') on $(hostname); budget ${BUDGET_S} s"
 log "stages: $STAGES"
+# A budget below the stages' minimums would skip the first ones (the build among them) and
+# run the later ones for nothing: refuse it before anything runs.
+NEEDED=0 MINIMA=""
+for stage in $STAGES; do
+  NEEDED=$((NEEDED + ${MIN[$stage]:-0}))
+  MINIMA+="${MINIMA:+, }$stage ${MIN[$stage]:-0}"
+done
+if ((NEEDED > BUDGET_S)); then
+  log "BUDGET_S=$BUDGET_S is less than the $NEEDED s these stages need at the least ($MINIMA):" \
+    "raise it or drop stages"
+  exit 2
+fi
 for stage in $STAGES; do
   if [ -z "${MAX[$stage]:-}" ]; then log "unknown stage: $stage"; continue; fi
   run_stage "$stage"
