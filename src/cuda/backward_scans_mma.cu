@@ -286,27 +286,28 @@ __device__ void add_partner(Acc (&t)[kTokenTiles], Exchange& xch) {
   }
 }
 
-// S^T = S^T P^T + e^T: the state carried across segment s by its map (P, e). P's rows (the
-// result's keys) go through `stage` (kC rows of KP + 8 floats) kC at a time, as the
-// left-operand products of the chunks do with w or kg; each warp keeps the rows of its own
-// keys. Starts and ends with a block barrier: the stage and the exchange are free after.
-template <int KP>
-__device__ void carry_across_segment(const BackwardParams& b, const MmaScanBlock& blk, int64_t s,
-                                     MmaState<KP>& S, float* stage, Exchange& xch) {
+// The rounds both carries below share: kC keys of the result at a time, their operand staged
+// into the scan's stage by stage_round(map, r) (cp.async), formed over the warp's keys by
+// product(t) and summed with the partner's; each warp keeps the rows of its own keys, then
+// adds e (the map's first V columns). Starts and ends with a block barrier: the stage and
+// the exchange are free after.
+template <int KP, class StageRound, class Product>
+__device__ void carry_rounds(const BackwardParams& b, const MmaScanBlock& blk, int64_t s,
+                             MmaState<KP>& S, Exchange& xch, StageRound stage_round,
+                             Product product) {
   constexpr int kTiles = MmaState<KP>::kKeys / 8;
-  const int64_t K = b.p.K, ld = b.p.V + K;
+  const int64_t ld = b.p.V + b.p.K;
   const float* m = blk.segment_map(b, s);
   Acc next[kTiles];
 #pragma unroll
   for (int r = 0; r * kC < KP; ++r) {
     __syncthreads();
-    const int rows = static_cast<int>(K - r * kC < kC ? K - r * kC : kC);
-    stage_rows(stage, KP + 8, kC, KP, m + r * kC * ld + b.p.V, ld, rows, static_cast<int>(K));
+    stage_round(m, r);
     commit_async();
     wait_async<0>();
     __syncthreads();
     Acc t[kTokenTiles];
-    state_times_rows(t, S, stage, KP + 8);
+    product(t);
     add_partner(t, xch);
 #pragma unroll
     for (int nt = 0; nt < kTokenTiles; ++nt)
@@ -320,44 +321,45 @@ __device__ void carry_across_segment(const BackwardParams& b, const MmaScanBlock
   __syncthreads();
 }
 
+// S^T = S^T P^T + e^T: the state carried across segment s by its map (P, e). P's rows (the
+// result's keys) go through `stage` (kC rows of KP + 8 floats) kC at a time, as the
+// left-operand products of the chunks do with w or kg.
+template <int KP>
+__device__ void carry_across_segment(const BackwardParams& b, const MmaScanBlock& blk, int64_t s,
+                                     MmaState<KP>& S, float* stage, Exchange& xch) {
+  const int64_t K = b.p.K, ld = b.p.V + K;
+  carry_rounds<KP>(
+      b, blk, s, S, xch,
+      [&](const float* m, int r) {
+        const int rows = static_cast<int>(K - r * kC < kC ? K - r * kC : kC);
+        stage_rows(stage, KP + 8, kC, KP, m + r * kC * ld + b.p.V, ld, rows, static_cast<int>(K));
+      },
+      [&](Acc (&t)[kTokenTiles]) { state_times_rows(t, S, stage, KP + 8); });
+}
+
 // dS^T = dS^T P + e^T: the gradient carried back across segment s by the transpose of the
-// states scan's map P of the segment (BackwardParams::transposed_maps) and its own e (the
-// map's first V columns). P's columns (the result's keys) go through `stage` kC at a time as
-// KP rows (every source key) of kC + 4 floats: the right operand of the warp's own keys, as
-// in the state updates; the pair then adds its partial sums.
+// states scan's map P of the segment (BackwardParams::transposed_maps) and its own e. P's
+// columns (the result's keys) go through `stage` kC at a time as KP rows (every source key)
+// of kC + 4 floats: the right operand of the warp's own keys, as in the state updates.
 template <int KP>
 __device__ void carry_by_transposed_map(const BackwardParams& b, const MmaScanBlock& blk,
                                         int64_t s, MmaState<KP>& S, float* stage, Exchange& xch) {
   constexpr int kTiles = MmaState<KP>::kKeys / 8, kLd = kC + 4;
   const int64_t K = b.p.K, ld = b.p.V + K;
-  const float* m = blk.segment_map(b, s);
-  Acc next[kTiles];
+  carry_rounds<KP>(
+      b, blk, s, S, xch,
+      [&](const float* m, int r) {
+        const int cols = static_cast<int>(K - r * kC < kC ? K - r * kC : kC);
+        stage_rows(stage, kLd, KP, kC, m + b.p.V + r * kC, ld, static_cast<int>(K), cols);
+      },
+      [&](Acc (&t)[kTokenTiles]) {
 #pragma unroll
-  for (int r = 0; r * kC < KP; ++r) {
-    __syncthreads();
-    const int cols = static_cast<int>(K - r * kC < kC ? K - r * kC : kC);
-    stage_rows(stage, kLd, KP, kC, m + b.p.V + r * kC, ld, static_cast<int>(K), cols);
-    commit_async();
-    wait_async<0>();
-    __syncthreads();
-    Acc t[kTokenTiles];
-#pragma unroll
-    for (int kt = 0; kt < kTiles; ++kt) {
-      uint32_t a[4];
-      acc_fragment(S.acc[kt], 1.f, a);
-      times_kn(t, a, stage + S.key0 * kLd, kLd, kt);
-    }
-    add_partner(t, xch);
-#pragma unroll
-    for (int nt = 0; nt < kTokenTiles; ++nt)
-#pragma unroll
-      for (int kt = 0; kt < kTiles; ++kt)
-        if (r * kC + 8 * nt == S.key0 + 8 * kt) next[kt] = t[nt];
-  }
-#pragma unroll
-  for (int kt = 0; kt < kTiles; ++kt) S.acc[kt] = next[kt];
-  S.for_each(b, blk, [&](float& x, int key, int64_t col) { x += m[key * ld + col]; });
-  __syncthreads();
+        for (int kt = 0; kt < kTiles; ++kt) {
+          uint32_t a[4];
+          acc_fragment(S.acc[kt], 1.f, a);
+          times_kn(t, a, stage + S.key0 * kLd, kLd, kt);
+        }
+      });
 }
 
 // Calls f(value, token, column) for this lane's elements of the warp's half of a 16 x kC
