@@ -65,15 +65,9 @@ __device__ __forceinline__ int64_t state_offset(const StateTensor& s, int64_t n,
   return n * s.slot_stride + hv * s.head_stride + i * s.key_stride + j * s.value_stride;
 }
 
-// Queues L2 prefetches of `rows` rows of row_floats floats from p (row stride `stride`), one
-// 128-byte line per thread at a time; nothing waits on them. 32-bit indices: a 64-bit
-// division per line is a long call, on the critical path of the kernels that prefetch.
-__device__ void prefetch_rows(const float* p, int64_t stride, int rows, int64_t row_floats) {
-  const int lines = static_cast<int>((row_floats + 31) / 32);
-  for (int idx = threadIdx.x; idx < rows * lines; idx += blockDim.x) {
-    const float* line = p + idx / lines * stride + idx % lines * 32;
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
-  }
+// prefetch_row_lines (cuda/device_io.cuh) of float32 rows.
+__device__ inline void prefetch_rows(const float* p, int64_t stride, int rows, int64_t row_floats) {
+  prefetch_row_lines(p, stride, rows, row_floats);
 }
 
 // Operands of staged_product: element (i, j) of a float32 matrix in global or shared memory.

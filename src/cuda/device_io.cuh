@@ -129,17 +129,25 @@ __device__ __forceinline__ void run8_to_float(const Run8& r, DType t, float (&ou
   }
 }
 
-// Queues L2 prefetches of `rows` token rows of a 16-bit tensor with unit channel stride
-// (channels [0, channels) from element offset `off`, row stride x.stride[1]), one 128-byte
-// line per thread at a time; nothing waits on them. Other layouts are not prefetched.
-__device__ inline void prefetch_token_rows(const TokenTensor& x, int64_t off, int rows, int channels) {
-  if (!is_16bit(x.dtype) || x.stride[3] != 1) return;
-  const auto* base = static_cast<const unsigned short*>(x.data) + off;
-  const int lines = (channels + 63) / 64;
+// Queues L2 prefetches of `rows` rows of row_elems elements from p (row stride `stride`
+// elements), one 128-byte line per thread at a time; nothing waits on them. 32-bit indices: a
+// 64-bit division per line is a long call, on the critical path of the kernels that prefetch.
+// (Count, the row length's type, is the caller's: it sets the arithmetic of the line count.)
+template <class T, class Count>
+__device__ inline void prefetch_row_lines(const T* p, int64_t stride, int rows, Count row_elems) {
+  constexpr int kLine = 128 / static_cast<int>(sizeof(T));
+  const int lines = static_cast<int>((row_elems + kLine - 1) / kLine);
   for (int idx = threadIdx.x; idx < rows * lines; idx += blockDim.x) {
-    const unsigned short* line = base + (idx / lines) * x.stride[1] + (idx % lines) * 64;
+    const T* line = p + idx / lines * stride + idx % lines * kLine;
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
   }
+}
+
+// prefetch_row_lines of `rows` token rows of a 16-bit tensor with unit channel stride
+// (channels [0, channels) from element offset `off`); other layouts are not prefetched.
+__device__ inline void prefetch_token_rows(const TokenTensor& x, int64_t off, int rows, int channels) {
+  if (!is_16bit(x.dtype) || x.stride[3] != 1) return;
+  prefetch_row_lines(static_cast<const unsigned short*>(x.data) + off, x.stride[1], rows, channels);
 }
 
 // Eight floats by value: passed to a call in registers, where an array's address would put
