@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/bulk_copy.cuh"
 #include "cuda/chunk_params.h"
 #include "cuda/chunk_records.cuh"
 #include "cuda/device_io.cuh"
@@ -52,7 +53,7 @@ struct StateGeometry {
 template <int KP>
 struct Stage {
   using G = StateGeometry<KP>;
-  // Every member is a cp.async destination (16-byte pieces).
+  // Every member is a copy destination: 16-byte aligned rows of whole 16-byte pieces.
   alignas(16) bf16 qg[kChunk][G::LK];
   alignas(16) bf16 kg[kChunk][G::LK];
   alignas(16) bf16 w[kChunk][G::LK];
@@ -66,15 +67,38 @@ struct StateShared {
   using G = StateGeometry<KP>;
   Stage<KP> stage[G::kStages];
   alignas(16) float o[G::kWarps][kChunk][kWarpColumns + 4];  // each warp's output, staged
+  uint64_t landed[G::kStages];  // each stage's bulk copies complete here (Hopper)
 };
 
 // Copies one record's rows (this block's columns of u, unless with_u is false: a map's
-// identity columns have none) into a stage.
+// identity columns have none) into a stage. On Hopper each row is one bulk copy that
+// completes on the stage's barrier `landed` (about 2.5 copies per thread); elsewhere the rows
+// go as 16-byte cp.async pieces (about 33 per thread) in one commit group.
 template <int KP>
 __device__ void fetch_record(const ChunkParams& c, const Record& r, int64_t j0, bool delta,
-                             bool with_u, Stage<KP>& st) {
+                             bool with_u, Stage<KP>& st, uint64_t* landed) {
   using G = StateGeometry<KP>;
   const int tid = threadIdx.x;
+  if constexpr (kBulkCopies) {
+    constexpr uint32_t kKeyRow = KP * sizeof(bf16), kURow = G::BV * sizeof(bf16),
+                       kARow = kChunk * sizeof(bf16), kDecay = KP * sizeof(float);
+    if (tid == 0)
+      expect_bytes(landed, kChunk * (2 * kKeyRow + (delta ? kKeyRow : 0) +
+                                     (with_u ? kURow : 0) + kARow) + kDecay);
+    // Copy e: row e % kChunk of matrix e / kChunk (qg, kg, w, u, A_qk), then the decays.
+    for (int e = tid; e < 5 * kChunk + 1; e += G::kThreads) {
+      const int t = e % kChunk;
+      switch (e / kChunk) {
+        case 0: bulk_copy(&st.qg[t][0], r.qg + t * KP, kKeyRow, landed); break;
+        case 1: bulk_copy(&st.kg[t][0], r.kg + t * KP, kKeyRow, landed); break;
+        case 2: if (delta) bulk_copy(&st.w[t][0], r.w + t * KP, kKeyRow, landed); break;
+        case 3: if (with_u) bulk_copy(&st.u[t][0], r.u + t * c.VP + j0, kURow, landed); break;
+        case 4: bulk_copy(&st.a[t][0], r.aqk + t * kChunk, kARow, landed); break;
+        default: bulk_copy(st.decay, r.decay, kDecay, landed);
+      }
+    }
+    return;
+  }
   constexpr int kRow = KP / 8;  // 16-byte pieces per row
   for (int e = tid; e < kChunk * kRow; e += G::kThreads) {
     const int t = e / kRow, x = 8 * (e % kRow);
@@ -92,6 +116,16 @@ __device__ void fetch_record(const ChunkParams& c, const Record& r, int64_t j0, 
   }
   for (int e = tid; e < KP / 4; e += G::kThreads) copy_async<16>(&st.decay[4 * e], r.decay + 4 * e, 16);
   commit_async();
+}
+
+// Waits for this thread's view of a fetched stage: its barrier's phase `use % 2` (the stage's
+// use-th fetch) on Hopper, the thread's own cp.async group elsewhere. A block barrier must
+// follow before the stage is read (other threads' copies).
+__device__ __forceinline__ void await_record(uint64_t* landed, int64_t use) {
+  if constexpr (kBulkCopies)
+    wait_landed(landed, static_cast<uint32_t>(use % 2));
+  else
+    wait_async<0>();
 }
 
 // The left-operand fragment of k-step kk (columns 16 kk .. 16 kk + 15 of a 16-row product
@@ -339,32 +373,44 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
     return c.ws.segment_maps + ((n * p.HV + hv) * segments + s) * p.K * (p.V + p.K);
   };
 
+  if constexpr (kBulkCopies) {
+    if (threadIdx.x < G::kStages) init_landing_barrier(&sh.landed[threadIdx.x]);
+    __syncthreads();
+  }
   StateColumns<KP> S;
   if (!kEnds) {
     S.load(p, n, hv, jw);
-    if constexpr (kPass == StatePass::segments)
+    if constexpr (kPass == StatePass::segments) {
       for (int64_t s = 0; s < seg; ++s)
         carry_across_segment(p, segment_map(s), jw, S,
                              reinterpret_cast<float(*)[KP + 8]>(&sh.stage[0]), sh.o[warp]);
+      if (kBulkCopies && seg > 0) {  // the carries' scratch is the stages' memory
+        fence_before_bulk_writes();
+        __syncthreads();
+      }
+    }
   } else if (map) {
     S.identity(p, jw);
   }
+  // Chunk i's stage, and how many fetches into that stage came before it.
   auto record = [&](int64_t i) { return record_of(c, (chunks.first + i) * p.HV + hv); };
-  if (G::kStages == 2 && c0 < c1)
-    fetch_record(c, record(c0), j0, p.delta, !map, sh.stage[c0 % 2]);
+  auto stage = [&](int64_t i) { return static_cast<int>((i - c0) % G::kStages); };
+  auto fetch = [&](int64_t i) {
+    fetch_record(c, record(i), j0, p.delta, !map, sh.stage[stage(i)], &sh.landed[stage(i)]);
+  };
+  if (G::kStages == 2 && c0 < c1) fetch(c0);
 
   for (int64_t i = c0; i < c1; ++i) {
     // The registers hold the state entering chunk i: recorded straight from them.
     if (kRecord && !kEnds && chunks.first + i < c.chunk_states_count)
       S.store_entry(c, chunks.first + i, hv, jw);
-    Stage<KP>& st = sh.stage[G::kStages == 2 ? i % 2 : 0];
-    if (G::kStages == 1) fetch_record(c, record(i), j0, p.delta, !map, st);
-    wait_async<0>();
+    Stage<KP>& st = sh.stage[stage(i)];
+    if (G::kStages == 1) fetch(i);
+    await_record(&sh.landed[stage(i)], (i - c0) / G::kStages);
     // Chunk i's stage has landed for every thread, and every warp is done with chunk i - 1,
     // whose stage the prefetch of chunk i + 1 then overwrites while chunk i computes.
     __syncthreads();
-    if (G::kStages == 2 && i + 1 < c1)
-      fetch_record(c, record(i + 1), j0, p.delta, !map, sh.stage[(i + 1) % 2]);
+    if (G::kStages == 2 && i + 1 < c1) fetch(i + 1);
 
     // v_new^T = u^T - S^T w^T (this warp's columns, all 64 tokens).
     Acc vn[G::kTokenTiles];
