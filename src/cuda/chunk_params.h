@@ -24,12 +24,13 @@ constexpr int chunk_state_columns(int) { return 64; }  // split_scan (host_param
 
 // One record per (chunk, value head), index chunk * HV + hv, all zero past the chunk's last
 // token and past K / V (decay is 1 past K), with Gamma the cumulative log2 decay from the
-// chunk start:
+// chunk start. The bf16 matrices' rows are permuted within (cuda/chunk_records.cuh,
+// record_index), and u is stored in tiles of 64 columns:
 struct ChunkWorkspace {
   uint16_t* qg = nullptr;   // [C, KP] bf16: scale q 2^Gamma (reads the chunk-start state)
   uint16_t* kg = nullptr;   // [C, KP] bf16: k 2^(Gamma_end - Gamma) (writes the end state)
   uint16_t* w = nullptr;    // [C, KP] bf16: T (beta k 2^Gamma), delta rule only
-  uint16_t* u = nullptr;    // [C, VP] bf16: T (beta v) (delta) or v (linear)
+  uint16_t* u = nullptr;    // [VP / 64][C, 64] bf16: T (beta v) (delta) or v (linear)
   uint16_t* aqk = nullptr;  // [C, C]  bf16: scale q_i . k_j 2^(Gamma_i - Gamma_j), j <= i
   float* decay = nullptr;   // [KP] 2^Gamma_end
   int64_t* chunk_start = nullptr;  // [N + 1] first chunk of each sequence (cu_seqlens only)

@@ -280,8 +280,8 @@ __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>&
       kg[e] = kv * exp2f(gend[e] - gam);
       wk[e] = sh.beta[t] * kv * up;
     }
-    store_bf16x8(rec.qg + t * KP + c0 + c8, qg);
-    store_bf16x8(rec.kg + t * KP + c0 + c8, kg);
+    store_bf16x8(rec.qg + record_index(t, c0 + c8, KP), qg);
+    store_bf16x8(rec.kg + record_index(t, c0 + c8, KP), kg);
     if (p.delta) store_bf16x8(&sh.wsrc[t][c0 + c8], wk);
   }
 }
@@ -419,7 +419,7 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
         vk[x] = j < t ? sh.beta[t] * fk : 0.f;
       }
       const int j0 = 8 * nt + acc_col(e);
-      store_pair(rec.aqk + t * kChunk + j0, vq[0], vq[1]);
+      store_pair(rec.aqk + record_index(t, j0, kChunk), vq[0], vq[1]);
       sh.u.v.a[t][j0] = vk[0];
       sh.u.v.a[t][j0 + 1] = vk[1];
     }
@@ -441,9 +441,10 @@ __device__ void solve(PrepareShared<KP>& sh) {
   __syncthreads();
 }
 
-// out[rows of block I][n0 .. n0 + 63] = tb[block I rows] . src[tokens][n0 ..], in bfloat16.
+// out[rows of block I][n0 .. n0 + 63] = tb[block I rows] . src[tokens][n0 ..], in bfloat16,
+// into a record matrix `width` wide (cuda/chunk_records.cuh).
 __device__ void lower_product_rows(const bf16* tb, const bf16* src, int ld_src, int n0, bf16* out,
-                                   int64_t ld_out) {
+                                   int width) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
   Acc acc[8];
   for (int k0 = 0; k0 <= r0; k0 += 16) {
@@ -461,7 +462,7 @@ __device__ void lower_product_rows(const bf16* tb, const bf16* src, int ld_src, 
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; e += 2)
-      store_pair(out + (r0 + acc_row(e)) * ld_out + 8 * nt + acc_col(e), acc[nt].d[e],
+      store_pair(out + record_index(r0 + acc_row(e), n0 + 8 * nt + acc_col(e), width), acc[nt].d[e],
                  acc[nt].d[e + 1]);
 }
 
@@ -492,12 +493,12 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
       for (int e = 0; e < 8; ++e) val[e] *= sh.beta[t];
       store_bf16x8(sh.vb() + t * kValueLd + col, val);
     } else {
-      store_bf16x8(rec.u + t * c.VP + v0 + col, val);
+      store_bf16x8(rec.u + record_u_index(t, v0 + col), val);
     }
   }
   if (!p.delta) return;
   __syncthreads();
-  lower_product_rows(sh.tb(), sh.vb(), kValueLd, 0, rec.u + v0, c.VP);
+  lower_product_rows(sh.tb(), sh.vb(), kValueLd, 0, rec.u + record_u_index(0, v0), kValueTile);
 }
 
 template <GateForm G, int KP>
@@ -539,7 +540,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
   // w = T (beta k 2^Gamma); u = T (beta v), or v for the linear write.
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
-      lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w + n0, KP);
+      lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w, KP);
   for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile) write_values(c, sh, rec, ref, hv, v0);
 }
 

@@ -18,11 +18,25 @@ __device__ bool locate_chunk(const ChunkParams& c, int64_t chunk, ChunkRef& ref)
   return locate_chunk(c.p, c.ws.chunk_start, c.chunks_per_row, chunk, ref);
 }
 
-// The bf16 matrices of one record.
+// The bf16 matrices of one record. Each is stored dense, 64 token rows, with the 16-byte
+// pieces of row t permuted by XOR with t % 8 (record_index): one bulk copy moves a whole
+// matrix into shared memory as it lies, and there ldmatrix's 8 consecutive rows at one
+// column land in 8 different bank groups (loads without conflicts, rows without padding).
+// u is stored in tiles of 64 value columns, tile after tile, so that a state-kernel block's
+// columns are one run too.
 struct Record {
   bf16 *qg, *kg, *w, *u, *aqk;
   float* decay;
 };
+
+// Element (t, x) of a record matrix `width` (a multiple of 64) elements wide.
+__host__ __device__ __forceinline__ int record_index(int t, int x, int width) {
+  return t * width + (((x >> 3) ^ (t & 7)) << 3) + (x & 7);
+}
+// Element (t, j) of a record's u.
+__device__ __forceinline__ int64_t record_u_index(int t, int64_t j) {
+  return j / 64 * (kChunk * 64) + record_index(t, static_cast<int>(j % 64), 64);
+}
 
 __device__ __forceinline__ Record record_of(const ChunkParams& c, int64_t rec) {
   const int64_t kp = c.KP;
@@ -30,6 +44,19 @@ __device__ __forceinline__ Record record_of(const ChunkParams& c, int64_t rec) {
   return {at(c.ws.qg, rec * kChunk * kp), at(c.ws.kg, rec * kChunk * kp),
           at(c.ws.w, rec * kChunk * kp),  at(c.ws.u, rec * kChunk * c.VP),
           at(c.ws.aqk, rec * kChunk * kChunk), c.ws.decay + rec * kp};
+}
+
+// mma.cuh's load_b_pair_nk and load_b_pair_kn for a record matrix in shared memory, laid out
+// as in global memory (record_index).
+__device__ __forceinline__ void load_record_b_pair_nk(uint32_t (&b)[4], const bf16* x, int width,
+                                                      int n0, int k0) {
+  const int l = threadIdx.x % 32;
+  ldmatrix_x4<false>(b, x + record_index(n0 + l % 8 + 8 * (l / 16), k0 + 8 * ((l / 8) % 2), width));
+}
+__device__ __forceinline__ void load_record_b_pair_kn(uint32_t (&b)[4], const bf16* x, int width,
+                                                      int n0, int k0) {
+  const int l = threadIdx.x % 32, mat = l / 8;
+  ldmatrix_x4<true>(b, x + record_index(k0 + l % 8 + 8 * (mat % 2), n0 + 8 * (mat / 2), width));
 }
 
 }  // namespace

@@ -4,7 +4,8 @@
 //     o     = qg S + A_qk v_new
 //     S     = diag(decay) S + kg^T v_new
 // from the chunk's prepared record (cuda/chunk_params.h), which is copied into shared memory
-// asynchronously one chunk ahead while the current chunk computes (KP <= 128).
+// asynchronously one chunk ahead while the current chunk computes (KP <= 128): on Hopper
+// one bulk copy per matrix, which the record's layout allows (cuda/chunk_records.cuh).
 //
 // Each warp owns 16 value columns of the state for every key, and every product above reads
 // only the warp's own columns of S and v_new: the warps never wait for each other within a
@@ -47,18 +48,18 @@ struct StateGeometry {
   static constexpr int kStages = KP <= 128 ? 2 : 1;
   static constexpr int kKeyTiles = KP / 8;       // n8 tiles of S^T
   static constexpr int kTokenTiles = kChunk / 8;  // n8 tiles of v_new^T and o^T
-  static constexpr int LK = KP + 8, LV = BV + 8, LC = kChunk + 8;
 };
 
+// One record (this block's tile of u), laid out as in global memory (cuda/chunk_records.cuh).
 template <int KP>
 struct Stage {
   using G = StateGeometry<KP>;
-  // Every member is a copy destination: 16-byte aligned rows of whole 16-byte pieces.
-  alignas(16) bf16 qg[kChunk][G::LK];
-  alignas(16) bf16 kg[kChunk][G::LK];
-  alignas(16) bf16 w[kChunk][G::LK];
-  alignas(16) bf16 u[kChunk][G::LV];
-  alignas(16) bf16 a[kChunk][G::LC];
+  static_assert(G::BV == 64, "a block's columns of u are one tile of the record");
+  alignas(16) bf16 qg[kChunk * KP];
+  alignas(16) bf16 kg[kChunk * KP];
+  alignas(16) bf16 w[kChunk * KP];
+  alignas(16) bf16 u[kChunk * G::BV];
+  alignas(16) bf16 a[kChunk * kChunk];
   alignas(16) float decay[KP];
 };
 
@@ -70,52 +71,44 @@ struct StateShared {
   uint64_t landed[G::kStages];  // each stage's bulk copies complete here (Hopper)
 };
 
-// Copies one record's rows (this block's columns of u, unless with_u is false: a map's
-// identity columns have none) into a stage. On Hopper each row is one bulk copy that
-// completes on the stage's barrier `landed` (about 2.5 copies per thread); elsewhere the rows
-// go as 16-byte cp.async pieces (about 33 per thread) in one commit group.
+// Copies one record (this block's tile of u, unless with_u is false: a map's identity
+// columns have none) into a stage: on Hopper one bulk copy per matrix, completing on the
+// stage's barrier `landed`; elsewhere 16-byte cp.async pieces in one commit group.
 template <int KP>
-__device__ void fetch_record(const ChunkParams& c, const Record& r, int64_t j0, bool delta,
-                             bool with_u, Stage<KP>& st, uint64_t* landed) {
+__device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_u, Stage<KP>& st,
+                             uint64_t* landed) {
   using G = StateGeometry<KP>;
+  constexpr int kKeys = kChunk * KP, kValues = kChunk * G::BV, kA = kChunk * kChunk;
+  const bf16* u = r.u + j0 * kChunk;  // the tile of columns j0 ..
   const int tid = threadIdx.x;
   if constexpr (kBulkCopies) {
-    constexpr uint32_t kKeyRow = KP * sizeof(bf16), kURow = G::BV * sizeof(bf16),
-                       kARow = kChunk * sizeof(bf16), kDecay = KP * sizeof(float);
+    constexpr uint32_t kKeyBytes = kKeys * sizeof(bf16), kValueBytes = kValues * sizeof(bf16);
     if (tid == 0)
-      expect_bytes(landed, kChunk * (2 * kKeyRow + (delta ? kKeyRow : 0) +
-                                     (with_u ? kURow : 0) + kARow) + kDecay);
-    // Copy e: row e % kChunk of matrix e / kChunk (qg, kg, w, u, A_qk), then the decays.
-    for (int e = tid; e < 5 * kChunk + 1; e += G::kThreads) {
-      const int t = e % kChunk;
-      switch (e / kChunk) {
-        case 0: bulk_copy(&st.qg[t][0], r.qg + t * KP, kKeyRow, landed); break;
-        case 1: bulk_copy(&st.kg[t][0], r.kg + t * KP, kKeyRow, landed); break;
-        case 2: if (delta) bulk_copy(&st.w[t][0], r.w + t * KP, kKeyRow, landed); break;
-        case 3: if (with_u) bulk_copy(&st.u[t][0], r.u + t * c.VP + j0, kURow, landed); break;
-        case 4: bulk_copy(&st.a[t][0], r.aqk + t * kChunk, kARow, landed); break;
-        default: bulk_copy(st.decay, r.decay, kDecay, landed);
-      }
+      expect_bytes(landed, 2 * kKeyBytes + (delta ? kKeyBytes : 0) +
+                               (with_u ? kValueBytes : 0) + kA * sizeof(bf16) +
+                               KP * sizeof(float));
+    switch (tid) {
+      case 0: bulk_copy(st.qg, r.qg, kKeyBytes, landed); break;
+      case 1: bulk_copy(st.kg, r.kg, kKeyBytes, landed); break;
+      case 2: if (delta) bulk_copy(st.w, r.w, kKeyBytes, landed); break;
+      case 3: if (with_u) bulk_copy(st.u, u, kValueBytes, landed); break;
+      case 4: bulk_copy(st.a, r.aqk, kA * sizeof(bf16), landed); break;
+      case 5: bulk_copy(st.decay, r.decay, KP * sizeof(float), landed); break;
+      default: break;
     }
-    return;
+  } else {
+    for (int e = 8 * tid; e < kKeys; e += 8 * G::kThreads) {
+      copy_async<16>(st.qg + e, r.qg + e, 16);
+      copy_async<16>(st.kg + e, r.kg + e, 16);
+      if (delta) copy_async<16>(st.w + e, r.w + e, 16);
+    }
+    for (int e = 8 * tid; with_u && e < kValues; e += 8 * G::kThreads)
+      copy_async<16>(st.u + e, u + e, 16);
+    for (int e = 8 * tid; e < kA; e += 8 * G::kThreads) copy_async<16>(st.a + e, r.aqk + e, 16);
+    for (int e = 4 * tid; e < KP; e += 4 * G::kThreads)
+      copy_async<16>(st.decay + e, r.decay + e, 16);
+    commit_async();
   }
-  constexpr int kRow = KP / 8;  // 16-byte pieces per row
-  for (int e = tid; e < kChunk * kRow; e += G::kThreads) {
-    const int t = e / kRow, x = 8 * (e % kRow);
-    copy_async<16>(&st.qg[t][x], r.qg + t * KP + x, 16);
-    copy_async<16>(&st.kg[t][x], r.kg + t * KP + x, 16);
-    if (delta) copy_async<16>(&st.w[t][x], r.w + t * KP + x, 16);
-  }
-  for (int e = tid; with_u && e < kChunk * (G::BV / 8); e += G::kThreads) {
-    const int t = e / (G::BV / 8), x = 8 * (e % (G::BV / 8));
-    copy_async<16>(&st.u[t][x], r.u + t * c.VP + j0 + x, 16);
-  }
-  for (int e = tid; e < kChunk * (kChunk / 8); e += G::kThreads) {
-    const int t = e / (kChunk / 8), x = 8 * (e % (kChunk / 8));
-    copy_async<16>(&st.a[t][x], r.aqk + t * kChunk + x, 16);
-  }
-  for (int e = tid; e < KP / 4; e += G::kThreads) copy_async<16>(&st.decay[4 * e], r.decay + 4 * e, 16);
-  commit_async();
 }
 
 // Waits for this thread's view of a fetched stage: its barrier's phase `use % 2` (the stage's
@@ -138,11 +131,10 @@ __device__ __forceinline__ void a_from_acc(uint32_t (&a)[4], const Acc (&acc)[N]
   a[3] = pack_bf16(acc[2 * kk + 1].d[2], acc[2 * kk + 1].d[3]);
 }
 
-// acc[16 x 64 tokens] += left[16 x KP] . x^T for a row-major [token][key] matrix x.
+// acc[16 x 64 tokens] += left[16 x KP] . x^T for a [token][key] record matrix x.
 template <int KP>
 __device__ __forceinline__ void times_token_rows(Acc (&acc)[kChunk / 8],
                                                  const Acc (&left)[KP / 8], const bf16* x) {
-  using G = StateGeometry<KP>;
 #pragma unroll
   for (int kk = 0; kk < KP / 16; ++kk) {
     uint32_t a[4];
@@ -150,7 +142,7 @@ __device__ __forceinline__ void times_token_rows(Acc (&acc)[kChunk / 8],
 #pragma unroll
     for (int np = 0; np < kChunk / 16; ++np) {
       uint32_t b[4];
-      load_b_pair_nk(b, x, G::LK, 16 * np, 16 * kk);
+      load_record_b_pair_nk(b, x, KP, 16 * np, 16 * kk);
       mma_bf16(acc[2 * np], a, b[0], b[1]);
       mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
     }
@@ -396,7 +388,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
   auto record = [&](int64_t i) { return record_of(c, (chunks.first + i) * p.HV + hv); };
   auto stage = [&](int64_t i) { return static_cast<int>((i - c0) % G::kStages); };
   auto fetch = [&](int64_t i) {
-    fetch_record(c, record(i), j0, p.delta, !map, sh.stage[stage(i)], &sh.landed[stage(i)]);
+    fetch_record(record(i), j0, p.delta, !map, sh.stage[stage(i)], &sh.landed[stage(i)]);
   };
   if (G::kStages == 2 && c0 < c1) fetch(c0);
 
@@ -414,20 +406,20 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
 
     // v_new^T = u^T - S^T w^T (this warp's columns, all 64 tokens).
     Acc vn[G::kTokenTiles];
-    if (p.delta) times_token_rows<KP>(vn, S.acc, &st.w[0][0]);
+    if (p.delta) times_token_rows<KP>(vn, S.acc, st.w);
     const int wc = kWarpColumns * warp;  // the warp's first column in the stage's u
 #pragma unroll
     for (int nt = 0; nt < G::kTokenTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 8 * nt + acc_col(e), col = wc + acc_row(e);
-        vn[nt].d[e] = (map ? 0.f : __bfloat162float(st.u[t][col])) - vn[nt].d[e];
+        vn[nt].d[e] = (map ? 0.f : __bfloat162float(st.u[record_index(t, col, G::BV)])) - vn[nt].d[e];
       }
 
     // o^T = S^T qg^T + v_new^T A_qk^T; A_qk is zero right of the diagonal, so token block
     // kk of v_new only reaches output tokens from 16 kk on.
     Acc o[G::kTokenTiles];
-    if (!kEnds) times_token_rows<KP>(o, S.acc, &st.qg[0][0]);
+    if (!kEnds) times_token_rows<KP>(o, S.acc, st.qg);
 #pragma unroll
     for (int kk = 0; kk < (kEnds ? 0 : kChunk / 16); ++kk) {
       uint32_t a[4];
@@ -435,7 +427,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
 #pragma unroll
       for (int np = kk; np < kChunk / 16; ++np) {
         uint32_t b[4];
-        load_b_pair_nk(b, &st.a[0][0], G::LC, 16 * np, 16 * kk);
+        load_record_b_pair_nk(b, st.a, kChunk, 16 * np, 16 * kk);
         mma_bf16(o[2 * np], a, b[0], b[1]);
         mma_bf16(o[2 * np + 1], a, b[2], b[3]);
       }
@@ -454,7 +446,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
 #pragma unroll
       for (int np = 0; np < KP / 16; ++np) {
         uint32_t b[4];
-        load_b_pair_kn(b, &st.kg[0][0], G::LK, 16 * np, 16 * kk);
+        load_record_b_pair_kn(b, st.kg, KP, 16 * np, 16 * kk);
         mma_bf16(S.acc[2 * np], a, b[0], b[1]);
         mma_bf16(S.acc[2 * np + 1], a, b[2], b[3]);
       }
