@@ -18,9 +18,11 @@ namespace {
 
 // Forces the state kernel's split (split_scan).
 constexpr const char* kSegmentsSetting = "FLASHDELTA_CHUNK_STATE_SEGMENTS";
-// A maps step against a scan step (no outputs, no A_qk term): 2.0 against 3.2-3.7 us on the
-// H200 (bench/NOTES.md (ab)).
-constexpr double kMapsStep = 0.6;
+// A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
+// records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter
+// and B=1 T=32768 H=32 runs faster whole than in two segments (3.536 against 3.577 ms,
+// NOTES (ac)), which 1.0 reproduces.
+constexpr double kMapsStep = 1.0;
 
 // The chunk table numbers the chunk states too (ForwardArgs::chunk_states).
 static_assert(cuda::kChunk == kChunkStateTokens);

@@ -489,7 +489,7 @@ TEST(CudaChunkStateSegments, FollowsTheEnvironmentVariable) {
     const ScopedEnv setting(kSegments, automatic);
     // The fewest chunk steps one after another (detail::split_scan).
     EXPECT_EQ(detail::cuda_chunk_state_segments(16, 128, 128, 512), 3);  // B=1 H=16 T=32768
-    EXPECT_EQ(detail::cuda_chunk_state_segments(32, 128, 128, 512), 2);  // 0.6 x 256 + 1 + 256
+    EXPECT_EQ(detail::cuda_chunk_state_segments(32, 128, 128, 512), 1);  // 256 + 1 + 256 > 512
     EXPECT_EQ(detail::cuda_chunk_state_segments(64, 128, 128, 128), 1);  // H=64 T=8192
     EXPECT_EQ(detail::cuda_chunk_state_segments(2, 128, 128, 63), 3);    // LongSequenceAccuracy
     EXPECT_EQ(detail::cuda_chunk_state_segments(128, 128, 128, 64), 1);  // B=8 H=16
