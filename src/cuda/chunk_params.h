@@ -63,7 +63,7 @@ void launch_chunk_table(const ChunkParams& c, void* stream);
 void launch_chunk_prepare(const ChunkParams& c, void* stream);
 void launch_chunk_state(const ChunkParams& c, void* stream);
 // Throws Error(unsupported) when the current GPU lacks the state kernel's shared memory
-// (110.5 KB at K <= 64, 159 KB at K <= 128, 138 KB at K <= 256: A100s have it, GPUs with
+// (100.5 KB at K <= 64, 149 KB at K <= 128, 133 KB at K <= 256: A100s have it, GPUs with
 // 99 KB per block do not); called before anything is launched.
 void require_chunk_state_shared_memory(const ChunkParams& c);
 
