@@ -28,6 +28,11 @@ run (a >= 1 GiB device-to-device copy, bytes read + written / time, median).
 Correctness: one call of each on copies of the same pool; the max relative difference
 (max |ours - fla| / max |fla|) of o and of the written states is recorded.
 
+--variants also times ours under other settings of its environment variables, in the same
+process on the same inputs (each NAME=VALUE, several joined by '+'; comma-separated), e.g.
+--variants FLASHDELTA_RECURRENT_ORDER=state-first: a line per variant under each case, with
+its time, % of copy, the N=1 graph and CUPTI times, and its largest difference from ours.
+
 Outputs under --out: bench_decode.txt (the table), bench_decode.json (everything, with the
 device, versions, date and command), bench_decode.png (plot). Every case fails soft: an
 implementation that raises is recorded with its error and the rest still runs.
@@ -64,6 +69,9 @@ def parse_args(argv):
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--layouts", default="k_first,v_first")
     p.add_argument("--no-fla", action="store_true", help="time FlashDelta alone")
+    p.add_argument("--variants", default="",
+                   help="comma-separated variants of ours to time beside it, each NAME=VALUE "
+                        "(several joined by '+') of its environment variables")
     p.add_argument("--time-budget", type=float, default=0,
                    help="seconds; cases that would start later are skipped (default: none)")
     return p.parse_args(argv)
@@ -367,7 +375,7 @@ def rel_diff(torch, a, b):
 def variant_settings(impl):
     """The environment settings of impl: {} for 'ours', 'kept' and 'fla', else impl is a
     variant of ours (bench_backward.py, bench_chunk.py --variants), 'NAME=VALUE+NAME=VALUE...'."""
-    if impl in ("ours", "kept", "fla"):
+    if impl in ("ours", "kept", "fla", "reference"):
         return {}
     pairs = [p.split("=", 1) for p in impl.split("+")]
     if any(len(p) != 2 or not p[0] for p in pairs):
@@ -421,7 +429,8 @@ def run_case(torch, flashdelta, name, p, layout, impls, device, args, l2_bytes, 
         entry = row["impls"].setdefault(label, {})
         try:
             pool = prob.pool.clone()
-            o, states = call(flashdelta, prob, 0, pool)
+            with environment_of(label):
+                o, states = call(flashdelta, prob, 0, pool)
             timer.sync()
             results[label] = (o.detach().clone(), states.detach().clone())
             del pool
@@ -429,13 +438,18 @@ def run_case(torch, flashdelta, name, p, layout, impls, device, args, l2_bytes, 
             entry["error"] = error_text(e)
             entry["traceback"] = traceback.format_exc(limit=4)
     labels = list(impls)
-    if len(labels) == 2 and all(lb in results for lb in labels):
-        (o_a, s_a), (o_b, s_b) = results[labels[1]], results[labels[0]]
+    if len(labels) >= 2 and labels[0] in results and "ours" in results:
+        (o_a, s_a), (o_b, s_b) = results["ours"], results[labels[0]]
         try:
             row["max_rel_diff"] = dict(o=rel_diff(torch, o_a, o_b),
                                        state=rel_diff(torch, s_a, s_b))
         except Exception as e:  # noqa: BLE001
             row["max_rel_diff"] = dict(error=error_text(e))
+    for label in labels[2:]:  # variants of ours, against ours
+        if label in results and "ours" in results:
+            (o_a, s_a), (o_b, s_b) = results[label], results["ours"]
+            row["impls"][label]["max_rel_diff_vs_ours"] = dict(
+                o=rel_diff(torch, o_a, o_b), state=rel_diff(torch, s_a, s_b))
     results.clear()
 
     for label, call in impls.items():
@@ -444,19 +458,20 @@ def run_case(torch, flashdelta, name, p, layout, impls, device, args, l2_bytes, 
             continue
         fn = lambda r, call=call, prob=prob: call(flashdelta, prob, r)  # noqa: E731
         try:
-            t = timer.per_call(fn, sets, args.reps, args.warmup)
-            entry["time_s"] = t
-            entry["state_GBps"] = state_bytes / t["median"] / 1e9
-            entry["pct_copy_bw"] = 100.0 * state_bytes / t["median"] / copy_bw
-            if p["N"] == 1:
-                entry["wall_s_per_call"] = timer.wall(fn, sets, max(args.reps, 200),
-                                                      args.warmup)
-                if device.type == "cuda":
-                    entry["graph_s_per_call"] = timer.graph(fn, sets)
-                    k = timer.kernel(fn, sets)
-                    if k:
-                        entry["kernel_s_per_call"] = k["total"]
-                        entry["kernel_longest_median_s"] = k["longest_median"]
+            with environment_of(label):
+                t = timer.per_call(fn, sets, args.reps, args.warmup)
+                entry["time_s"] = t
+                entry["state_GBps"] = state_bytes / t["median"] / 1e9
+                entry["pct_copy_bw"] = 100.0 * state_bytes / t["median"] / copy_bw
+                if p["N"] == 1:
+                    entry["wall_s_per_call"] = timer.wall(fn, sets, max(args.reps, 200),
+                                                          args.warmup)
+                    if device.type == "cuda":
+                        entry["graph_s_per_call"] = timer.graph(fn, sets)
+                        k = timer.kernel(fn, sets)
+                        if k:
+                            entry["kernel_s_per_call"] = k["total"]
+                            entry["kernel_longest_median_s"] = k["longest_median"]
         except Exception as e:  # noqa: BLE001
             entry["error"] = error_text(e)
             entry["traceback"] = traceback.format_exc(limit=4)
@@ -502,6 +517,17 @@ def table(rows, baseline, copy_bw, gpu):
                     lines.append(f"{'':<22} {'':<8} {what}: {baseline} "
                                  f"{fmt(wb and wb * 1e6, '.1f')} us, ours "
                                  f"{fmt(wo and wo * 1e6, '.1f')} us{ratio}")
+        for label, v in row["impls"].items():  # variants of ours (--variants)
+            if label in (baseline, "ours") or "error" in v:
+                continue
+            tv = v.get("time_s", {}).get("median")
+            extra = "".join(f", {what} {v[key] * 1e6:.1f} us" for key, what in (
+                ("graph_s_per_call", "graph"), ("kernel_s_per_call", "CUPTI")) if v.get(key))
+            dv = v.get("max_rel_diff_vs_ours", {})
+            lines.append(f"{'':<22} {'':<8} variant {label}: {fmt(tv and tv * 1e3, '.4f')} ms "
+                         f"(ours / variant {fmt(to / tv if to and tv else None, '.3f')}), "
+                         f"{fmt(v.get('pct_copy_bw'), '.1f')}% copy{extra}; diff vs ours o "
+                         f"{fmt(dv.get('o'), '.1e')}, S {fmt(dv.get('state'), '.1e')}")
         for label, entry in row["impls"].items():
             if "error" in entry:
                 notes.append(f"{row['case']}/{row['layout']} {label}: {entry['error']}")
@@ -597,6 +623,9 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001
             print(f"fla unavailable: {error_text(e)}", flush=True)
     impls["ours"] = ours_call if flashdelta is not None else failing(flashdelta_error)
+    for variant in filter(None, args.variants.split(",")):
+        variant_settings(variant)  # exits on a malformed one, before any case runs
+        impls[variant] = ours_call if flashdelta is not None else failing(flashdelta_error)
     if flashdelta is None and "reference" in impls:
         impls["reference"] = failing(flashdelta_error)
 
