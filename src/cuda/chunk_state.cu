@@ -1,9 +1,10 @@
 // Steps 4-5 of the chunkwise forward (DESIGN.md section 3): one block per (sequence, value
 // head, tile of BV value columns) walks its chunks in order and per chunk computes
 //     v_new = u - w S                       (delta rule; linear: v_new = u = v)
-//     o     = qg S + A_qk v_new
-//     S     = diag(decay) S + kg^T v_new
-// from the chunk's prepared record (cuda/chunk_params.h), which is copied into shared memory
+//     o     = diag(n_q) (qg S + A_qk v_new)
+//     S     = diag(decay) S + kg^T diag(n_k) v_new
+// from the chunk's prepared record (cuda/chunk_params.h: qg and kg from q and k before the L2
+// norm, whose inverse lengths n_q, n_k scale rows here), which is copied into shared memory
 // asynchronously one chunk ahead while the current chunk computes (KP <= 128).
 //
 // Each warp owns 16 value columns of the state for every key, and every product above reads
@@ -12,6 +13,7 @@
 // tensor-core accumulators, because an accumulator tile is also the register layout of a
 // left operand: S^T and v_new^T feed the next products straight from registers as bfloat16
 //     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T,   S^T = S^T diag(decay) + v_new^T kg
+// (v_new^T's columns scaled by n_k between the last two, o^T's by n_q on the way out)
 // with the record's matrices as right operands from shared memory. The state itself
 // accumulates in float32; every tensor-core operand is bfloat16. When the per-chunk states
 // are wanted (ForwardArgs::chunk_states), each warp writes its columns of the state entering
@@ -58,7 +60,10 @@ struct Stage {
   alignas(16) bf16 w[kChunk][G::LK];
   alignas(16) bf16 u[kChunk][G::LV];
   alignas(16) bf16 a[kChunk][G::LC];
-  alignas(16) float decay[KP];
+  alignas(16) float decay[kRecordFloats<KP>];  // the record's run: decay, inv_q, inv_k
+
+  __device__ const float* inv_q() const { return decay + KP; }
+  __device__ const float* inv_k() const { return decay + KP + kChunk; }
 };
 
 template <int KP>
@@ -90,7 +95,8 @@ __device__ void fetch_record(const ChunkParams& c, const Record& r, int64_t j0, 
     const int t = e / (kChunk / 8), x = 8 * (e % (kChunk / 8));
     copy_async<16>(&st.a[t][x], r.aqk + t * kChunk + x, 16);
   }
-  for (int e = tid; e < KP / 4; e += G::kThreads) copy_async<16>(&st.decay[4 * e], r.decay + 4 * e, 16);
+  for (int e = tid; e < kRecordFloats<KP> / 4; e += G::kThreads)
+    copy_async<16>(&st.decay[4 * e], r.decay + 4 * e, 16);
   commit_async();
 }
 
@@ -349,7 +355,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
   } else if (map) {
     S.identity(p, jw);
   }
-  auto record = [&](int64_t i) { return record_of(c, (chunks.first + i) * p.HV + hv); };
+  auto record = [&](int64_t i) { return record_of<KP>(c, (chunks.first + i) * p.HV + hv); };
   if (G::kStages == 2 && c0 < c1)
     fetch_record(c, record(c0), j0, p.delta, !map, sh.stage[c0 % 2]);
 
@@ -395,7 +401,12 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
       }
     }
 
-    // S^T = S^T diag(decay) + v_new^T kg.
+    // S^T = S^T diag(decay) + v_new^T diag(n_k) kg (v_new's rows scaled after the output's use).
+#pragma unroll
+    for (int nt = 0; nt < G::kTokenTiles; ++nt) {
+      const float2 n = *reinterpret_cast<const float2*>(&st.inv_k()[8 * nt + acc_col(0)]);
+      vn[nt].d[0] *= n.x, vn[nt].d[1] *= n.y, vn[nt].d[2] *= n.x, vn[nt].d[3] *= n.y;
+    }
 #pragma unroll
     for (int nt = 0; nt < G::kKeyTiles; ++nt) {
       const float2 d = *reinterpret_cast<const float2*>(&st.decay[8 * nt + acc_col(0)]);
@@ -418,13 +429,16 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
       if (G::kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
       continue;
     }
-    // The output, through this warp's staging rows, in runs of 8 columns (one vector store
-    // each for contiguous 16-bit outputs).
+    // The output, its rows (tokens) scaled by n_q, through this warp's staging rows, in runs
+    // of 8 columns (one vector store each for contiguous 16-bit outputs).
     auto& ob = sh.o[warp];
 #pragma unroll
-    for (int nt = 0; nt < G::kTokenTiles; ++nt)
+    for (int nt = 0; nt < G::kTokenTiles; ++nt) {
+      const float2 n = *reinterpret_cast<const float2*>(&st.inv_q()[8 * nt + acc_col(0)]);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ob[8 * nt + acc_col(e)][acc_row(e)] = o[nt].d[e];
+      for (int e = 0; e < 4; ++e)
+        ob[8 * nt + acc_col(e)][acc_row(e)] = o[nt].d[e] * (e % 2 ? n.y : n.x);
+    }
     __syncwarp();
     constexpr int kRuns = kChunk * kWarpColumns / 8;
 #pragma unroll
