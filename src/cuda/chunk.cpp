@@ -28,7 +28,7 @@ constexpr double kMapsStep = 1.0;
 static_assert(cuda::kChunk == kChunkStateTokens);
 
 // The workspace regions in order: chunk table (cu_seqlens only), qg, kg, w (delta rule only),
-// u, aqk, decay.
+// u, aqk, decay (with the inverse lengths).
 Carver layout_of(cuda::ChunkParams& c, bool varlen) {
   const int64_t records = c.max_chunks * c.p.HV, rows = records * cuda::kChunk;
   cuda::ChunkWorkspace& w = c.ws;
@@ -39,7 +39,7 @@ Carver layout_of(cuda::ChunkParams& c, bool varlen) {
   r.add(w.w, c.p.delta ? rows * c.KP : 0);
   r.add(w.u, rows * c.VP);
   r.add(w.aqk, rows * cuda::kChunk);
-  r.add(w.decay, records * c.KP);
+  r.add(w.decay, records * cuda::chunk_record_floats(c.KP));
   r.add(w.segment_maps,
         c.segments > 1 ? c.p.N * c.p.HV * c.segments * c.p.K * (c.p.V + c.p.K) : 0);
   return r;

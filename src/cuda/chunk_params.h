@@ -22,17 +22,28 @@ constexpr int64_t chunk_value_width(int64_t V) { return (V + 63) / 64 * 64; }
 // registers.
 constexpr int chunk_state_columns(int) { return 64; }  // split_scan (host_params.h) assumes it
 
+// Floats of a record's run (ChunkWorkspace::decay): decays per key, then inv_q and inv_k.
+constexpr int chunk_record_floats(int KP) { return KP + 2 * kChunk; }
+
 // One record per (chunk, value head), index chunk * HV + hv, all zero past the chunk's last
 // token and past K / V (decay is 1 past K), with Gamma the cumulative log2 decay from the
 // chunk start. The bf16 matrices' rows are permuted within (cuda/chunk_records.cuh,
-// record_index), and u is stored in tiles of 64 columns:
+// record_index), and u is stored in tiles of 64 columns. q and k are taken as given: the L2
+// norm's inverse lengths n_q, n_k (1 without it) enter only as row and column scales, where
+// they are exact, so that the prepare kernel needs no pass over q and k before its slices:
+//     T = (I + A_kk)^-1,  A_kk[i, j] = beta_i n_k,i n_k,j k_i . k_j 2^(Gamma_i - Gamma_j), j < i
+// and the state kernel takes
+//     v_new = u - w S,   o = diag(n_q) (qg S + A_qk v_new),   S' = diag(decay) S + kg^T n_k v_new
+// (n_k v_new: v_new's rows scaled).
 struct ChunkWorkspace {
   uint16_t* qg = nullptr;   // [C, KP] bf16: scale q 2^Gamma (reads the chunk-start state)
   uint16_t* kg = nullptr;   // [C, KP] bf16: k 2^(Gamma_end - Gamma) (writes the end state)
-  uint16_t* w = nullptr;    // [C, KP] bf16: T (beta k 2^Gamma), delta rule only
+  uint16_t* w = nullptr;    // [C, KP] bf16: T diag(n_k) (beta k 2^Gamma), delta rule only
   uint16_t* u = nullptr;    // [VP / 64][C, 64] bf16: T (beta v) (delta) or v (linear)
-  uint16_t* aqk = nullptr;  // [C, C]  bf16: scale q_i . k_j 2^(Gamma_i - Gamma_j), j <= i
-  float* decay = nullptr;   // [KP] 2^Gamma_end
+  uint16_t* aqk = nullptr;  // [C, C]  bf16: scale q_i . k_j n_k,j 2^(Gamma_i - Gamma_j), j <= i
+  // [chunk_record_floats(KP)]: [KP] 2^Gamma_end, then [C] n_q and [C] n_k (zero past the
+  // chunk's last token).
+  float* decay = nullptr;
   int64_t* chunk_start = nullptr;  // [N + 1] first chunk of each sequence (cu_seqlens only)
   // Per (sequence, value head, segment) of split sequences, K x (V + K) float32, K-first: the
   // segment's end from a zero state (V columns) and from each unit state (K columns).
@@ -63,7 +74,7 @@ void launch_chunk_table(const ChunkParams& c, void* stream);
 void launch_chunk_prepare(const ChunkParams& c, void* stream);
 void launch_chunk_state(const ChunkParams& c, void* stream);
 // Throws Error(unsupported) when the current GPU lacks the state kernel's shared memory
-// (100.5 KB at K <= 64, 149 KB at K <= 128, 133 KB at K <= 256: A100s have it, GPUs with
+// (101.5 KB at K <= 64, 150 KB at K <= 128, 133.5 KB at K <= 256: A100s have it, GPUs with
 // 99 KB per block do not); called before anything is launched.
 void require_chunk_state_shared_memory(const ChunkParams& c);
 

@@ -16,6 +16,12 @@
 // its differences precise).
 // Scalar gates factor out of the key sum, and take 2^(Gamma_i - Gamma_j) per entry.
 //
+// q and k enter as given. With the L2 norm each thread sums the squares of its tokens'
+// channels over the slices, and the inverse lengths n_q, n_k enter only where a scale is
+// exact: A_qk's columns, A_kk's rows and columns, T's columns for w, and in the state kernel
+// the output's and v_new's rows (cuda/chunk_params.h). No pass over q and k precedes the
+// slices, and no value is rounded to bfloat16 twice.
+//
 // Keys are processed in slices of kSlice channels so the block fits three times per SM.
 // Shared arrays read or written 16 bytes at a time are declared alignas(16), so that a new
 // member or padding cannot misalign them silently.
@@ -67,12 +73,13 @@ struct PrepareShared {
     alignas(16) float ref[4][kSlice];  // vector gate: reference point of each row block and channel
     bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
-  // After the slices (step 3 and the record). T in bfloat16 (tb) takes the place of A_kk
-  // once the inverse is complete, and beta v (vb) the place of T in float32.
+  // After the slices (step 3 and the record). T diag(n_k) in bfloat16 (tb) takes the place
+  // of A_kk once the inverse is complete, and beta v (vb) the place of T in float32.
   struct Solve {
     alignas(16) float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
     alignas(16) float t[kChunk][kChunk + 4];  // T = (I + A_kk)^-1 (lower, unit diagonal)
     InverseScratch inverse;
+    alignas(16) bf16 tu[kChunk][kChunkLd];  // T in bfloat16 (u's operand)
   };
   union {
     Slice s;
@@ -81,29 +88,32 @@ struct PrepareShared {
   alignas(16) bf16 wsrc[kChunk][KP + 8];  // beta k 2^Gamma
   float fix_qk[4][kSubChunk][kSubChunk], fix_kk[4][kSubChunk][kSubChunk];
   float beta[kChunk], gs[kChunk];  // beta; scalar gate: Gamma after each token
-  float inv_q[kChunk], inv_k[kChunk];
+  alignas(16) float inv_k[kChunk];  // 1 / |k| per token (finish_norms)
   alignas(16) float bias[KP];  // vector gate in the kernel: dt_bias per key (zeros past K)
 
   __device__ bf16* tb() { return reinterpret_cast<bf16*>(&u.v.a[0][0]); }  // [C][kChunkLd]
   __device__ bf16* vb() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }  // [C][kValueLd]
 };
+// With T's second bfloat16 copy the solve's buffers still fit in the slice's: the union, and
+// so the blocks per SM, stay as they were.
+static_assert(sizeof(PrepareShared<64>::Solve) <= sizeof(PrepareShared<64>::Slice));
 static_assert(sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * (kChunk + 1) &&
                   sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * (kChunk + 1),
               "T and beta v in bfloat16 fit in the places of A_kk and T in float32");
-// Three blocks per SM for KDA / GLA at KP <= 128 (the kernel is latency-bound: more warps
-// hide more); the cap of 168 registers spills a few bytes there (8 at KP = 128).
-constexpr int kMinBlocks(GateForm G, int KP) { return G == GateForm::vector && KP <= 128 ? 3 : 2; }
+// Three blocks per SM at KP <= 128 (the kernel is latency-bound: more warps hide more); the
+// cap of 168 registers spills a few loop-invariant addresses with the vector gate (88 bytes
+// reloaded, 3 reloads per slice at KP = 128). Shared memory allows 3 at KP <= 128 only.
+constexpr int kMinBlocks(GateForm, int KP) { return KP <= 128 ? 3 : 2; }
 
 __device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
 }
 
-// Per-token scalars: beta, the scalar gate's Gamma, the L2 norms' inverse lengths.
+// Per-token scalars: beta and the scalar gate's Gamma (the L2 norms' come after the slices).
 template <GateForm G, int KP>
 __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& sh,
                                    const ChunkRef& ref, int64_t hv, float a_gate) {
   const int tid = threadIdx.x;
-  const int64_t h = hv / p.group;
   if (G == GateForm::vector && p.gate_in_kernel)
     for (int e = tid; e < KP; e += kThreads)
       sh.bias[e] = p.dt_bias && e < p.K ? load_float(p.dt_bias, p.dt_bias_dtype,
@@ -128,39 +138,6 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
     sh.beta[t] = b;
     sh.gs[t] = gl;
   }
-  // Rows 0..63 are q, 64..127 are k, kLanes threads per row with 8 channels each; every
-  // thread has kBatch loads in flight at once (a load waited on alone costs a DRAM latency).
-  constexpr int kLanes = KP / 8, kRowsPerLoad = kThreads / kLanes, kBatch = 4;
-  static_assert(kChunk % (kRowsPerLoad * kBatch) == 0, "a batch of rows is all q or all k");
-  if (p.qk_l2norm) {
-    const int c = 8 * (tid % kLanes), valid_k = clamp_run(p.K - c);
-    const int64_t base_q = token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1] + c * p.q.stride[3];
-    const int64_t base_k = token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1] + c * p.k.stride[3];
-#pragma unroll 1
-    for (int r0 = 0; r0 < 2 * kChunk; r0 += kRowsPerLoad * kBatch) {
-      const bool is_q = r0 < kChunk;
-      const TokenTensor& x = is_q ? p.q : p.k;
-      Run8 raw[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int t = (r0 + b * kRowsPerLoad + tid / kLanes) % kChunk;
-        raw[b] = load_run8(x, (is_q ? base_q : base_k) + t * x.stride[1], t < ref.len ? valid_k : 0);
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        float v[8];
-        run8_to_float(raw[b], x.dtype, v);
-        float sum = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sum += v[e] * v[e];
-        sum = lane_sum<1, kLanes / 2>(sum);
-        const int t = (r0 + b * kRowsPerLoad + tid / kLanes) % kChunk;
-        if (tid % kLanes == 0) (is_q ? sh.inv_q : sh.inv_k)[t] = t < ref.len ? rsqrtf(sum + kL2NormEps) : 0.f;
-      }
-    }
-  }
-  else if (tid < kChunk)
-    sh.inv_q[tid] = sh.inv_k[tid] = tid < ref.len ? 1.f : 0.f;
   __syncthreads();
   if (G == GateForm::scalar && tid == 0) {
     float run = 0.f;
@@ -168,11 +145,14 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
   }
 }
 
-// Loads key channels [c0, c0 + kSlice) of q, k (transformed) and the vector gate's Gamma
-// (kGroups threads per token, 8 channels each), and each row block's reference points.
+// Loads key channels [c0, c0 + kSlice) of q, k (as given) and the vector gate's Gamma
+// (kGroups threads per token, 8 channels each), and each row block's reference points. Adds
+// the thread's squares of q and k to sq and sk, per pass: a thread has the same tokens in
+// every slice.
 template <GateForm G, int KP>
 __device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, const ChunkRef& ref,
-                           int64_t hv, float a_gate, int c0) {
+                           int64_t hv, float a_gate, int c0, float (&sq)[kPasses],
+                           float (&sk)[kPasses]) {
   auto& s = sh.u.s;
   const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
   const int64_t key = c0 + c8, h = hv / p.group;
@@ -210,12 +190,12 @@ __device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
     }
 #pragma unroll
     for (int e = 0; e < 8; e += 4) {
-      *reinterpret_cast<float4*>(&s.q[t][c8 + e]) =
-          make_float4(q[e] * sh.inv_q[t], q[e + 1] * sh.inv_q[t], q[e + 2] * sh.inv_q[t], q[e + 3] * sh.inv_q[t]);
-      *reinterpret_cast<float4*>(&s.k[t][c8 + e]) =
-          make_float4(k[e] * sh.inv_k[t], k[e + 1] * sh.inv_k[t], k[e + 2] * sh.inv_k[t], k[e + 3] * sh.inv_k[t]);
+      *reinterpret_cast<float4*>(&s.q[t][c8 + e]) = make_float4(q[e], q[e + 1], q[e + 2], q[e + 3]);
+      *reinterpret_cast<float4*>(&s.k[t][c8 + e]) = make_float4(k[e], k[e + 1], k[e + 2], k[e + 3]);
       *reinterpret_cast<float4*>(&s.gamma[t][c8 + e]) = make_float4(g[e], g[e + 1], g[e + 2], g[e + 3]);
     }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sq[x] += q[e] * q[e], sk[x] += k[e] * k[e];
   }
   __syncthreads();
   if constexpr (G == GateForm::vector) {
@@ -390,7 +370,30 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
   }
 }
 
-// Row block I of A_qk to the record and of A_kk to shared memory (zeros above the diagonal).
+// The inverse lengths of q and k, 1 / sqrt(sum of squares + eps) with the L2 norm and 1
+// without (0 past the chunk's last token), from the sums load_slice gathered (two shuffles per
+// pass: a token's kGroups threads are adjacent lanes), to the record and k's to shared
+// memory, which the caller's barrier publishes.
+template <int KP>
+__device__ void finish_norms(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
+                             const ChunkRef& ref, const float (&sq)[kPasses],
+                             const float (&sk)[kPasses]) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int x = 0; x < kPasses; ++x) {
+    const int t = tid / kGroups + x * kTokensPerPass;
+    const float q2 = lane_sum<1, kGroups / 2>(sq[x]), k2 = lane_sum<1, kGroups / 2>(sk[x]);
+    if (tid % kGroups == 0) {
+      const bool norm = p.qk_l2norm, live = t < ref.len;
+      rec.inv_q[t] = !live ? 0.f : norm ? rsqrtf(q2 + kL2NormEps) : 1.f;
+      sh.inv_k[t] = rec.inv_k[t] = !live ? 0.f : norm ? rsqrtf(k2 + kL2NormEps) : 1.f;
+    }
+  }
+}
+
+// Row block I of A_qk to the record and of A_kk to shared memory (zeros above the diagonal),
+// with the inverse key lengths on A_qk's columns and A_kk's rows and columns (n_q is left to
+// the state kernel's output rows).
 template <GateForm G, int KP>
 __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
                          const Acc (&acc_q)[8], const Acc (&acc_k)[8]) {
@@ -400,6 +403,7 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
 #pragma unroll
     for (int e = 0; e < 4; e += 2) {
       const int i = acc_row(e), t = r0 + i;
+      const float row_k = sh.beta[t] * sh.inv_k[t];
       float vq[2] = {0.f, 0.f}, vk[2] = {0.f, 0.f};
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
@@ -415,8 +419,9 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
           fq *= f;
           fk *= f;
         }
-        vq[x] = p.scale * fq;
-        vk[x] = j < t ? sh.beta[t] * fk : 0.f;
+        const float col = sh.inv_k[j];
+        vq[x] = p.scale * fq * col;
+        vk[x] = j < t ? row_k * fk * col : 0.f;
       }
       const int j0 = 8 * nt + acc_col(e);
       store_pair(rec.aqk + record_index(t, j0, kChunk), vq[0], vq[1]);
@@ -425,7 +430,9 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
     }
 }
 
-// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh), left in bfloat16 in tb.
+// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh), left in bfloat16 twice, each rounded once
+// from float32: T diag(n_k) in tb (w's operand: w = T diag(n_k) (beta k 2^Gamma)), T in tu
+// (u's).
 template <int KP>
 __device__ void solve(PrepareShared<KP>& sh) {
   auto& v = sh.u.v;
@@ -436,7 +443,10 @@ __device__ void solve(PrepareShared<KP>& sh) {
   for (int e = tid; e < kChunk * kQuadsPerRow; e += kThreads) {
     const int r = e / kQuadsPerRow, q = 4 * (e % kQuadsPerRow);
     const float4 x = *reinterpret_cast<const float4*>(&v.t[r][q]);
-    *reinterpret_cast<uint2*>(tb + r * kChunkLd + q) = make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
+    const float4 n = *reinterpret_cast<const float4*>(&sh.inv_k[q]);
+    *reinterpret_cast<uint2*>(tb + r * kChunkLd + q) =
+        make_uint2(pack_bf16(x.x * n.x, x.y * n.y), pack_bf16(x.z * n.z, x.w * n.w));
+    *reinterpret_cast<uint2*>(&v.tu[r][q]) = make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
   }
   __syncthreads();
 }
@@ -498,7 +508,7 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
   }
   if (!p.delta) return;
   __syncthreads();
-  lower_product_rows(sh.tb(), sh.vb(), kValueLd, 0, rec.u + record_u_index(0, v0), kValueTile);
+  lower_product_rows(&sh.u.v.tu[0][0], sh.vb(), kValueLd, 0, rec.u + record_u_index(0, v0), kValueTile);
 }
 
 template <GateForm G, int KP>
@@ -509,12 +519,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
   const int64_t chunk = blockIdx.x / p.HV, hv = blockIdx.x % p.HV;
   ChunkRef ref;
   if (!locate_chunk(c, chunk, ref)) return;
-  const Record rec = record_of(c, blockIdx.x);
+  const Record rec = record_of<KP>(c, blockIdx.x);
   const float a_gate = p.gate_in_kernel && p.A_log
                            ? expf(load_float(p.A_log, p.A_log_dtype, hv * p.A_log_stride))
                            : 1.f;
-  // The gate and v are first read well after the start (q and k, for the L2 norms, at once):
-  // their DRAM latency is then not waited on.
+  // q and k are read a slice at a time, the gate with them and v well after the start: the
+  // later slices' and v's DRAM latency is then not waited on.
+  const int64_t h = hv / p.group;
+  prefetch_token_rows(p.q, token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1], ref.len,
+                      static_cast<int>(p.K));
+  prefetch_token_rows(p.k, token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1], ref.len,
+                      static_cast<int>(p.K));
   if (G == GateForm::vector)
     prefetch_token_rows(p.g, token_offset(p.g, ref.seq, hv) + ref.t * p.g.stride[1], ref.len,
                         static_cast<int>(p.K));
@@ -528,16 +543,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
   load_token_scalars<G>(p, sh, ref, hv, a_gate);
 
   Acc acc_q[8], acc_k[8];
+  float sq[kPasses] = {}, sk[kPasses] = {};  // the L2 norms' sums (unused without the norm)
   for (int c0 = 0; c0 < KP; c0 += kSlice) {
-    load_slice<G>(p, sh, ref, hv, a_gate, c0);
+    load_slice<G>(p, sh, ref, hv, a_gate, c0, sq, sk);
     write_slice_factors<G>(p, sh, rec, ref, c0);
     accumulate_slice<G>(sh, acc_q, acc_k);
-    __syncthreads();  // the next slice overwrites the slice buffers
+    if (c0 + kSlice == KP) finish_norms(p, sh, rec, ref, sq, sk);  // the sums are complete
+    __syncthreads();  // the next slice overwrites the slice buffers; finish_a reads the norms
   }
   finish_a<G>(p, sh, rec, acc_q, acc_k);
   if (p.delta) solve(sh);
 
-  // w = T (beta k 2^Gamma); u = T (beta v), or v for the linear write.
+  // w = T diag(n_k) (beta k 2^Gamma); u = T (beta v), or v for the linear write.
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
       lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w, KP);

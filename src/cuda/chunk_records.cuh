@@ -18,15 +18,15 @@ __device__ bool locate_chunk(const ChunkParams& c, int64_t chunk, ChunkRef& ref)
   return locate_chunk(c.p, c.ws.chunk_start, c.chunks_per_row, chunk, ref);
 }
 
-// The bf16 matrices of one record. Each is stored dense, 64 token rows, with the 16-byte
-// pieces of row t permuted by XOR with t % 8 (record_index): one bulk copy moves a whole
-// matrix into shared memory as it lies, and there ldmatrix's 8 consecutive rows at one
-// column land in 8 different bank groups (loads without conflicts, rows without padding).
-// u is stored in tiles of 64 value columns, tile after tile, so that a state-kernel block's
-// columns are one run too.
+// The bf16 matrices of one record, and its float run (decay, inv_q, inv_k). Each matrix is
+// stored dense, 64 token rows, with the 16-byte pieces of row t permuted by XOR with t % 8
+// (record_index): one bulk copy moves a whole matrix into shared memory as it lies, and
+// there ldmatrix's 8 consecutive rows at one column land in 8 different bank groups (loads
+// without conflicts, rows without padding). u is stored in tiles of 64 value columns, tile
+// after tile, so that a state-kernel block's columns are one run too.
 struct Record {
   bf16 *qg, *kg, *w, *u, *aqk;
-  float* decay;
+  float *decay, *inv_q, *inv_k;
 };
 
 // Element (t, x) of a record matrix `width` (a multiple of 64) elements wide.
@@ -38,12 +38,19 @@ __device__ __forceinline__ int64_t record_u_index(int t, int64_t j) {
   return j / 64 * (kChunk * 64) + record_index(t, static_cast<int>(j % 64), 64);
 }
 
+// chunk_record_floats(KP) as a constant device code can read (the function is host code).
+template <int KP>
+inline constexpr int kRecordFloats = chunk_record_floats(KP);
+
+// KP: the kernel's key width, c.KP.
+template <int KP>
 __device__ __forceinline__ Record record_of(const ChunkParams& c, int64_t rec) {
-  const int64_t kp = c.KP;
+  constexpr int64_t kp = KP;
   auto at = [](uint16_t* base, int64_t off) { return reinterpret_cast<bf16*>(base) + off; };
+  float* run = c.ws.decay + rec * kRecordFloats<KP>;
   return {at(c.ws.qg, rec * kChunk * kp), at(c.ws.kg, rec * kChunk * kp),
           at(c.ws.w, rec * kChunk * kp),  at(c.ws.u, rec * kChunk * c.VP),
-          at(c.ws.aqk, rec * kChunk * kChunk), c.ws.decay + rec * kp};
+          at(c.ws.aqk, rec * kChunk * kChunk), run, run + kp, run + kp + kChunk};
 }
 
 // mma.cuh's load_b_pair_nk and load_b_pair_kn for a record matrix in shared memory, laid out

@@ -1,9 +1,10 @@
 // Steps 4-5 of the chunkwise forward (DESIGN.md section 3): one block per (sequence, value
 // head, tile of BV value columns) walks its chunks in order and per chunk computes
 //     v_new = u - w S                       (delta rule; linear: v_new = u = v)
-//     o     = qg S + A_qk v_new
-//     S     = diag(decay) S + kg^T v_new
-// from the chunk's prepared record (cuda/chunk_params.h), which is copied into shared memory
+//     o     = diag(n_q) (qg S + A_qk v_new)
+//     S     = diag(decay) S + kg^T diag(n_k) v_new
+// from the chunk's prepared record (cuda/chunk_params.h: qg and kg from q and k before the L2
+// norm, whose inverse lengths n_q, n_k scale rows here), which is copied into shared memory
 // asynchronously one chunk ahead while the current chunk computes (KP <= 128): on Hopper
 // one bulk copy per matrix, which the record's layout allows (cuda/chunk_records.cuh).
 //
@@ -13,6 +14,7 @@
 // tensor-core accumulators, because an accumulator tile is also the register layout of a
 // left operand: S^T and v_new^T feed the next products straight from registers as bfloat16
 //     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T,   S^T = S^T diag(decay) + v_new^T kg
+// (v_new^T's columns scaled by n_k between the last two, o^T's by n_q on the way out)
 // with the record's matrices as right operands from shared memory. The state itself
 // accumulates in float32; every tensor-core operand is bfloat16. When the per-chunk states
 // are wanted (ForwardArgs::chunk_states), each warp writes its columns of the state entering
@@ -60,7 +62,10 @@ struct Stage {
   alignas(16) bf16 w[kChunk * KP];
   alignas(16) bf16 u[kChunk * G::BV];
   alignas(16) bf16 a[kChunk * kChunk];
-  alignas(16) float decay[KP];
+  alignas(16) float decay[kRecordFloats<KP>];  // the record's run: decay, inv_q, inv_k
+
+  __device__ const float* inv_q() const { return decay + KP; }
+  __device__ const float* inv_k() const { return decay + KP + kChunk; }
 };
 
 template <int KP>
@@ -78,7 +83,8 @@ template <int KP>
 __device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_u, Stage<KP>& st,
                              uint64_t* landed) {
   using G = StateGeometry<KP>;
-  constexpr int kKeys = kChunk * KP, kValues = kChunk * G::BV, kA = kChunk * kChunk;
+  constexpr int kKeys = kChunk * KP, kValues = kChunk * G::BV, kA = kChunk * kChunk,
+                kFloats = kRecordFloats<KP>;
   const bf16* u = r.u + j0 * kChunk;  // the tile of columns j0 ..
   const int tid = threadIdx.x;
   if constexpr (kBulkCopies) {
@@ -86,14 +92,14 @@ __device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_
     if (tid == 0)
       expect_bytes(landed, 2 * kKeyBytes + (delta ? kKeyBytes : 0) +
                                (with_u ? kValueBytes : 0) + kA * sizeof(bf16) +
-                               KP * sizeof(float));
+                               kFloats * sizeof(float));
     switch (tid) {
       case 0: bulk_copy(st.qg, r.qg, kKeyBytes, landed); break;
       case 1: bulk_copy(st.kg, r.kg, kKeyBytes, landed); break;
       case 2: if (delta) bulk_copy(st.w, r.w, kKeyBytes, landed); break;
       case 3: if (with_u) bulk_copy(st.u, u, kValueBytes, landed); break;
       case 4: bulk_copy(st.a, r.aqk, kA * sizeof(bf16), landed); break;
-      case 5: bulk_copy(st.decay, r.decay, KP * sizeof(float), landed); break;
+      case 5: bulk_copy(st.decay, r.decay, kFloats * sizeof(float), landed); break;
       default: break;
     }
   } else {
@@ -105,7 +111,7 @@ __device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_
     for (int e = 8 * tid; with_u && e < kValues; e += 8 * G::kThreads)
       copy_async<16>(st.u + e, u + e, 16);
     for (int e = 8 * tid; e < kA; e += 8 * G::kThreads) copy_async<16>(st.a + e, r.aqk + e, 16);
-    for (int e = 4 * tid; e < KP; e += 4 * G::kThreads)
+    for (int e = 4 * tid; e < kFloats; e += 4 * G::kThreads)
       copy_async<16>(st.decay + e, r.decay + e, 16);
     commit_async();
   }
@@ -385,7 +391,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
     S.identity(p, jw);
   }
   // Chunk i's stage, and how many fetches into that stage came before it.
-  auto record = [&](int64_t i) { return record_of(c, (chunks.first + i) * p.HV + hv); };
+  auto record = [&](int64_t i) { return record_of<KP>(c, (chunks.first + i) * p.HV + hv); };
   auto stage = [&](int64_t i) { return static_cast<int>((i - c0) % G::kStages); };
   auto fetch = [&](int64_t i) {
     fetch_record(record(i), j0, p.delta, !map, sh.stage[stage(i)], &sh.landed[stage(i)]);
@@ -433,7 +439,12 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
       }
     }
 
-    // S^T = S^T diag(decay) + v_new^T kg.
+    // S^T = S^T diag(decay) + v_new^T diag(n_k) kg (v_new's rows scaled after the output's use).
+#pragma unroll
+    for (int nt = 0; nt < G::kTokenTiles; ++nt) {
+      const float2 n = *reinterpret_cast<const float2*>(&st.inv_k()[8 * nt + acc_col(0)]);
+      vn[nt].d[0] *= n.x, vn[nt].d[1] *= n.y, vn[nt].d[2] *= n.x, vn[nt].d[3] *= n.y;
+    }
 #pragma unroll
     for (int nt = 0; nt < G::kKeyTiles; ++nt) {
       const float2 d = *reinterpret_cast<const float2*>(&st.decay[8 * nt + acc_col(0)]);
@@ -456,13 +467,16 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
       if (G::kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
       continue;
     }
-    // The output, through this warp's staging rows, in runs of 8 columns (one vector store
-    // each for contiguous 16-bit outputs).
+    // The output, its rows (tokens) scaled by n_q, through this warp's staging rows, in runs
+    // of 8 columns (one vector store each for contiguous 16-bit outputs).
     auto& ob = sh.o[warp];
 #pragma unroll
-    for (int nt = 0; nt < G::kTokenTiles; ++nt)
+    for (int nt = 0; nt < G::kTokenTiles; ++nt) {
+      const float2 n = *reinterpret_cast<const float2*>(&st.inv_q()[8 * nt + acc_col(0)]);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ob[8 * nt + acc_col(e)][acc_row(e)] = o[nt].d[e];
+      for (int e = 0; e < 4; ++e)
+        ob[8 * nt + acc_col(e)][acc_row(e)] = o[nt].d[e] * (e % 2 ? n.y : n.x);
+    }
     __syncwarp();
     constexpr int kRuns = kChunk * kWarpColumns / 8;
 #pragma unroll

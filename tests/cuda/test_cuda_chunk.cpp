@@ -195,8 +195,8 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
   EXPECT_EQ(forward_workspace_bytes(a, c.options, Schedule::recurrent), 0u);
   const size_t need = forward_workspace_bytes(a, c.options, kChunk);
   // 2 rows x 3 chunks x 2 heads = 12 records of 64 rows: bf16 qg, kg, w (128 columns),
-  // u (64) and A_qk (64), and 128 fp32 decays per record.
-  EXPECT_EQ(need, 3u * 768 * 128 * 2 + 768 * 64 * 2 + 768 * 64 * 2 + 12 * 128 * 4);
+  // u (64) and A_qk (64), and per record 128 fp32 decays and 64 + 64 inverse lengths.
+  EXPECT_EQ(need, 3u * 768 * 128 * 2 + 768 * 64 * 2 + 768 * 64 * 2 + 12 * (128 + 64 + 64) * 4);
   // A larger T needs more: the size follows the problem, not a fixed cap.
   const Case longer = make_case({.B = 2, .T = 1000, .K = 128, .V = 64});
   HostTensor o2 = longer.make_output(DType::f32), s2 = longer.make_state();
