@@ -451,15 +451,16 @@ __device__ void solve(PrepareShared<KP>& sh) {
   __syncthreads();
 }
 
-// out[rows of block I][n0 .. n0 + 63] = tb[block I rows] . src[tokens][n0 ..], in bfloat16,
-// into a record matrix `width` wide (cuda/chunk_records.cuh).
-__device__ void lower_product_rows(const bf16* tb, const bf16* src, int ld_src, int n0, bf16* out,
+// out[rows of block I][n0 .. n0 + 63] = t[block I rows] . src[tokens][n0 ..], in bfloat16,
+// into a record matrix `width` wide (cuda/chunk_records.cuh); t is one of solve's bfloat16
+// copies of T (rows kChunkLd wide).
+__device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, int n0, bf16* out,
                                    int width) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
   Acc acc[8];
   for (int k0 = 0; k0 <= r0; k0 += 16) {
     uint32_t a[4];
-    load_a(a, tb, kChunkLd, r0, k0);
+    load_a(a, t, kChunkLd, r0, k0);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t b[4];

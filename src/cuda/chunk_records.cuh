@@ -38,9 +38,14 @@ __device__ __forceinline__ int64_t record_u_index(int t, int64_t j) {
   return j / 64 * (kChunk * 64) + record_index(t, static_cast<int>(j % 64), 64);
 }
 
-// chunk_record_floats(KP) as a constant device code can read (the function is host code).
+// chunk_record_floats(KP) as a constant device code can read (the function is host code),
+// and where the run's inverse lengths begin (after KP decays: inv_q, then inv_k).
 template <int KP>
 inline constexpr int kRecordFloats = chunk_record_floats(KP);
+template <int KP>
+inline constexpr int kInvQAt = KP;
+template <int KP>
+inline constexpr int kInvKAt = KP + kChunk;
 
 // KP: the kernel's key width, c.KP.
 template <int KP>
@@ -50,7 +55,7 @@ __device__ __forceinline__ Record record_of(const ChunkParams& c, int64_t rec) {
   float* run = c.ws.decay + rec * kRecordFloats<KP>;
   return {at(c.ws.qg, rec * kChunk * kp), at(c.ws.kg, rec * kChunk * kp),
           at(c.ws.w, rec * kChunk * kp),  at(c.ws.u, rec * kChunk * c.VP),
-          at(c.ws.aqk, rec * kChunk * kChunk), run, run + kp, run + kp + kChunk};
+          at(c.ws.aqk, rec * kChunk * kChunk), run, run + kInvQAt<KP>, run + kInvKAt<KP>};
 }
 
 // mma.cuh's load_b_pair_nk and load_b_pair_kn for a record matrix in shared memory, laid out

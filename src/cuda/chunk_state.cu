@@ -64,8 +64,8 @@ struct Stage {
   alignas(16) bf16 a[kChunk * kChunk];
   alignas(16) float decay[kRecordFloats<KP>];  // the record's run: decay, inv_q, inv_k
 
-  __device__ const float* inv_q() const { return decay + KP; }
-  __device__ const float* inv_k() const { return decay + KP + kChunk; }
+  __device__ const float* inv_q() const { return decay + kInvQAt<KP>; }
+  __device__ const float* inv_k() const { return decay + kInvKAt<KP>; }
 };
 
 template <int KP>
