@@ -290,10 +290,10 @@ stage_ncu-decode() {
               --launch-skip 40 --launch-count 30 --csv)
   : >"$OUT/ncu_decode.txt"
   for layout in k_first v_first; do
-    timeout 90 "$ncu" "${opts[@]}" -k regex:recurrent_kernel "$bin" --only "N=1 HV=32 $layout" \
+    timeout 90 "$ncu" "${opts[@]}" -k 'regex:recurrent_(warp_)?kernel' "$bin" --only "N=1 HV=32 $layout" \
       >/tmp/ncu.csv 2>/dev/null || rc=1
     python3 bench/device/ncu_durations.py "ours C++ $layout" /tmp/ncu.csv | tee -a "$OUT/ncu_decode.txt"
-    for k in recurrent_kernel fused_recurrent; do
+    for k in 'recurrent_(warp_)?kernel' fused_recurrent; do
       timeout 120 "$ncu" "${opts[@]}" -k "regex:$k" python3 bench/device/bench_decode.py \
         --out /tmp/ncu-bench --cases kda_n1 --layouts "$layout" >/tmp/ncu.csv 2>/dev/null || rc=1
       python3 bench/device/ncu_durations.py "harness $k $layout" /tmp/ncu.csv |

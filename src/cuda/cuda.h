@@ -13,13 +13,21 @@ namespace flashdelta::detail {
 
 void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream);
 void cuda_recurrent_decode(const DecodeProblem& d, const TensorView& o, void* stream);
-// Whether the recurrent kernel runs its narrow tile (cuda/recurrent_tile.cuh) for a problem
-// whose wide tile makes `wide_blocks` blocks, on a GPU of `sms` SMs. The environment variable
-// FLASHDELTA_RECURRENT_TILE picks: unset or `auto`, narrow when the wide tile leaves SMs
-// without a block (few sequences: latency, not bandwidth, sets the time); `wide` or
-// `narrow`, that tile (the same sums in another order: equal to float32 rounding). Any other
-// value throws Error(invalid_argument) naming the variable.
-bool cuda_recurrent_narrow_tile(int64_t wide_blocks, int sms);
+// The recurrent schedule's kernels: the block kernel's wide and narrow tiles
+// (cuda/recurrent_tile.cuh) and the warp kernel (cuda/recurrent_warp_kernel.cu), which
+// takes only V-first states, K in {32, 64, 128, 256} and V a multiple of its task width.
+enum class RecurrentKernel { wide, narrow, warp };
+// The kernel for a problem whose wide tile makes `wide_blocks` blocks on a GPU of `sms` SMs
+// and that makes `warp_tasks` warp kernel tasks (0: the warp kernel does not take it), one
+// wave of which is `warp_wave` tasks. The environment variable FLASHDELTA_RECURRENT_TILE
+// picks: unset or `auto`, the warp kernel when its tasks fit in one wave (few sequences:
+// the step is latency, and its chain is the shortest), else the narrow tile when the wide
+// tile leaves SMs without a block, else the wide one; `wide`, `narrow` or `warp`, that
+// kernel (the same sums in another order: equal to float32 rounding; `warp` where it takes
+// the problem, else as `auto`). Any other value throws Error(invalid_argument) naming the
+// variable.
+RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks,
+                                      int64_t warp_wave);
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it
 // allocates in stream order.

@@ -1,6 +1,7 @@
 // Host side of the CUDA recurrent schedule: turns a validated problem into the kernel's
 // plain-data arguments (cuda/recurrent_params.h) and picks the thread mapping.
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "cuda/cuda.h"
@@ -25,29 +26,66 @@ bool allows_vectors(const StateTensor& s, bool key_contiguous, int64_t run, int6
          across % word == 0 && reinterpret_cast<uintptr_t>(s.data) % word_bytes == 0;
 }
 
-// Picks the tile, and the vector path when both state tensors allow it, then launches.
+// Whether runs of 4 channels from element offset 4 i of every row are aligned vector loads
+// (the warp kernel's token access): float32 or 16-bit, unit channel stride, the other
+// strides multiples of 4 and the base aligned to a run.
+bool allows_runs_of_4(const void* data, DType dtype, std::initializer_list<int64_t> strides,
+                      int64_t channel_stride) {
+  if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16) return false;
+  for (const int64_t s : strides)
+    if (s % 4 != 0) return false;
+  return channel_stride == 1 && reinterpret_cast<uintptr_t>(data) % (4 * dtype_size(dtype)) == 0;
+}
+bool allows_runs_of_4(const cuda::TokenTensor& x) {
+  return allows_runs_of_4(x.data, x.dtype, {x.stride[0], x.stride[1], x.stride[2]}, x.stride[3]);
+}
+
+// Whether the warp kernel takes the problem (see cuda/recurrent_warp_kernel.cu).
+bool warp_kernel_fits(const RecurrentParams& r, bool key_contiguous) {
+  const int64_t columns = cuda::recurrent_warp_columns(r.K);
+  const bool vector_gate = r.gate == cuda::GateForm::vector;
+  return key_contiguous && columns > 0 && r.V % columns == 0 && r.vector_ok &&
+         allows_runs_of_4(r.q) && allows_runs_of_4(r.k) && allows_runs_of_4(r.v) &&
+         allows_runs_of_4(r.o) && (!vector_gate || allows_runs_of_4(r.g)) &&
+         (!vector_gate || !r.gate_in_kernel || !r.dt_bias ||
+          allows_runs_of_4(r.dt_bias, r.dt_bias_dtype, {r.dt_bias_head_stride},
+                           r.dt_bias_key_stride));
+}
+
+// Picks the vector path when both state tensors allow it, then the kernel, and launches.
 void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* stream) {
-  const auto tiles = [&](cuda::RecurrentTile t) {
-    const int64_t vt = cuda::recurrent_block_columns(r.K, t);
-    return (r.V + vt - 1) / vt;
-  };
-  r.value_tiles = tiles(cuda::RecurrentTile::wide);
-  if (cuda_recurrent_narrow_tile(r.N * r.HV * r.value_tiles, sm_count())) {
-    r.tile = cuda::RecurrentTile::narrow;
-    r.value_tiles = tiles(r.tile);
-  }
   const int64_t elem = dtype_size(state_dtype);
   r.vector_ok = allows_vectors(r.state_in, key_contiguous, cuda::kStateRunLength, elem) &&
                 allows_vectors(r.state_out, key_contiguous, cuda::kStateRunLength, elem);
+  const auto tiles = [&](int64_t columns) { return (r.V + columns - 1) / columns; };
+  const int sms = sm_count();
+  const int64_t wide_blocks =
+      r.N * r.HV * tiles(cuda::recurrent_block_columns(r.K, cuda::RecurrentTile::wide));
+  const int64_t warp_tasks =
+      warp_kernel_fits(r, key_contiguous) ? r.N * r.HV * (r.V / cuda::recurrent_warp_columns(r.K)) : 0;
+  const int64_t warp_wave = sms * cuda::recurrent_warp_blocks_per_sm(r.K);
+  switch (cuda_recurrent_kernel(wide_blocks, sms, warp_tasks, warp_wave)) {
+    case RecurrentKernel::warp:
+      r.value_tiles = r.V / cuda::recurrent_warp_columns(r.K);
+      return cuda::launch_recurrent_warp(r, state_dtype, stream);
+    case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
+    case RecurrentKernel::wide: r.tile = cuda::RecurrentTile::wide; break;
+  }
+  r.value_tiles = tiles(cuda::recurrent_block_columns(r.K, r.tile));
   cuda::launch_recurrent(r, state_dtype, key_contiguous, stream);
 }
 
 }  // namespace
 
-bool cuda_recurrent_narrow_tile(int64_t wide_blocks, int sms) {
-  const std::string setting = env_setting("FLASHDELTA_RECURRENT_TILE", {"auto", "wide", "narrow"});
-  if (setting.empty() || setting == "auto") return wide_blocks < sms;
-  return setting == "narrow";
+RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks,
+                                      int64_t warp_wave) {
+  const std::string setting =
+      env_setting("FLASHDELTA_RECURRENT_TILE", {"auto", "wide", "narrow", "warp"});
+  if (setting == "wide") return RecurrentKernel::wide;
+  if (setting == "narrow") return RecurrentKernel::narrow;
+  if (warp_tasks > 0 && (setting == "warp" || warp_tasks <= warp_wave))
+    return RecurrentKernel::warp;
+  return wide_blocks < sms ? RecurrentKernel::narrow : RecurrentKernel::wide;
 }
 
 void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream) {

@@ -33,7 +33,7 @@ struct IndexTensor {
 
 enum class GateForm : uint8_t { none, scalar, vector };
 
-// The kernel's thread tile (cuda/recurrent_tile.cuh): `wide` (16 keys per thread at K = 128,
+// The block kernel's thread tile (cuda/recurrent_tile.cuh): `wide` (16 keys per thread at K = 128,
 // 64 columns per block) for many sequences, `narrow` (4 keys per thread, 16 columns per
 // block at K = 128) for few, where four times the blocks spread the latency over more SMs.
 enum class RecurrentTile : uint8_t { wide, narrow };
@@ -81,6 +81,15 @@ struct RecurrentParams {
 // Throws flashdelta::Error on a launch failure.
 void launch_recurrent(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
                       void* stream);
+
+// The warp kernel (cuda/recurrent_warp_kernel.cu) on a key-contiguous (V-first) state, for
+// K in {32, 64, 128, 256}, V a multiple of recurrent_warp_columns(K) and p.vector_ok;
+// p.value_tiles = V / that.
+void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream);
+// Value columns of one warp kernel task for head size K; 0 where the kernel does not run.
+int64_t recurrent_warp_columns(int64_t K);
+// Tasks (one-warp blocks) per SM the warp kernel's register budget guarantees.
+int64_t recurrent_warp_blocks_per_sm(int64_t K);
 
 // Columns of V one thread block covers for head size K and a tile (the kernel's tile width).
 int64_t recurrent_block_columns(int64_t K, RecurrentTile tile);

@@ -178,11 +178,5 @@ __device__ __forceinline__ void store_chunk(const RecurrentParams& p, const Stat
   store_run<4>(base + ch.offset, ch.step, ch.valid, p.vector_ok, run);
 }
 
-// The state of (slot, hv) in a state tensor.
-template <class S>
-__device__ __forceinline__ S* tile_base(const StateTensor& st, int64_t slot, int64_t hv) {
-  return static_cast<S*>(st.data) + slot * st.slot_stride + hv * st.head_stride;
-}
-
 }  // namespace
 }  // namespace flashdelta::detail::cuda

@@ -5,6 +5,7 @@
 
 #include "cuda/device_io.cuh"
 #include "cuda/recurrent_params.h"
+#include "cuda/recurrent_task.cuh"
 #include "cuda/recurrent_tile.cuh"
 #include "cuda/transforms.cuh"
 
@@ -16,11 +17,6 @@ struct alignas(16) Shared {
   float partial[kWarps][3];  // |q|^2, |k|^2, q.k per warp
   float columns[kWarps][2][32];  // per warp, k^T S' and q^T S' of each column (Tile::KW > 1)
   float beta, scalar_decay;
-};
-
-// Element offsets of token 0 of one row for each token tensor; token t adds t * stride[1].
-struct RowOffsets {
-  int64_t q, k, v, g, beta, o;
 };
 
 // One token's inputs as this thread loads them: the raw bits, all issued before any is

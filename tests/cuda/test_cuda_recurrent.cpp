@@ -132,18 +132,21 @@ TEST(CudaDecode, InPlaceSlotsWithPaddingRows) {
 TEST(CudaDecode, PerTokenSlotsWithAcceptedTokens) {
   FLASHDELTA_REQUIRE_GPU();
   uint64_t seed = 50;
+  // V = 72 is a partial block tile; V = 64 lets the warp kernel take the case too.
   for (const Mechanism m : {Mechanism::gla, Mechanism::gated_deltanet, Mechanism::kda})
-    for (const int64_t T : {2, 4, 8}) {
-      CaseConfig cfg = decode_config(m, 3, T, 64, 72, seed++);
-      cfg.layout = T == 4 ? StateLayout::v_first : StateLayout::k_first;
-      std::vector<std::vector<int64_t>> slots = {{0, 1, 2, 3}, {4, -1, 5, 6}, {-1, 7, 8, 9}};
-      for (size_t r = 0; r < slots.size(); ++r)
-        for (int64_t t = 4; t < T; ++t) slots[r].push_back(10 + static_cast<int64_t>(r) * 8 + t);
-      const DecodeCase d = make_decode_case(cfg, 40, DType::f32, slots, {2, 1, 1});
-      expect_decode_matches_reference(
-          d, std::string(mechanism_name(m)) + " per-token T=" + std::to_string(T),
-          decode_on_device);
-    }
+    for (const int64_t T : {2, 4, 8})
+      for (const int64_t V : {72, 64}) {
+        CaseConfig cfg = decode_config(m, 3, T, 64, V, seed++);
+        cfg.layout = T == 4 ? StateLayout::v_first : StateLayout::k_first;
+        std::vector<std::vector<int64_t>> slots = {{0, 1, 2, 3}, {4, -1, 5, 6}, {-1, 7, 8, 9}};
+        for (size_t r = 0; r < slots.size(); ++r)
+          for (int64_t t = 4; t < T; ++t) slots[r].push_back(10 + static_cast<int64_t>(r) * 8 + t);
+        const DecodeCase d = make_decode_case(cfg, 40, DType::f32, slots, {2, 1, 1});
+        expect_decode_matches_reference(
+            d, std::string(mechanism_name(m)) + " per-token T=" + std::to_string(T) +
+                   " V=" + std::to_string(V),
+            decode_on_device);
+      }
 }
 
 TEST(CudaDecode, BFloat16PoolOddSizesBothLayouts) {
@@ -293,27 +296,42 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
   expect_decode_matches_reference(w, "70,400 blocks", decode_on_device);
 }
 
-// The tile choice (host only): under `auto` the narrow tile below one wide block per SM.
+// The kernel choice (host only): under `auto` the warp kernel while its tasks fit in one
+// wave, else the narrow tile below one wide block per SM; `warp` wherever the warp kernel
+// takes the problem.
 TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
+  using detail::RecurrentKernel;
+  using detail::cuda_recurrent_kernel;
   constexpr const char* kTile = "FLASHDELTA_RECURRENT_TILE";
+  constexpr int64_t kWave = 132 * 24;
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kTile, automatic);
-    EXPECT_TRUE(detail::cuda_recurrent_narrow_tile(64, 132));
-    EXPECT_TRUE(detail::cuda_recurrent_narrow_tile(131, 132));
-    EXPECT_FALSE(detail::cuda_recurrent_narrow_tile(132, 132));
-    EXPECT_FALSE(detail::cuda_recurrent_narrow_tile(2048, 132));
+    EXPECT_EQ(cuda_recurrent_kernel(64, 132, 1024, kWave), RecurrentKernel::warp);
+    EXPECT_EQ(cuda_recurrent_kernel(2048, 132, kWave, kWave), RecurrentKernel::warp);
+    EXPECT_EQ(cuda_recurrent_kernel(64, 132, 0, kWave), RecurrentKernel::narrow);
+    EXPECT_EQ(cuda_recurrent_kernel(131, 132, kWave + 1, kWave), RecurrentKernel::narrow);
+    EXPECT_EQ(cuda_recurrent_kernel(132, 132, 0, kWave), RecurrentKernel::wide);
+    EXPECT_EQ(cuda_recurrent_kernel(2048, 132, kWave + 1, kWave), RecurrentKernel::wide);
   }
-  for (const int64_t blocks : {1, 100000}) {
-    {
-      const ScopedEnv env(kTile, "wide");
-      EXPECT_FALSE(detail::cuda_recurrent_narrow_tile(blocks, 132));
+  for (const int64_t blocks : {1, 100000})
+    for (const int64_t tasks : {int64_t{0}, int64_t{16}, 100 * kWave}) {
+      {
+        const ScopedEnv env(kTile, "wide");
+        EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks, kWave), RecurrentKernel::wide);
+      }
+      {
+        const ScopedEnv env(kTile, "narrow");
+        EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks, kWave), RecurrentKernel::narrow);
+      }
+      const ScopedEnv env(kTile, "warp");
+      EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks, kWave),
+                tasks > 0      ? RecurrentKernel::warp
+                : blocks < 132 ? RecurrentKernel::narrow
+                               : RecurrentKernel::wide);
     }
-    const ScopedEnv env(kTile, "narrow");
-    EXPECT_TRUE(detail::cuda_recurrent_narrow_tile(blocks, 132));
-  }
   const ScopedEnv env(kTile, "Narrow");
   try {
-    detail::cuda_recurrent_narrow_tile(64, 132);
+    cuda_recurrent_kernel(64, 132, 0, kWave);
     ADD_FAILURE() << "accepted 'Narrow'";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
