@@ -15,7 +15,7 @@ void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream)
 void cuda_recurrent_decode(const DecodeProblem& d, const TensorView& o, void* stream);
 // The recurrent schedule's kernels: the block kernel's wide and narrow tiles
 // (cuda/recurrent_tile.cuh) and the warp kernel (cuda/recurrent_warp_kernel.cu), which
-// takes only K in {32, 64, 128, 256} and V a multiple of its task width.
+// takes only V-first states, K in {32, 64, 128, 256} and V a multiple of its task width.
 enum class RecurrentKernel { wide, narrow, warp };
 // The kernel for a problem whose wide tile makes `wide_blocks` blocks on a GPU of `sms` SMs
 // and that makes `warp_tasks` warp kernel tasks (0: the warp kernel does not take it), one

@@ -41,10 +41,10 @@ bool allows_runs_of_4(const cuda::TokenTensor& x) {
 }
 
 // Whether the warp kernel takes the problem (see cuda/recurrent_warp_kernel.cu).
-bool warp_kernel_fits(const RecurrentParams& r) {
+bool warp_kernel_fits(const RecurrentParams& r, bool key_contiguous) {
   const int64_t columns = cuda::recurrent_warp_columns(r.K);
   const bool vector_gate = r.gate == cuda::GateForm::vector;
-  return columns > 0 && r.V % columns == 0 && r.vector_ok &&
+  return key_contiguous && columns > 0 && r.V % columns == 0 && r.vector_ok &&
          allows_runs_of_4(r.q) && allows_runs_of_4(r.k) && allows_runs_of_4(r.v) &&
          allows_runs_of_4(r.o) && (!vector_gate || allows_runs_of_4(r.g)) &&
          (!vector_gate || !r.gate_in_kernel || !r.dt_bias ||
@@ -62,12 +62,12 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
   const int64_t wide_blocks =
       r.N * r.HV * tiles(cuda::recurrent_block_columns(r.K, cuda::RecurrentTile::wide));
   const int64_t warp_tasks =
-      warp_kernel_fits(r) ? r.N * r.HV * (r.V / cuda::recurrent_warp_columns(r.K)) : 0;
+      warp_kernel_fits(r, key_contiguous) ? r.N * r.HV * (r.V / cuda::recurrent_warp_columns(r.K)) : 0;
   const int64_t warp_wave = sms * cuda::recurrent_warp_blocks_per_sm(r.K);
   switch (cuda_recurrent_kernel(wide_blocks, sms, warp_tasks, warp_wave)) {
     case RecurrentKernel::warp:
       r.value_tiles = r.V / cuda::recurrent_warp_columns(r.K);
-      return cuda::launch_recurrent_warp(r, state_dtype, key_contiguous, stream);
+      return cuda::launch_recurrent_warp(r, state_dtype, stream);
     case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
     case RecurrentKernel::wide: r.tile = cuda::RecurrentTile::wide; break;
   }

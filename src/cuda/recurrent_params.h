@@ -82,10 +82,10 @@ struct RecurrentParams {
 void launch_recurrent(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
                       void* stream);
 
-// The warp kernel (cuda/recurrent_warp_kernel.cu), for K in {32, 64, 128, 256}, V a multiple
-// of recurrent_warp_columns(K) and p.vector_ok; p.value_tiles = V / that.
-void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
-                           void* stream);
+// The warp kernel (cuda/recurrent_warp_kernel.cu) on a key-contiguous (V-first) state, for
+// K in {32, 64, 128, 256}, V a multiple of recurrent_warp_columns(K) and p.vector_ok;
+// p.value_tiles = V / that.
+void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream);
 // Value columns of one warp kernel task for head size K; 0 where the kernel does not run.
 int64_t recurrent_warp_columns(int64_t K);
 // Tasks (one-warp blocks) per SM the warp kernel's register budget guarantees.

@@ -1,5 +1,5 @@
-// The CUDA recurrent schedule's warp kernel, for few sequences: one warp per task of
-// (sequence, value head, CW value columns), its K x CW state tile in registers,
+// The CUDA recurrent schedule's warp kernel, for few sequences on a V-first state: one warp
+// per task of (sequence, value head, CW value columns), its K x CW state tile in registers,
 // and no shared memory and no barrier at all. Every lane loads and transforms the token
 // inputs of its own keys, and the sums over keys (the norms, k^T S' and q^T S') are
 // shuffles. The block kernel (cuda/recurrent_kernel.cu) stages a token once per 4 warps
@@ -8,13 +8,12 @@
 // only (2 MiB each way is ~1 us of bandwidth). Here the tasks are 4 columns (2 KB of fp32
 // state at K = 128) and each lane's chain is 16 values long.
 //
-// The host (cuda/recurrent.cpp) sends it only the problems whose tasks fit in one wave: it
-// streams too slowly for more (a warp's loads are too few bytes in flight, and on a K-first
-// state a warp's rows are 16-byte pieces: 35-81% of the copy bandwidth at N = 256,
-// bench/NOTES.md (ae)). And only the common case: K a power of two in [32, 256] (no key
-// masking); V a multiple of CW (no column masking); states that allow aligned vector runs of
-// 4 along their contiguous dimension; token tensors of float32 or 16-bit with unit channel
-// stride, aligned. The math is
+// The host (cuda/recurrent.cpp) sends it the problems whose tasks fit in one wave, and only
+// the common case: a key-contiguous (V-first) state, so that a warp's load is one 512-byte
+// column (on a K-first state its rows would be 16-byte segments: measured at 35-48% of the
+// copy bandwidth against 67-78% V-first, bench/NOTES.md (ae)); K a power of two in [32, 256]
+// (no key masking); V a multiple of CW (no column masking); states that allow aligned vector
+// runs; token tensors of float32 or 16-bit with unit channel stride, aligned. The math is
 // the block kernel's: with S' = Diag(exp g) S and r = beta (v - S'^T k),
 //     S'' = S' + k r^T,    o = S''^T q = S'^T q + (q . k) r.
 #include <climits>
@@ -210,25 +209,12 @@ __device__ void transform_lane_token(const RecurrentParams& p, const LaneToken<W
   }
 }
 
-// The lane's state is RK chunks of 4 values, each a contiguous run of the state tensor. On a
-// V-first state chunk 4 g + e holds keys key(4 g)..+3 of column e; on a K-first state chunk
-// r holds columns 0..3 of key key(r). Value m of chunk c is the lane's key chunk_key(c, m) in
-// its column chunk_column(c, m).
-template <bool VFirst>
-__device__ constexpr int chunk_key(int c, int m) {
-  return VFirst ? 4 * (c / 4) + m : c;
-}
-template <bool VFirst>
-__device__ constexpr int chunk_column(int c, int m) {
-  return VFirst ? c % 4 : m;
-}
-
-// Element offset of the lane's chunk c from the tile base.
-template <bool VFirst, class W>
+// Element offset of the lane's chunk c from the tile base: chunk 4 g + e holds keys
+// key(4 g)..+3 of column e.
+template <class W>
 __device__ __forceinline__ int64_t chunk_offset(const StateTensor& st, const W& tile, int col,
                                                 int c) {
-  return VFirst ? (col + c % 4) * st.value_stride + tile.key(4 * (c / 4))
-                : tile.key(c) * st.key_stride + col;
+  return (col + c % 4) * st.value_stride + tile.key(4 * (c / 4));
 }
 
 __device__ __forceinline__ void load_state_run(const float* p, float (&x)[4]) {
@@ -241,7 +227,7 @@ __device__ __forceinline__ void load_state_run(const __nv_bfloat16* p, float (&x
   x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 
-template <int KB, class S, bool VFirst>
+template <int KB, class S>
 __device__ void run_warp_task(const RecurrentParams& p, const WarpTile<KB>& tile,
                               const Task& w) {
   using W = WarpTile<KB>;
@@ -272,7 +258,7 @@ __device__ void run_warp_task(const RecurrentParams& p, const WarpTile<KB>& tile
   if (p.state_in.data) {
     const S* src = tile_base<const S>(p.state_in, w.start, hv);
 #pragma unroll
-    for (int c = 0; c < RK; ++c) load_state_run(src + chunk_offset<VFirst>(p.state_in, tile, col, c), x[c]);
+    for (int c = 0; c < RK; ++c) load_state_run(src + chunk_offset(p.state_in, tile, col, c), x[c]);
   } else {
 #pragma unroll
     for (int c = 0; c < RK; ++c)
@@ -296,7 +282,7 @@ __device__ void run_warp_task(const RecurrentParams& p, const WarpTile<KB>& tile
     for (int c = 0; c < RK; ++c)
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        const int r = chunk_key<VFirst>(c, m), e = chunk_column<VFirst>(c, m);
+        const int r = 4 * (c / 4) + m, e = c % 4;  // key r of the lane's, column e
         x[c][m] *= in.d[r];
         pred[e] = fmaf(in.k[r], x[c][m], pred[e]);
         out[e] = fmaf(in.q[r], x[c][m], out[e]);
@@ -318,48 +304,40 @@ __device__ void run_warp_task(const RecurrentParams& p, const WarpTile<KB>& tile
     for (int c = 0; c < RK; ++c) {
 #pragma unroll
       for (int m = 0; m < 4; ++m)
-        x[c][m] = fmaf(in.k[chunk_key<VFirst>(c, m)], r_col[chunk_column<VFirst>(c, m)], x[c][m]);
-      if (dst) store_run<4>(dst + chunk_offset<VFirst>(p.state_out, tile, col, c), 1, 4, true, x[c]);
+        x[c][m] = fmaf(in.k[4 * (c / 4) + m], r_col[c % 4], x[c][m]);
+      if (dst) store_run<4>(dst + chunk_offset(p.state_out, tile, col, c), 1, 4, true, x[c]);
     }
   }
   if (!p.serving && seq.len == 0 && p.state_out.data) {  // empty sequence: state passes through
     S* const dst = tile_base<S>(p.state_out, n, hv);
 #pragma unroll
     for (int c = 0; c < RK; ++c)
-      store_run<4>(dst + chunk_offset<VFirst>(p.state_out, tile, col, c), 1, 4, true, x[c]);
+      store_run<4>(dst + chunk_offset(p.state_out, tile, col, c), 1, 4, true, x[c]);
   }
 }
 
 // Blocks of one warp (a grid-stride loop only past 2^31 - 1 tasks).
-template <int KB, class S, bool VFirst>
+template <int KB, class S>
 __global__ void __launch_bounds__(32, WarpTile<KB>::kMinBlocks)
     recurrent_warp_kernel(const __grid_constant__ RecurrentParams p) {
   using W = WarpTile<KB>;
   const W tile;
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   for (int64_t blk = blockIdx.x; blk < tasks; blk += gridDim.x)
-    run_warp_task<KB, S, VFirst>(p, tile, task_of<W::CW>(p, blk, tasks));
+    run_warp_task<KB, S>(p, tile, task_of<W::CW>(p, blk, tasks));
 }
 
-template <class S, bool VFirst>
+template <class S>
 void launch_for_k(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   if (tasks == 0) return;
   const unsigned grid = static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX);
   switch (p.K) {
-    case 32: return recurrent_warp_kernel<32, S, VFirst><<<grid, 32, 0, stream>>>(p);
-    case 64: return recurrent_warp_kernel<64, S, VFirst><<<grid, 32, 0, stream>>>(p);
-    case 128: return recurrent_warp_kernel<128, S, VFirst><<<grid, 32, 0, stream>>>(p);
-    default: return recurrent_warp_kernel<256, S, VFirst><<<grid, 32, 0, stream>>>(p);
+    case 32: return recurrent_warp_kernel<32, S><<<grid, 32, 0, stream>>>(p);
+    case 64: return recurrent_warp_kernel<64, S><<<grid, 32, 0, stream>>>(p);
+    case 128: return recurrent_warp_kernel<128, S><<<grid, 32, 0, stream>>>(p);
+    default: return recurrent_warp_kernel<256, S><<<grid, 32, 0, stream>>>(p);
   }
-}
-
-template <class S>
-void launch_for_layout(const RecurrentParams& p, bool key_contiguous, cudaStream_t stream) {
-  if (key_contiguous)
-    launch_for_k<S, true>(p, stream);
-  else
-    launch_for_k<S, false>(p, stream);
 }
 
 }  // namespace
@@ -383,13 +361,12 @@ int64_t recurrent_warp_blocks_per_sm(int64_t K) {
   }
 }
 
-void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
-                           void* stream) {
+void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (state_dtype == DType::bf16)
-    launch_for_layout<__nv_bfloat16>(p, key_contiguous, s);
+    launch_for_k<__nv_bfloat16>(p, s);
   else
-    launch_for_layout<float>(p, key_contiguous, s);
+    launch_for_k<float>(p, s);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     throw Error(ErrorCode::runtime, std::string("CUDA recurrent warp kernel launch failed: ") +
