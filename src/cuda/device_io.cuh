@@ -111,18 +111,28 @@ __device__ __forceinline__ Run8 load_run8(const TokenTensor& x, int64_t off, int
   return load_run8_elementwise(x.data, x.dtype, off, x.stride[3], valid);
 }
 
+// N bfloat16 / float16 values packed two per word (the lower half first) as float32.
+template <int N>
+__device__ __forceinline__ void bf16_pairs_to_float(const uint32_t* w, float* out) {
+#pragma unroll
+  for (int e = 0; e < N; ++e)
+    out[e] = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
+}
+template <int N>
+__device__ __forceinline__ void f16_pairs_to_float(const uint32_t* w, float* out) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    const uint32_t half = e % 2 ? w[e / 2] >> 16 : w[e / 2] & 0xffffu;
+    out[e] = __half2float(__ushort_as_half(static_cast<unsigned short>(half)));
+  }
+}
+
 __device__ __forceinline__ void run8_to_float(const Run8& r, DType t, float (&out)[8]) {
   // The dtype is branched on once per run, not per element (both conversions and a select).
   if (r.packed && t == DType::bf16) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      out[e] = __uint_as_float(e % 2 ? r.w[e / 2] & 0xffff0000u : r.w[e / 2] << 16);
+    bf16_pairs_to_float<8>(r.w, out);
   } else if (r.packed) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const uint32_t half = e % 2 ? r.w[e / 2] >> 16 : r.w[e / 2] & 0xffffu;
-      out[e] = __half2float(__ushort_as_half(static_cast<unsigned short>(half)));
-    }
+    f16_pairs_to_float<8>(r.w, out);
   } else {
 #pragma unroll
     for (int e = 0; e < 8; ++e) out[e] = raw_to_float(r.w[e], t);

@@ -73,15 +73,9 @@ __device__ __forceinline__ Run4 load_run4(const TokenTensor& x, int64_t off) {
 
 __device__ __forceinline__ void run4_to_float(const Run4& r, DType t, float* out) {
   if (t == DType::bf16) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      out[e] = __uint_as_float(e % 2 ? r.w[e / 2] & 0xffff0000u : r.w[e / 2] << 16);
+    bf16_pairs_to_float<4>(r.w, out);
   } else if (t == DType::f16) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const uint32_t half = e % 2 ? r.w[e / 2] >> 16 : r.w[e / 2] & 0xffffu;
-      out[e] = __half2float(__ushort_as_half(static_cast<unsigned short>(half)));
-    }
+    f16_pairs_to_float<4>(r.w, out);
   } else {
 #pragma unroll
     for (int e = 0; e < 4; ++e) out[e] = __uint_as_float(r.w[e]);
