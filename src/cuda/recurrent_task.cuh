@@ -60,7 +60,6 @@ __device__ Task task_of(const RecurrentParams& p, int64_t blk, int64_t blocks) {
   return w;
 }
 
-
 // Element offsets of token 0 of one row for each token tensor; token t adds t * stride[1].
 struct RowOffsets {
   int64_t q, k, v, g, beta, o;
