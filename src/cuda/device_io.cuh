@@ -160,6 +160,20 @@ __device__ inline void prefetch_token_rows(const TokenTensor& x, int64_t off, in
   prefetch_row_lines(static_cast<const unsigned short*>(x.data) + off, x.stride[1], rows, channels);
 }
 
+// Two floats as a bfloat16 pair in one register (lo in the low half): an mma operand word,
+// half of a 16-byte store, a bfloat16 state run.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Two floats as a pair of a 16-bit dtype (bfloat16, else float16) in one register.
+__device__ __forceinline__ uint32_t pack_16bit(DType t, float lo, float hi) {
+  if (t == DType::bf16) return pack_bf16(lo, hi);
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // Eight floats by value: passed to a call in registers, where an array's address would put
 // the caller's array (and every value summed into it) in local memory.
 struct Floats8 {
@@ -183,15 +197,7 @@ __device__ __forceinline__ void store_run8(const TokenTensor& x, int64_t off, in
     if ((reinterpret_cast<uintptr_t>(ptr) & 15) == 0) {
       uint32_t w[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (x.dtype == DType::bf16) {
-          const __nv_bfloat162 h = __floats2bfloat162_rn(in[2 * e], in[2 * e + 1]);
-          w[e] = *reinterpret_cast<const uint32_t*>(&h);
-        } else {
-          const __half2 h = __floats2half2_rn(in[2 * e], in[2 * e + 1]);
-          w[e] = *reinterpret_cast<const uint32_t*>(&h);
-        }
-      }
+      for (int e = 0; e < 4; ++e) w[e] = pack_16bit(x.dtype, in[2 * e], in[2 * e + 1]);
       *reinterpret_cast<uint4*>(ptr) = make_uint4(w[0], w[1], w[2], w[3]);
       return;
     }
@@ -219,13 +225,6 @@ template <class S> __device__ __forceinline__ S from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);
-}
-
-// Two floats as a bfloat16 pair in one register (lo in the low half): an mma operand word,
-// half of a 16-byte store, a bfloat16 state run.
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
 }
 
 // W state elements starting at p, `step` elements apart, from floats. With `vec` (step == 1

@@ -91,14 +91,7 @@ __device__ __forceinline__ void store_run4(const TokenTensor& x, int64_t off, co
   }
   uint32_t w[2];
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    if (x.dtype == DType::bf16) {
-      w[e] = pack_bf16(in[2 * e], in[2 * e + 1]);
-    } else {
-      const __half2 h = __floats2half2_rn(in[2 * e], in[2 * e + 1]);
-      w[e] = *reinterpret_cast<const uint32_t*>(&h);
-    }
-  }
+  for (int e = 0; e < 2; ++e) w[e] = pack_16bit(x.dtype, in[2 * e], in[2 * e + 1]);
   *reinterpret_cast<uint2*>(static_cast<unsigned short*>(base) + off) = make_uint2(w[0], w[1]);
 }
 
