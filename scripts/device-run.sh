@@ -55,6 +55,7 @@
 #   KERNEL_BENCH_VARIANTS  environment assignments the kernel-bench stage reruns the C++
 #                decode benchmark under, one run each (e.g. "FLASHDELTA_RECURRENT_TILE=wide
 #                FLASHDELTA_RECURRENT_TILE=narrow"); JSON in $OUT/kernel_bench*.json
+#   KERNEL_BENCH_ARGS  extra arguments for its first run (e.g. "--sweep 1": N = 40 ... 96)
 #   BUILD_TARGETS  CMake targets to build (default: all), e.g. "_C" for the Python module alone
 #   JOBS         build parallelism (default: all cores)
 #   CUDA_ARCH    CMAKE_CUDA_ARCHITECTURES (default 90a)
@@ -86,7 +87,7 @@ export SANLOG=$OUT/sanitizer.log
 BUDGET_S=${BUDGET_S:-450}
 STAGES=${STAGES:-"info deps configure build ctest sanitize pytest bench bench-chunk kernel-bench overhead pytest-all"}
 export SANITIZE_BINARIES=${SANITIZE_BINARIES:-"test_cuda_recurrent test_cuda_chunk"}
-export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-} CTEST_REGEX=${CTEST_REGEX:-} KERNEL_BENCH_VARIANTS=${KERNEL_BENCH_VARIANTS:-}
+export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-} CTEST_REGEX=${CTEST_REGEX:-} KERNEL_BENCH_VARIANTS=${KERNEL_BENCH_VARIANTS:-} KERNEL_BENCH_ARGS=${KERNEL_BENCH_ARGS:-}
 export BENCH_BACKWARD_ARGS=${BENCH_BACKWARD_ARGS:-} PROFILE_BACKWARD_ARGS=${PROFILE_BACKWARD_ARGS:-}
 export NCU_BACKWARD_KERNELS=${NCU_BACKWARD_KERNELS:-"grads_kernel|records_kernel|keys_kernel"}
 export JOBS=${JOBS:-$(nproc)}
@@ -271,7 +272,11 @@ stage_kernel-bench() {
   local bin
   bin=$(find "$BUILD" -name flashdelta_cuda_decode_bench -type f -perm -u+x | head -1)
   if [ -z "$bin" ]; then echo "no flashdelta_cuda_decode_bench in $BUILD"; return 77; fi
-  "$bin" --json "$OUT/kernel_bench.json" || return 1
+  "$bin" --json "$OUT/kernel_bench.json" $KERNEL_BENCH_ARGS || return 1
+  # The machine's host time per bare kernel launch: the floor under a decode call's host time.
+  local launch
+  launch=$(find "$BUILD" -name flashdelta_cuda_launch_cost -type f -perm -u+x | head -1)
+  if [ -n "$launch" ]; then "$launch" | tee "$OUT/launch_cost.txt" || return 1; fi
   local v
   for v in $KERNEL_BENCH_VARIANTS; do
     echo "-- with $v"

@@ -1,14 +1,20 @@
 // C++ timing of the CUDA decode kernel alone (no Python): KDA serving steps, K = V = 128,
 // bf16 inputs, fp32 (or bf16) state pool updated in place, against the device's copy
 // bandwidth measured in the same process. Several pools are rotated so the state is read
-// from HBM, not L2; CUDA events around each call; medians. Small batches are also timed as
-// a CUDA graph of 100 steps, which removes launch overhead (the kernel's own time).
+// from HBM, not L2; CUDA events around each call; medians. Every case is also timed as a
+// CUDA graph of 100 steps, which removes launch overhead (the kernel's own time), and small
+// batches (N <= 4) by the host's time per call (validation and launch, no Python).
 //
-//   flashdelta_cuda_decode_bench [--json FILE] [--only SUBSTRING]
+//   flashdelta_cuda_decode_bench [--json FILE] [--only SUBSTRING] [--sweep 1]
+//
+// --sweep 1 adds KDA K-first and V-first steps for N = 40 ... 96: a line fitted to the graph
+// time against N splits a step into a per-launch cost (intercept: ramp and drain) and the
+// streaming rate (slope).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -42,6 +48,7 @@ struct Case {
 
 struct Result {
   double ms, graph_us, state_gbs;
+  double host_us;  // host time of one call (validation + launch); 0 where not measured
 };
 
 Result run_case(const Case& c) {
@@ -134,7 +141,19 @@ Result run_case(const Case& c) {
   check(cudaGetLastError(), "run");
   const double med = median(ms);
   const double bytes = 2.0 * c.N * slot * sbytes;
-  Result r{med, median(graph_us), bytes / (med * 1e-3) / 1e9};
+  // The host's time per call where the GPU's steps are short (N <= 4): 200 calls queued
+  // without waiting (the launch queue holds them), median of 5 loops.
+  std::vector<double> host_us;
+  for (int r = 0; c.N <= 4 && r < 5; ++r) {
+    check(cudaStreamSynchronize(s), "sync");
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 200; ++i) step(i);
+    const auto t1 = std::chrono::steady_clock::now();
+    host_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / 200);
+  }
+  check(cudaStreamSynchronize(s), "sync");
+  Result r{med, median(graph_us), bytes / (med * 1e-3) / 1e9,
+           host_us.empty() ? 0.0 : median(host_us)};
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   for (auto& a : args)
@@ -171,16 +190,18 @@ double copy_bandwidth_gbs() {
 int main(int argc, char** argv) {
   const char* json_path = nullptr;
   std::string only;  // --only SUBSTRING: run the matching cases only (for profilers)
+  bool sweep = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::string(argv[i]) == "--json") json_path = argv[i + 1];
     if (std::string(argv[i]) == "--only") only = argv[i + 1];
+    if (std::string(argv[i]) == "--sweep") sweep = std::string(argv[i + 1]) != "0";
   }
   cudaDeviceProp prop;
   check(cudaGetDeviceProperties(&prop, 0), "device");
   const double copy = copy_bandwidth_gbs();
   const fd::StateLayout kf = fd::StateLayout::k_first, vf = fd::StateLayout::v_first;
   const fd::DType f32 = fd::DType::f32, bf16 = fd::DType::bf16;
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {"kda N=256 HV=32 k_first", 256, 32, 32, 128, 128, 1, kf, f32, fd::Mechanism::kda},
       {"kda N=256 HV=32 v_first", 256, 32, 32, 128, 128, 1, vf, f32, fd::Mechanism::kda},
       {"kda N=64 HV=32 k_first", 64, 32, 32, 128, 128, 1, kf, f32, fd::Mechanism::kda},
@@ -201,18 +222,27 @@ int main(int argc, char** argv) {
       {"kda N=256 out-of-place k_first", 256, 32, 32, 128, 128, 1, kf, f32, fd::Mechanism::kda, true},
       {"kda N=256 out-of-place v_first", 256, 32, 32, 128, 128, 1, vf, f32, fd::Mechanism::kda, true},
   };
+  if (sweep)
+    for (const fd::StateLayout layout : {kf, vf})
+      for (int64_t n : {40, 44, 48, 50, 52, 56, 60, 61, 62, 63, 64, 66, 68, 72, 74, 75, 76, 80, 88, 96})
+        cases.push_back({"sweep kda N=" + std::to_string(n) + (layout == kf ? " k_first" : " v_first"),
+                         n, 32, 32, 128, 128, 1, layout, f32, fd::Mechanism::kda});
   std::printf("device: %s, copy bandwidth %.0f GB/s (read + write)\n", prop.name, copy);
-  std::printf("%-28s %10s %12s %10s %8s\n", "case", "ms", "graph us", "GB/s", "% copy");
+  std::printf("%-28s %10s %12s %10s %8s %8s\n", "case", "ms", "graph us", "GB/s", "% copy",
+              "host us");
   std::string json = "{\"device\": \"" + std::string(prop.name) +
                      "\", \"copy_gbs\": " + std::to_string(copy) + ", \"cases\": [";
+  bool first = true;
   for (size_t i = 0; i < cases.size(); ++i) {
     if (!only.empty() && cases[i].name.find(only) == std::string::npos) continue;
     const Result r = run_case(cases[i]);
-    std::printf("%-28s %10.4f %12.2f %10.0f %7.1f%%\n", cases[i].name.c_str(), r.ms, r.graph_us,
-                r.state_gbs, 100.0 * r.state_gbs / copy);
-    json += std::string(i ? ", " : "") + "{\"case\": \"" + cases[i].name + "\", \"ms\": " +
+    std::printf("%-28s %10.4f %12.2f %10.0f %7.1f%% %8.2f\n", cases[i].name.c_str(), r.ms,
+                r.graph_us, r.state_gbs, 100.0 * r.state_gbs / copy, r.host_us);
+    json += std::string(first ? "" : ", ") + "{\"case\": \"" + cases[i].name + "\", \"ms\": " +
             std::to_string(r.ms) + ", \"graph_us\": " + std::to_string(r.graph_us) +
-            ", \"state_gbs\": " + std::to_string(r.state_gbs) + "}";
+            ", \"state_gbs\": " + std::to_string(r.state_gbs) +
+            ", \"host_us\": " + std::to_string(r.host_us) + "}";
+    first = false;
   }
   json += "]}\n";
   if (json_path) {

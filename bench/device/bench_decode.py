@@ -18,12 +18,17 @@ torch.cuda._sleep so that the host never starves the GPU (the times are the GPU'
 kernel the call launches); the pool slots and input sets rotate over enough sets that the
 states do not sit in the L2 (at least 4 sets, and at least 4x the L2 of state); median of
 --reps calls after warm-up. For N=1 also the wall-clock time per call from Python (a loop,
-one synchronisation at the end: host overhead included), the time per call of 100 calls
+one synchronisation at the end: host overhead included; the implementations take turns over
+--wall-rounds rounds and each keeps its median round, since the host's speed drifts between
+and within runs), the time per call of 100 calls
 captured in a CUDA graph (replays timed: no host overhead, but the gaps between kernels),
 and the kernels' own device time per call (CUPTI's start to end of each launch, through
 torch.profiler). State bandwidth = state bytes moved per call
 (read once, written once per slot written) / time; the copy bandwidth is measured in the same
 run (a >= 1 GiB device-to-device copy, bytes read + written / time, median).
+
+What is timed is the library call alone: its arguments are bound once per input set
+(functools.partial), and the written states are gathered only for the correctness check.
 
 Correctness: one call of each on copies of the same pool; the max relative difference
 (max |ours - fla| / max |fla|) of o and of the written states is recorded.
@@ -44,6 +49,7 @@ implementation that raises is recorded with its error and the rest still runs.
 
 import argparse
 import contextlib
+import functools
 import datetime
 import json
 import math
@@ -66,6 +72,8 @@ def parse_args(argv):
                    help="tiny shapes, on the CPU unless --device cuda (checks the code paths)")
     p.add_argument("--reps", type=int, default=100, help="timed calls per case (default 100)")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--wall-rounds", type=int, default=5,
+                   help="rounds of the N=1 wall-clock loop, implementations in turn (default 5)")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--layouts", default="k_first,v_first")
     p.add_argument("--no-fla", action="store_true", help="time FlashDelta alone")
@@ -157,8 +165,10 @@ class Problem:
 
 
 # ---------------------------------------------------------------------------------------------
-# The two implementations: call(problem, r, pool=None) runs one serving step on set r and
-# returns (o, states written) (states for the correctness check: the pool slots of set r).
+# The implementations: step(flashdelta, prob, r, pool=None) -> (fn, read). fn() is one
+# serving step on set r, the library call alone, bound to its arguments (functools.partial),
+# so that the timed loops run nothing else; read(fn()) -> (o, states written) for the
+# correctness check (the states: pool slots of set r).
 
 def serving_kwargs(prob, r, pool):
     """The fla serving-form keywords of one step on set r (ours and the reference share them)."""
@@ -171,57 +181,57 @@ def serving_kwargs(prob, r, pool):
     return kw
 
 
-def ours_call(flashdelta, prob, r, pool=None):
+def serving_step(module, prob, r, pool):
+    """module.fused_recurrent_kda / fused_recurrent_gated_delta_rule's serving form (flashdelta
+    or its reference) on set r, bound; read gives (o, the pool slots of set r)."""
     pool = prob.pool if pool is None else pool
     x = prob.inputs[r]
     common = serving_kwargs(prob, r, pool)
     if prob.p["mech"] == "gdn":
-        o, _ = flashdelta.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"],
-                                                           beta=x["beta"], **common)
+        fn = functools.partial(module.fused_recurrent_gated_delta_rule, x["q"], x["k"], x["v"],
+                               x["g"], beta=x["beta"], **common)
     else:
-        o, _ = flashdelta.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                              **common)
-    return o, pool[prob.block(r)]
+        fn = functools.partial(module.fused_recurrent_kda, x["q"], x["k"], x["v"], x["g"],
+                               x["beta"], **common)
+    return fn, lambda result: (result[0], pool[prob.block(r)])
 
 
-def reference_call(flashdelta, prob, r, pool=None):
-    """The dry run's baseline: FlashDelta's fp64 reference (results cast to the inputs')."""
-    pool = prob.pool if pool is None else pool
-    x = prob.inputs[r]
-    common = serving_kwargs(prob, r, pool)
-    ref = flashdelta.reference
-    if prob.p["mech"] == "gdn":
-        o, _ = ref.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"],
-                                                    beta=x["beta"], **common)
-    else:
-        o, _ = ref.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **common)
-    return o.to(x["v"].dtype), pool[prob.block(r)]
+def ours_step(flashdelta, prob, r, pool=None):
+    return serving_step(flashdelta, prob, r, pool)
+
+
+def reference_step(flashdelta, prob, r, pool=None):
+    """The dry run's baseline: FlashDelta's fp64 reference (o cast to the inputs' dtype)."""
+    fn, read = serving_step(flashdelta.reference, prob, r, pool)
+    dtype = prob.inputs[r]["v"].dtype
+    return fn, lambda result: (result[0].to(dtype), read(result)[1])
 
 
 def failing(message):
     """An implementation that cannot run (its error is recorded for every case)."""
-    def call(*args, **kwargs):
+    def step(*args, **kwargs):
         raise RuntimeError(message)
-    return call
+    return step
 
 
-def make_fla_call():
-    """fla's serving call, or raises ImportError."""
+def make_fla_step():
+    """fla's serving step, or raises ImportError."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd
 
-    def call(flashdelta, prob, r, pool=None):
+    def step(flashdelta, prob, r, pool=None):
         pool = prob.pool if pool is None else pool
         x = prob.inputs[r]
         if prob.p["mech"] == "gdn":
-            blk = prob.block(r)
-            o, final = fused_recurrent_gated_delta_rule_fwd(
+            fn = functools.partial(
+                fused_recurrent_gated_delta_rule_fwd,
                 q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=prob.A_log,
-                dt_bias=prob.dt_bias, scale=prob.scale, initial_state=pool[blk],
+                dt_bias=prob.dt_bias, scale=prob.scale, initial_state=pool[prob.block(r)],
                 output_final_state=True, use_qk_l2norm_in_kernel=True,
                 use_beta_sigmoid_in_kernel=True, state_v_first=prob.v_first)
-            return o, final
-        o, _ = fused_recurrent_kda_fwd(
+            return fn, lambda result: result  # (o, final)
+        fn = functools.partial(
+            fused_recurrent_kda_fwd,
             q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=prob.A_log,
             dt_bias=prob.dt_bias, initial_state=pool, scale=prob.scale,
             output_final_state=False, inplace_final_state=True, state_v_first=prob.v_first,
@@ -229,9 +239,9 @@ def make_fla_call():
             num_accepted_tokens=prob.accepted[r] if prob.p["spec"] else None,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True)
-        return o, pool[prob.block(r)]
+        return fn, lambda result: (result[0], pool[prob.block(r)])
 
-    return call
+    return step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,6 +417,25 @@ def error_text(e):
 # ---------------------------------------------------------------------------------------------
 # One case
 
+def wall_rounds(timer, fns, row, sets, args):
+    """The wall-clock time per call from Python of every implementation in fns, in turns
+    (round 1: each once, round 2: each again, ...): the host's speed drifts, and turns spread
+    the drift over all of them. Keeps each one's median round, and every round."""
+    rounds = {label: [] for label in fns}
+    for _ in range(max(1, args.wall_rounds)):
+        for label, fn in fns.items():
+            try:
+                with environment_of(label):
+                    rounds[label].append(timer.wall(fn, sets, max(args.reps, 200),
+                                                    args.warmup))
+            except Exception as e:  # noqa: BLE001
+                row["impls"][label]["wall_error"] = error_text(e)
+    for label, times in rounds.items():
+        if times:
+            row["impls"][label]["wall_s_per_call"] = statistics.median(times)
+            row["impls"][label]["wall_s_rounds"] = times
+
+
 def run_case(torch, flashdelta, name, p, layout, impls, device, args, l2_bytes, copy_bw):
     timer = Timer(torch, device)
     row = dict(case=name, layout=layout, params=p, impls={})
@@ -425,15 +454,16 @@ def run_case(torch, flashdelta, name, p, layout, impls, device, args, l2_bytes, 
 
     # Correctness: one call of each on copies of the pool, set 0.
     results = {}
-    for label, call in impls.items():
+    for label, step in impls.items():
         entry = row["impls"].setdefault(label, {})
         try:
             pool = prob.pool.clone()
             with environment_of(label):
-                o, states = call(flashdelta, prob, 0, pool)
+                fn, read = step(flashdelta, prob, 0, pool)
+                o, states = read(fn())
             timer.sync()
             results[label] = (o.detach().clone(), states.detach().clone())
-            del pool
+            o = states = fn = read = pool = None  # the clone's last references
         except Exception as e:  # noqa: BLE001
             entry["error"] = error_text(e)
             entry["traceback"] = traceback.format_exc(limit=4)
@@ -452,20 +482,21 @@ def run_case(torch, flashdelta, name, p, layout, impls, device, args, l2_bytes, 
                 o=rel_diff(torch, o_a, o_b), state=rel_diff(torch, s_a, s_b))
     results.clear()
 
-    for label, call in impls.items():
+    fns = {}
+    for label, step in impls.items():
         entry = row["impls"][label]
         if "error" in entry:
             continue
-        fn = lambda r, call=call, prob=prob: call(flashdelta, prob, r)  # noqa: E731
         try:
+            steps = [step(flashdelta, prob, r)[0] for r in range(sets)]
+            fn = lambda r, steps=steps: steps[r]()  # noqa: E731
             with environment_of(label):
                 t = timer.per_call(fn, sets, args.reps, args.warmup)
                 entry["time_s"] = t
                 entry["state_GBps"] = state_bytes / t["median"] / 1e9
                 entry["pct_copy_bw"] = 100.0 * state_bytes / t["median"] / copy_bw
+                fns[label] = fn
                 if p["N"] == 1:
-                    entry["wall_s_per_call"] = timer.wall(fn, sets, max(args.reps, 200),
-                                                          args.warmup)
                     if device.type == "cuda":
                         entry["graph_s_per_call"] = timer.graph(fn, sets)
                         k = timer.kernel(fn, sets)
@@ -475,7 +506,9 @@ def run_case(torch, flashdelta, name, p, layout, impls, device, args, l2_bytes, 
         except Exception as e:  # noqa: BLE001
             entry["error"] = error_text(e)
             entry["traceback"] = traceback.format_exc(limit=4)
-    fn = prob = None  # frees the pool before the next case
+    if p["N"] == 1:
+        wall_rounds(timer, fns, row, sets, args)
+    fn = fns = steps = prob = None  # frees the pool before the next case
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -514,6 +547,11 @@ def table(rows, baseline, copy_bw, gpu):
                 wb, wo = b.get(key), o.get(key)
                 if wb or wo:
                     ratio = f"  ({wb / wo:.2f}x)" if wb and wo else ""
+                    if key == "wall_s_per_call":  # the spread of the rounds (wall_rounds)
+                        ratio += "".join(
+                            f"; {lb} rounds {min(r) * 1e6:.1f}-{max(r) * 1e6:.1f}" for lb, r in
+                            ((baseline, b.get("wall_s_rounds")), ("ours", o.get("wall_s_rounds")))
+                            if r)
                     lines.append(f"{'':<22} {'':<8} {what}: {baseline} "
                                  f"{fmt(wb and wb * 1e6, '.1f')} us, ours "
                                  f"{fmt(wo and wo * 1e6, '.1f')} us{ratio}")
@@ -616,16 +654,16 @@ def main(argv=None):
     baseline = "fla"
     if device.type != "cuda":
         baseline = "reference"  # fla's kernels are Triton: GPU only
-        impls["reference"] = reference_call
+        impls["reference"] = reference_step
     elif not args.no_fla:
         try:
-            impls["fla"] = make_fla_call()
+            impls["fla"] = make_fla_step()
         except Exception as e:  # noqa: BLE001
             print(f"fla unavailable: {error_text(e)}", flush=True)
-    impls["ours"] = ours_call if flashdelta is not None else failing(flashdelta_error)
+    impls["ours"] = ours_step if flashdelta is not None else failing(flashdelta_error)
     for variant in filter(None, args.variants.split(",")):
         variant_settings(variant)  # exits on a malformed one, before any case runs
-        impls[variant] = ours_call if flashdelta is not None else failing(flashdelta_error)
+        impls[variant] = ours_step if flashdelta is not None else failing(flashdelta_error)
     if flashdelta is None and "reference" in impls:
         impls["reference"] = failing(flashdelta_error)
 

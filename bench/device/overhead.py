@@ -11,6 +11,8 @@ call (median of --repeats runs of --calls calls) for the layers of one serving s
     flashdelta.decode                 the generic entry point
     fused_recurrent_kda (serving)     the fla-named serving form
     fused_recurrent_kda (forward)     the fla-named forward form (initial_state, output_final_state)
+    fla fused_recurrent_kda_fwd       fla's serving call on the same tensors, when fla imports
+                                      (CUDA only: its kernels are Triton)
 
     python3 bench/device/overhead.py [--device cpu|cuda] [--hv 1 --k 1 --v 1] [--json PATH]
 """
@@ -110,6 +112,20 @@ def main(argv=None):
                                                initial_state=state, output_final_state=True,
                                                **fused),
         args.calls, args.repeats, sync)
+    if dev.type == "cuda":
+        try:
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        except Exception as e:  # noqa: BLE001 (optional)
+            print(f"fla unavailable: {type(e).__name__}: {e}")
+        else:
+            results["fla fused_recurrent_kda_fwd"] = timed(
+                lambda: fused_recurrent_kda_fwd(
+                    q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                    initial_state=pool, scale=scale, output_final_state=False,
+                    inplace_final_state=True, ssm_state_indices=idx,
+                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                    use_beta_sigmoid_in_kernel=True),
+                args.calls, args.repeats, sync)
     results["torch.empty (reference point)"] = timed(
         lambda: q.new_empty((N, T, HV, V)), args.calls, args.repeats, sync)
 
