@@ -57,7 +57,6 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
   const int64_t elem = dtype_size(state_dtype);
   r.vector_ok = allows_vectors(r.state_in, key_contiguous, cuda::kStateRunLength, elem) &&
                 allows_vectors(r.state_out, key_contiguous, cuda::kStateRunLength, elem);
-  r.wait_by_runs = env_setting("FLASHDELTA_RECURRENT_WAIT", {"auto", "runs", "tile"}) != "tile";
   const auto tiles = [&](int64_t columns) { return (r.V + columns - 1) / columns; };
   const int sms = sm_count();
   const int64_t wide_blocks =

@@ -71,9 +71,6 @@ struct RecurrentParams {
   // Serving: pool read and written in place at the slots of state_indices.
   StateTensor state_in, state_out;
   bool vector_ok = false;  // both state tensors allow aligned vector access
-  // The block kernels' first pass starts on each run of 4 of a thread's state chunks as it
-  // lands (false: once the whole tile has; FLASHDELTA_RECURRENT_WAIT=tile).
-  bool wait_by_runs = true;
   bool serving = false;
   int64_t pool_slots = 0;  // P
   IndexTensor state_indices, num_accepted;
