@@ -89,7 +89,11 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
   if (seq.len > 0) fetch_token<KB>(p, row, 0, hv, col, raw);
   const uint32_t a_raw = p.A_log ? load_raw(p.A_log, p.A_log_dtype, hv * p.A_log_stride) : 0u;
   const float a = p.A_log ? expf(raw_to_float(a_raw, p.A_log_dtype)) : 1.f;
-  wait_async<0>();  // each thread reads only the slots it copied: no barrier needed
+  // Each thread reads only the slots it copied: no barrier. On K-first states the first
+  // pass waits run by run instead (wait_state_run): the same time where the runs land
+  // together, but the compiler's schedule of that loop is then free of spills at 80
+  // registers (bench/NOTES.md (af)); on V-first states the run waits would spill.
+  if constexpr (KeyContig) wait_async<0>();
 
   for (int64_t t = 0; t < seq.len; ++t) {
     if (t > 0) fetch_token<KB>(p, row, t, hv, col, raw);
@@ -113,6 +117,7 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
     float pred[4] = {0.f, 0.f, 0.f, 0.f}, out[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int g = 0; g < T::RK / 4; ++g) {
+      if constexpr (!KeyContig) wait_state_run<T::RK / 4>(g);
       const KeyRun4 kr = key_run(p, sh, tile.key(4 * g));
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -174,6 +179,7 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
     }
     if (more) __syncthreads();  // shared staging is rewritten next token
   }
+  wait_async<0>();  // an empty sequence's copies (no pass waited for them)
   if (!p.serving && seq.len == 0 && p.state_out.data) {  // empty sequence: state passes through
     S* const dst = tile_base<S>(p.state_out, n, hv);
 #pragma unroll

@@ -107,8 +107,9 @@ __device__ __forceinline__ S* slot_of(S* state, int c) {
 
 // Copies the thread's chunks of one state tile into its shared-memory slots: asynchronous
 // 16-byte (8 for bfloat16) copies when the tensor allows aligned runs (vector_ok),
-// otherwise element by element. Missing elements read as 0. Ends with a commit; the caller
-// waits (wait_async<0>) before reading.
+// otherwise element by element. Missing elements read as 0. Commits one group per run of 4
+// chunks (RK / 4 groups, in order); the caller waits for them (wait_state_run, or
+// wait_async<0> for all) before reading.
 template <int KB, int RK, bool KeyContig, class S>
 __device__ void stage_state(const RecurrentParams& p, const StateTensor& st, const S* base,
                             const Tile<KB, RK, KeyContig>& tile, int j0, S* state) {
@@ -124,8 +125,22 @@ __device__ void stage_state(const RecurrentParams& p, const StateTensor& st, con
 #pragma unroll
       for (int w = 0; w < 4; ++w) slot[w] = w < ch.valid ? base[ch.offset + w * ch.step] : S{};
     }
+    if (c % 4 == 3) commit_async();
   }
-  commit_async();
+}
+
+// Waits until run g of the thread's RK / 4 = G state copy groups has landed (runs land in
+// order; a no-op once all have). cp.async.wait_group takes an immediate: unrolled callers
+// fold the switch to one instruction.
+template <int G>
+__device__ __forceinline__ void wait_state_run(int g) {
+  static_assert(G >= 1 && G <= 4, "runs of 4 chunks per thread: 1 to 4");
+  switch (G - 1 - g) {
+    case 3: wait_async<3>(); break;
+    case 2: wait_async<2>(); break;
+    case 1: wait_async<1>(); break;
+    default: wait_async<0>(); break;
+  }
 }
 
 template <int RK, class S>
