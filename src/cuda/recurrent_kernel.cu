@@ -90,9 +90,10 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
   const uint32_t a_raw = p.A_log ? load_raw(p.A_log, p.A_log_dtype, hv * p.A_log_stride) : 0u;
   const float a = p.A_log ? expf(raw_to_float(a_raw, p.A_log_dtype)) : 1.f;
   // Each thread reads only the slots it copied: no barrier. On K-first states the first
-  // pass waits run by run instead (wait_state_run): the same time where the runs land
-  // together, but the compiler's schedule of that loop is then free of spills at 80
-  // registers (bench/NOTES.md (af)); on V-first states the run waits would spill.
+  // pass waits run by run instead (wait_state_run). The runs land about together, so this
+  // overlaps nothing (measured), but the compiler then schedules the K = 128 wide loop
+  // without spills: 2% faster at N = 256. On V-first states the same waits make that loop
+  // spill (56 bytes) and 6% slower, so there it waits once, here (bench/NOTES.md (af)).
   if constexpr (KeyContig) wait_async<0>();
 
   for (int64_t t = 0; t < seq.len; ++t) {
