@@ -49,8 +49,8 @@ implementation that raises is recorded with its error and the rest still runs.
 
 import argparse
 import contextlib
-import functools
 import datetime
+import functools
 import json
 import math
 import os
