@@ -14,7 +14,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -141,19 +140,10 @@ Result run_case(const Case& c) {
   check(cudaGetLastError(), "run");
   const double med = median(ms);
   const double bytes = 2.0 * c.N * slot * sbytes;
-  // The host's time per call where the GPU's steps are short (N <= 4): 200 calls queued
-  // without waiting (the launch queue holds them), median of 5 loops.
-  std::vector<double> host_us;
-  for (int r = 0; c.N <= 4 && r < 5; ++r) {
-    check(cudaStreamSynchronize(s), "sync");
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 200; ++i) step(i);
-    const auto t1 = std::chrono::steady_clock::now();
-    host_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / 200);
-  }
-  check(cudaStreamSynchronize(s), "sync");
-  Result r{med, median(graph_us), bytes / (med * 1e-3) / 1e9,
-           host_us.empty() ? 0.0 : median(host_us)};
+  // The host's time per call where the GPU's steps are short (N <= 4: the launch queue
+  // holds the calls), median of 5 loops.
+  const double host_us = c.N <= 4 ? flashdelta::bench::host_us_per_call(step, s, 5) : 0.0;
+  Result r{med, median(graph_us), bytes / (med * 1e-3) / 1e9, host_us};
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   for (auto& a : args)
