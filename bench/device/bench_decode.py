@@ -181,9 +181,9 @@ def serving_kwargs(prob, r, pool):
     return kw
 
 
-def serving_step(module, prob, r, pool):
-    """module.fused_recurrent_kda / fused_recurrent_gated_delta_rule's serving form (flashdelta
-    or its reference) on set r, bound; read gives (o, the pool slots of set r)."""
+def serving_step(module, prob, r, pool=None):
+    """module.fused_recurrent_kda / fused_recurrent_gated_delta_rule's serving form on set r,
+    bound; read gives (o, the pool slots of set r). With module = flashdelta it is ours."""
     pool = prob.pool if pool is None else pool
     x = prob.inputs[r]
     common = serving_kwargs(prob, r, pool)
@@ -194,10 +194,6 @@ def serving_step(module, prob, r, pool):
         fn = functools.partial(module.fused_recurrent_kda, x["q"], x["k"], x["v"], x["g"],
                                x["beta"], **common)
     return fn, lambda result: (result[0], pool[prob.block(r)])
-
-
-def ours_step(flashdelta, prob, r, pool=None):
-    return serving_step(flashdelta, prob, r, pool)
 
 
 def reference_step(flashdelta, prob, r, pool=None):
@@ -660,10 +656,10 @@ def main(argv=None):
             impls["fla"] = make_fla_step()
         except Exception as e:  # noqa: BLE001
             print(f"fla unavailable: {error_text(e)}", flush=True)
-    impls["ours"] = ours_step if flashdelta is not None else failing(flashdelta_error)
+    impls["ours"] = serving_step if flashdelta is not None else failing(flashdelta_error)
     for variant in filter(None, args.variants.split(",")):
         variant_settings(variant)  # exits on a malformed one, before any case runs
-        impls[variant] = ours_step if flashdelta is not None else failing(flashdelta_error)
+        impls[variant] = serving_step if flashdelta is not None else failing(flashdelta_error)
     if flashdelta is None and "reference" in impls:
         impls["reference"] = failing(flashdelta_error)
 
