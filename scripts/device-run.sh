@@ -47,6 +47,8 @@
 #   SANITIZE_BINARIES  which (default "test_cuda_recurrent test_cuda_chunk"; the backward's,
 #                test_cuda_backward, takes long under the sanitizers: give it a filter)
 #   SANITIZE_FILTER   --gtest_filter for the sanitizer runs (default: every test)
+#   SANITIZE_ENV environment assignments for the sanitizer runs only (e.g.
+#                "FLASHDELTA_RECURRENT_TILE=warp": a kernel that `auto` picks for few cases)
 #   BENCH_ARGS   extra arguments for bench_decode.py (e.g. "--cases kda_n1,kda_n256")
 #   BENCH_CHUNK_ARGS  extra arguments for bench_chunk.py (e.g. "--no-sweep")
 #   BENCH_BACKWARD_ARGS  extra arguments for bench_backward.py (e.g.
@@ -55,7 +57,7 @@
 #   KERNEL_BENCH_VARIANTS  environment assignments the kernel-bench stage reruns the C++
 #                decode benchmark under, one run each (e.g. "FLASHDELTA_RECURRENT_TILE=wide
 #                FLASHDELTA_RECURRENT_TILE=narrow"); JSON in $OUT/kernel_bench*.json
-#   KERNEL_BENCH_ARGS  extra arguments for its first run (e.g. "--sweep 1": N = 40 ... 96)
+#   KERNEL_BENCH_ARGS  extra arguments for its first run (e.g. "--sweep 1": N = 40 ... 256)
 #   BUILD_TARGETS  CMake targets to build (default: all), e.g. "_C" for the Python module alone
 #   JOBS         build parallelism (default: all cores)
 #   CUDA_ARCH    CMAKE_CUDA_ARCHITECTURES (default 90a)
@@ -87,7 +89,7 @@ export SANLOG=$OUT/sanitizer.log
 BUDGET_S=${BUDGET_S:-450}
 STAGES=${STAGES:-"info deps configure build ctest sanitize pytest bench bench-chunk kernel-bench overhead pytest-all"}
 export SANITIZE_BINARIES=${SANITIZE_BINARIES:-"test_cuda_recurrent test_cuda_chunk"}
-export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-} CTEST_REGEX=${CTEST_REGEX:-} KERNEL_BENCH_VARIANTS=${KERNEL_BENCH_VARIANTS:-} KERNEL_BENCH_ARGS=${KERNEL_BENCH_ARGS:-}
+export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} SANITIZE_ENV=${SANITIZE_ENV:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-} CTEST_REGEX=${CTEST_REGEX:-} KERNEL_BENCH_VARIANTS=${KERNEL_BENCH_VARIANTS:-} KERNEL_BENCH_ARGS=${KERNEL_BENCH_ARGS:-}
 export BENCH_BACKWARD_ARGS=${BENCH_BACKWARD_ARGS:-} PROFILE_BACKWARD_ARGS=${PROFILE_BACKWARD_ARGS:-}
 export NCU_BACKWARD_KERNELS=${NCU_BACKWARD_KERNELS:-"grads_kernel|records_kernel|keys_kernel"}
 export JOBS=${JOBS:-$(nproc)}
@@ -219,8 +221,8 @@ stage_sanitize() {
   each=$((STAGE_TIMEOUT / (2 * $(echo "$bins" | wc -l)) - 5))
   for bin in $bins; do
     for tool in memcheck racecheck; do
-      echo "-- compute-sanitizer --tool $tool $bin ${filter[*]} (timeout ${each}s)" | tee -a "$SANLOG"
-      timeout --kill-after=5 "$each" "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
+      echo "-- ${SANITIZE_ENV:+$SANITIZE_ENV }compute-sanitizer --tool $tool $bin ${filter[*]} (timeout ${each}s)" | tee -a "$SANLOG"
+      timeout --kill-after=5 "$each" env $SANITIZE_ENV "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
         "$bin" "${filter[@]}" --gtest_brief=1 2>&1 | head -c 8000000 >>"$SANLOG"
       r=${PIPESTATUS[0]}
       echo "-- $tool: exit $r$( ((r == 124)) && echo ' (timeout: set SANITIZE_FILTER)')" | tee -a "$SANLOG"

@@ -7,7 +7,7 @@
 //
 //   flashdelta_cuda_decode_bench [--json FILE] [--only SUBSTRING] [--sweep 1]
 //
-// --sweep 1 adds KDA K-first and V-first steps for N = 40 ... 96: a line fitted to the graph
+// --sweep 1 adds KDA K-first and V-first steps for N = 40 ... 256: a line fitted to the graph
 // time against N splits a step into a per-launch cost (intercept: ramp and drain) and the
 // streaming rate (slope).
 #include <cuda_bf16.h>
@@ -214,7 +214,8 @@ int main(int argc, char** argv) {
   };
   if (sweep)
     for (const fd::StateLayout layout : {kf, vf})
-      for (int64_t n : {40, 44, 48, 50, 52, 56, 60, 61, 62, 63, 64, 66, 68, 72, 74, 75, 76, 80, 88, 96})
+      for (int64_t n : {40, 44, 48, 50, 52, 56, 60, 61, 62, 63, 64, 66, 68, 72, 74, 75, 76, 80, 88, 96,
+                        112, 128, 160, 192, 224, 256})
         cases.push_back({"sweep kda N=" + std::to_string(n) + (layout == kf ? " k_first" : " v_first"),
                          n, 32, 32, 128, 128, 1, layout, f32, fd::Mechanism::kda});
   std::printf("device: %s, copy bandwidth %.0f GB/s (read + write)\n", prop.name, copy);

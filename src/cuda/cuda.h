@@ -18,16 +18,13 @@ void cuda_recurrent_decode(const DecodeProblem& d, const TensorView& o, void* st
 // takes only V-first states, K in {32, 64, 128, 256} and V a multiple of its task width.
 enum class RecurrentKernel { wide, narrow, warp };
 // The kernel for a problem whose wide tile makes `wide_blocks` blocks on a GPU of `sms` SMs
-// and that makes `warp_tasks` warp kernel tasks (0: the warp kernel does not take it), one
-// wave of which is `warp_wave` tasks. The environment variable FLASHDELTA_RECURRENT_TILE
-// picks: unset or `auto`, the warp kernel when its tasks fit in one wave (few sequences:
-// the step is latency, and its chain is the shortest), else the narrow tile when the wide
-// tile leaves SMs without a block, else the wide one; `wide`, `narrow` or `warp`, that
-// kernel (the same sums in another order: equal to float32 rounding; `warp` where it takes
-// the problem, else as `auto`). Any other value throws Error(invalid_argument) naming the
-// variable.
-RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks,
-                                      int64_t warp_wave);
+// and that makes `warp_tasks` warp kernel tasks (0: the warp kernel does not take it). The
+// environment variable FLASHDELTA_RECURRENT_TILE picks: unset or `auto`, the warp kernel
+// wherever it takes the problem, else the narrow tile when the wide tile leaves SMs
+// without a block, else the wide one; `wide`, `narrow` or `warp`, that kernel (the same
+// sums in another order: equal to float32 rounding; `warp` where it takes the problem,
+// else as `auto`). Any other value throws Error(invalid_argument) naming the variable.
+RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks);
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it
 // allocates in stream order.

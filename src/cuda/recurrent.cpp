@@ -44,7 +44,12 @@ bool allows_runs_of_4(const cuda::TokenTensor& x) {
 bool warp_kernel_fits(const RecurrentParams& r, bool key_contiguous) {
   const int64_t columns = cuda::recurrent_warp_columns(r.K);
   const bool vector_gate = r.gate == cuda::GateForm::vector;
+  // The kernel addresses within a head's tile in 32 bits.
+  const auto tile_fits_32_bits = [&](const StateTensor& s) {
+    return !s.data || (r.V - 1) * s.value_stride + r.K <= INT32_MAX;
+  };
   return key_contiguous && columns > 0 && r.V % columns == 0 && r.vector_ok &&
+         tile_fits_32_bits(r.state_in) && tile_fits_32_bits(r.state_out) &&
          allows_runs_of_4(r.q) && allows_runs_of_4(r.k) && allows_runs_of_4(r.v) &&
          allows_runs_of_4(r.o) && (!vector_gate || allows_runs_of_4(r.g)) &&
          (!vector_gate || !r.gate_in_kernel || !r.dt_bias ||
@@ -61,12 +66,12 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
   const int sms = sm_count();
   const int64_t wide_blocks =
       r.N * r.HV * tiles(cuda::recurrent_block_columns(r.K, cuda::RecurrentTile::wide));
+  const int64_t warp_columns = cuda::recurrent_warp_columns(r.K);
   const int64_t warp_tasks =
-      warp_kernel_fits(r, key_contiguous) ? r.N * r.HV * (r.V / cuda::recurrent_warp_columns(r.K)) : 0;
-  const int64_t warp_wave = sms * cuda::recurrent_warp_blocks_per_sm(r.K);
-  switch (cuda_recurrent_kernel(wide_blocks, sms, warp_tasks, warp_wave)) {
+      warp_kernel_fits(r, key_contiguous) ? r.N * r.HV * (r.V / warp_columns) : 0;
+  switch (cuda_recurrent_kernel(wide_blocks, sms, warp_tasks)) {
     case RecurrentKernel::warp:
-      r.value_tiles = r.V / cuda::recurrent_warp_columns(r.K);
+      r.value_tiles = r.V / warp_columns;
       return cuda::launch_recurrent_warp(r, state_dtype, stream);
     case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
     case RecurrentKernel::wide: r.tile = cuda::RecurrentTile::wide; break;
@@ -77,14 +82,12 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
 
 }  // namespace
 
-RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks,
-                                      int64_t warp_wave) {
+RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks) {
   const std::string setting =
       env_setting("FLASHDELTA_RECURRENT_TILE", {"auto", "wide", "narrow", "warp"});
   if (setting == "wide") return RecurrentKernel::wide;
   if (setting == "narrow") return RecurrentKernel::narrow;
-  if (warp_tasks > 0 && (setting == "warp" || warp_tasks <= warp_wave))
-    return RecurrentKernel::warp;
+  if (warp_tasks > 0) return RecurrentKernel::warp;
   return wide_blocks < sms ? RecurrentKernel::narrow : RecurrentKernel::wide;
 }
 

@@ -88,8 +88,6 @@ void launch_recurrent(const RecurrentParams& p, DType state_dtype, bool key_cont
 void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream);
 // Value columns of one warp kernel task for head size K; 0 where the kernel does not run.
 int64_t recurrent_warp_columns(int64_t K);
-// Tasks (one-warp blocks) per SM the warp kernel's register budget guarantees.
-int64_t recurrent_warp_blocks_per_sm(int64_t K);
 
 // Columns of V one thread block covers for head size K and a tile (the kernel's tile width).
 int64_t recurrent_block_columns(int64_t K, RecurrentTile tile);

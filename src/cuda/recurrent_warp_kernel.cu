@@ -1,20 +1,20 @@
-// The CUDA recurrent schedule's warp kernel, for few sequences on a V-first state: one warp
-// per task of (sequence, value head, CW value columns), its K x CW state tile in registers,
-// and no shared memory and no barrier at all. Every lane loads and transforms the token
-// inputs of its own keys, and the sums over keys (the norms, k^T S' and q^T S') are
-// shuffles. The block kernel (cuda/recurrent_kernel.cu) stages a token once per 4 warps
-// behind a barrier; where its blocks are too few to fill the GPU, that barrier and the
-// shared-memory passes are the step's latency, and a one-token step of 32 heads is latency
-// only (2 MiB each way is ~1 us of bandwidth). Here the tasks are 4 columns (2 KB of fp32
-// state at K = 128) and each lane's chain is 16 values long.
+// The CUDA recurrent schedule's warp kernel for V-first states: one warp per task of
+// (sequence, value head, CW value columns), its K x CW state tile in registers, and no
+// shared memory and no barrier at all. Every lane loads and transforms the token inputs of
+// its own keys, and the sums over keys (the norms, k^T S' and q^T S') are shuffles. The
+// tasks are 8 columns (4 KB of fp32 state at K = 128): small enough that a step has no
+// ramp or drain to speak of at any batch size (the block kernel, cuda/recurrent_kernel.cu,
+// costs ~10 us per launch in its first and last waves) and short chains where few
+// sequences are latency only; large enough that the per-token work (loads, gate, norms)
+// is spread over 4 KB of state.
 //
-// The host (cuda/recurrent.cpp) sends it the problems whose tasks fit in one wave, and only
-// the common case: a key-contiguous (V-first) state, so that a warp's load is one 512-byte
-// column (on a K-first state its rows would be 16-byte segments: measured at 35-48% of the
-// copy bandwidth against 67-78% V-first, bench/NOTES.md (ae)); K a power of two in [32, 256]
-// (no key masking); V a multiple of CW (no column masking); states that allow aligned vector
-// runs; token tensors of float32 or 16-bit with unit channel stride, aligned. The math is
-// the block kernel's: with S' = Diag(exp g) S and r = beta (v - S'^T k),
+// The host (cuda/recurrent.cpp) sends it the common case only: a key-contiguous (V-first)
+// state, so that a warp's load is one 512-byte column (on a K-first state its rows would
+// be short segments: measured at 35-48% of the copy bandwidth, bench/NOTES.md (ae)); K a
+// power of two in [32, 256] (no key masking); V a multiple of CW (no column masking);
+// states that allow aligned vector runs and whose head tiles are addressable in 32 bits;
+// token tensors of float32 or 16-bit with unit channel stride, aligned. The math is the
+// block kernel's: with S' = Diag(exp g) S and r = beta (v - S'^T k),
 //     S'' = S' + k r^T,    o = S''^T q = S'^T q + (q . k) r.
 #include <climits>
 #include <string>
@@ -27,29 +27,70 @@
 namespace flashdelta::detail::cuda {
 namespace {
 
-// Lane geometry for head size KB: a lane owns RK keys x 4 adjacent columns, KL key lanes x
+// Lane geometry for head size KB: a lane owns RK keys x 8 adjacent columns, KL key lanes x
 // CL column lanes make the warp. The keys come in RK / 4 runs of 4 with the key lanes' runs
 // adjacent, so that a warp's load is KL x 16 contiguous bytes of each column.
 template <int KB>
 struct WarpTile {
-  static constexpr int RK = KB >= 256 ? 8 : 4;  // 16 state values per lane (32 at K = 256)
+  static constexpr int RK = KB >= 256 ? 8 : 4;  // 4 keys per lane (8 at K = 256)
   static constexpr int KL = KB / RK;
   static constexpr int CL = 32 / KL;
-  static constexpr int CW = CL * 4;
-  static_assert(KL * CL == 32 && KL >= 1 && KL <= 32, "a warp of key x column lanes");
-  // Blocks of one warp per SM the register budget is sized for, without spills (80
-  // registers at K = 128, 96 at K = 32 and 64, 128 at K = 256).
-  static constexpr int kMinBlocks = KB == 128 ? 24 : KB < 128 ? 20 : 16;
+  static constexpr int kColumns = 8;  // per lane (4 measured 25-35% slower from N = 64 on)
+  static constexpr int CW = CL * kColumns;
+  // After the transposing sums over key lanes (column_sum) a column's sum is held by
+  // KL / kColumns adjacent key lanes.
+  static constexpr int kSpread = KL / kColumns;
+  static_assert(KL * CL == 32 && kSpread >= 1, "a warp of key x column lanes");
 
-  int key_lane, column;  // column: first of the lane's 4, within the task's CW
+  int key_lane, column;  // column: first of the lane's kColumns, within the task's CW
+  int sum_column;        // the lane's column (of its kColumns) after column_sum
   __device__ WarpTile() {
     const int lane = threadIdx.x % 32;
     key_lane = lane % KL;
-    column = lane / KL * 4;
+    column = lane / KL * kColumns;
+    sum_column = key_lane / kSpread;
   }
   // Key r of the lane's RK: run r / 4, element r % 4.
   __device__ int key(int r) const { return (r / 4) * (KL * 4) + key_lane * 4 + r % 4; }
+  // Lane (within the key lanes of the caller's column lane) that holds column e's sum.
+  __device__ static int sum_lane(int e) { return e * kSpread; }
 };
+
+// The token tensors' element type (q, k, v, g, beta, o): bfloat16 fixed at compile time for
+// the serving common case, or read from the arguments. Fixed, the dtype branches go and the
+// K <= 128 kernels fit 80 registers (24 warps per SM instead of 20; ptxas spills 4-28
+// bytes, a value or two per task, not per state element): N = 256 went from 2% slower
+// than the block kernel to 1% faster (bench/NOTES.md (ag)).
+template <bool AllBf16>
+struct TokenTypes {
+  static constexpr bool kAllBf16 = AllBf16;
+  __device__ static DType of(const TokenTensor& x) { return AllBf16 ? DType::bf16 : x.dtype; }
+};
+
+// One-warp blocks per SM the register budget is sized for.
+template <int KB, class T>
+constexpr int warp_min_blocks() {
+  return KB >= 256 ? 12 : T::kAllBf16 ? 24 : 20;
+}
+
+// Sums x[e] over the KL key lanes for every e < CPL, transposing as it goes: each exchange
+// sends half of the lane's remaining values and keeps the other half, so CPL values cost
+// CPL - 1 shuffles for the first log2(CPL) steps instead of CPL each. On return the lane
+// holds the full sum of x[sum_column] (x is used up).
+template <class W, int CPL>
+__device__ __forceinline__ float column_sum(float (&x)[CPL], int key_lane) {
+#pragma unroll
+  for (int n = CPL, off = W::KL / 2; n > 1; n /= 2, off /= 2) {
+    const bool upper = key_lane & off;
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) {
+      const float send = upper ? x[i] : x[i + n / 2];
+      const float keep = upper ? x[i + n / 2] : x[i];
+      x[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+  }
+  return W::kSpread > 1 ? lane_sum<1, (W::kSpread > 1 ? W::kSpread / 2 : 1)>(x[0]) : x[0];
+}
 
 // Four consecutive channels of a token tensor (unit channel stride, aligned: the host
 // checks) as raw bits: one 8-byte load of a 16-bit tensor (two packed words, w[0] and
@@ -67,8 +108,9 @@ __device__ __forceinline__ Run4 load_run4(const void* data, DType dtype, int64_t
   const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const float*>(data) + off);
   return {{v.x, v.y, v.z, v.w}};
 }
+template <class T>
 __device__ __forceinline__ Run4 load_run4(const TokenTensor& x, int64_t off) {
-  return load_run4(x.data, x.dtype, off);
+  return load_run4(x.data, T::of(x), off);
 }
 
 __device__ __forceinline__ void run4_to_float(const Run4& r, DType t, float* out) {
@@ -82,76 +124,63 @@ __device__ __forceinline__ void run4_to_float(const Run4& r, DType t, float* out
   }
 }
 
-// Stores four consecutive channels of a token tensor (unit channel stride, aligned).
-__device__ __forceinline__ void store_run4(const TokenTensor& x, int64_t off, const float (&in)[4]) {
-  void* base = const_cast<void*>(x.data);
-  if (x.dtype == DType::f32) {
-    *reinterpret_cast<float4*>(static_cast<float*>(base) + off) = make_float4(in[0], in[1], in[2], in[3]);
-    return;
-  }
-  uint32_t w[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) w[e] = pack_16bit(x.dtype, in[2 * e], in[2 * e + 1]);
-  *reinterpret_cast<uint2*>(static_cast<unsigned short*>(base) + off) = make_uint2(w[0], w[1]);
-}
-
-// One token's inputs for one lane, as raw bits: q, k and g over its RK keys, v over its 4
-// columns, the scalar gate and beta.
+// One token's inputs for one lane, as raw bits: q, k and g over its RK keys, v of its
+// sum column (the lane computes that column's residual), the scalar gate and beta.
 template <int RK>
 struct LaneToken {
-  Run4 q[RK / 4], k[RK / 4], g[RK / 4], bias[RK / 4], v;
-  uint32_t scalar_g, scalar_bias, beta;
+  Run4 q[RK / 4], k[RK / 4], g[RK / 4], bias[RK / 4];
+  uint32_t v, scalar_g, scalar_bias, beta;
 };
 
 // The gate's bias (dt_bias) is loaded with every token, like the block kernel: an L1 hit
 // after the first, and no registers held across tokens.
-template <class W>
+template <class W, class T>
 __device__ void fetch_lane_token(const RecurrentParams& p, const RowOffsets& row, int64_t t,
                                  int64_t hv, int col, const W& tile, LaneToken<W::RK>& raw) {
   const bool bias = p.gate_in_kernel && p.dt_bias;
   const int64_t oq = row.q + t * p.q.stride[1], ok = row.k + t * p.k.stride[1];
   const int64_t og = row.g + t * p.g.stride[1];
-  raw.v = load_run4(p.v, row.v + t * p.v.stride[1] + col);
+  raw.v = load_raw(p.v.data, T::of(p.v), row.v + t * p.v.stride[1] + col + tile.sum_column);
 #pragma unroll
   for (int g = 0; g < W::RK / 4; ++g) {
     const int i = tile.key(4 * g);
-    raw.q[g] = load_run4(p.q, oq + i);
-    raw.k[g] = load_run4(p.k, ok + i);
+    raw.q[g] = load_run4<T>(p.q, oq + i);
+    raw.k[g] = load_run4<T>(p.k, ok + i);
     if (p.gate == GateForm::vector) {
-      raw.g[g] = load_run4(p.g, og + i);
+      raw.g[g] = load_run4<T>(p.g, og + i);
       if (bias) raw.bias[g] = load_run4(p.dt_bias, p.dt_bias_dtype, hv * p.dt_bias_head_stride + i);
     }
   }
   if (p.gate == GateForm::scalar) {
-    raw.scalar_g = load_raw(p.g.data, p.g.dtype, og);
+    raw.scalar_g = load_raw(p.g.data, T::of(p.g), og);
     if (bias) raw.scalar_bias = load_raw(p.dt_bias, p.dt_bias_dtype, hv * p.dt_bias_head_stride);
   }
-  if (p.delta) raw.beta = load_raw(p.beta.data, p.beta.dtype, row.beta + t * p.beta.stride[1]);
+  if (p.delta) raw.beta = load_raw(p.beta.data, T::of(p.beta), row.beta + t * p.beta.stride[1]);
 }
 
 // One token's inputs transformed, for one lane: q (normalised and scaled) and k
-// (normalised) over its keys, their decays exp(g), v over its columns, q . k and beta.
+// (normalised) over its keys, their decays exp(g), v of its sum column, q . k and beta.
 template <int RK>
 struct LaneInputs {
-  float q[RK], k[RK], d[RK], v[4];
-  float qk, beta;
+  float q[RK], k[RK], d[RK];
+  float v, qk, beta;
 };
 
-template <class W>
+template <class W, class T>
 __device__ void transform_lane_token(const RecurrentParams& p, const LaneToken<W::RK>& raw,
                                      float a, LaneInputs<W::RK>& in) {
   const bool bias = p.gate_in_kernel && p.dt_bias;
   constexpr int RK = W::RK;
-  run4_to_float(raw.v, p.v.dtype, in.v);
+  in.v = raw_to_float(raw.v, T::of(p.v));
 #pragma unroll
   for (int g = 0; g < RK / 4; ++g) {
-    run4_to_float(raw.q[g], p.q.dtype, in.q + 4 * g);
-    run4_to_float(raw.k[g], p.k.dtype, in.k + 4 * g);
+    run4_to_float(raw.q[g], T::of(p.q), in.q + 4 * g);
+    run4_to_float(raw.k[g], T::of(p.k), in.k + 4 * g);
   }
   if (p.gate == GateForm::vector) {
     float gx[RK];
 #pragma unroll
-    for (int g = 0; g < RK / 4; ++g) run4_to_float(raw.g[g], p.g.dtype, gx + 4 * g);
+    for (int g = 0; g < RK / 4; ++g) run4_to_float(raw.g[g], T::of(p.g), gx + 4 * g);
     if (bias)
 #pragma unroll
       for (int g = 0; g < RK / 4; ++g) {
@@ -166,7 +195,7 @@ __device__ void transform_lane_token(const RecurrentParams& p, const LaneToken<W
   } else {
     float d = 1.f;
     if (p.gate == GateForm::scalar) {
-      float gx = raw_to_float(raw.scalar_g, p.g.dtype);
+      float gx = raw_to_float(raw.scalar_g, T::of(p.g));
       if (bias) gx += raw_to_float(raw.scalar_bias, p.dt_bias_dtype);
       if (p.gate_in_kernel) gx = activate_gate(p, gx, a);
       d = expf(gx);
@@ -174,7 +203,7 @@ __device__ void transform_lane_token(const RecurrentParams& p, const LaneToken<W
 #pragma unroll
     for (int r = 0; r < RK; ++r) in.d[r] = d;
   }
-  in.beta = p.delta ? activate_beta(p, raw_to_float(raw.beta, p.beta.dtype)) : 1.f;
+  in.beta = p.delta ? activate_beta(p, raw_to_float(raw.beta, T::of(p.beta))) : 1.f;
 
   float sq = 0.f, sk = 0.f, sqk = 0.f;
 #pragma unroll
@@ -196,12 +225,13 @@ __device__ void transform_lane_token(const RecurrentParams& p, const LaneToken<W
   }
 }
 
-// Element offset of the lane's chunk c from the tile base: chunk 4 g + e holds keys
-// key(4 g)..+3 of column e.
+// Element offset of the lane's chunk c from the tile base: chunk c holds keys
+// key(4 (c / kColumns))..+3 of column c % kColumns. 32-bit (the host checks that a tile's
+// extent fits): a 64-bit offset per chunk would hold two registers each through the task.
 template <class W>
-__device__ __forceinline__ int64_t chunk_offset(const StateTensor& st, const W& tile, int col,
-                                                int c) {
-  return (col + c % 4) * st.value_stride + tile.key(4 * (c / 4));
+__device__ __forceinline__ int chunk_offset(const StateTensor& st, const W& tile, int col, int c) {
+  constexpr int C = W::kColumns;
+  return (col + c % C) * static_cast<int>(st.value_stride) + tile.key(4 * (c / C));
 }
 
 __device__ __forceinline__ void load_state_run(const float* p, float (&x)[4]) {
@@ -214,11 +244,9 @@ __device__ __forceinline__ void load_state_run(const __nv_bfloat16* p, float (&x
   x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 
-template <int KB, class S>
-__device__ void run_warp_task(const RecurrentParams& p, const WarpTile<KB>& tile,
-                              const Task& w) {
-  using W = WarpTile<KB>;
-  constexpr int RK = W::RK;
+template <class W, class T, class S>
+__device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w) {
+  constexpr int RK = W::RK, CPL = W::kColumns, kChunks = RK / 4 * CPL;
   const int64_t n = w.n, hv = w.hv,
                 h = p.group <= INT_MAX ? w.hv / static_cast<int>(p.group) : hv / p.group;
   const Sequence seq = sequence_of(p, n);
@@ -230,101 +258,118 @@ __device__ void run_warp_task(const RecurrentParams& p, const WarpTile<KB>& tile
   // its transform runs while the state loads are in flight: at one token per task the
   // index -> state chain is then the step's only exposed latency.
   LaneToken<RK> raw;
-  if (seq.len > 0) fetch_lane_token(p, row, 0, hv, col, tile, raw);
+  if (seq.len > 0) fetch_lane_token<W, T>(p, row, 0, hv, col, tile, raw);
   const float a = p.A_log ? expf(load_float(p.A_log, p.A_log_dtype, hv * p.A_log_stride)) : 1.f;
 
   if (w.start < 0) {  // padding row: zeros out, no state touched
     for (int64_t e = lane; e < seq.len * W::CW; e += 32)
-      store_float(const_cast<void*>(p.o.data), p.o.dtype,
+      store_float(const_cast<void*>(p.o.data), T::of(p.o),
                   row.o + (e / W::CW) * p.o.stride[1] + (w.j0 + e % W::CW) * p.o.stride[3], 0.f);
     return;
   }
   if (p.serving && !p.per_token_slots && seq.len == 0) return;  // nothing to update
 
-  float x[RK][4];
+  float x[kChunks][4];
   if (p.state_in.data) {
     const S* src = tile_base<const S>(p.state_in, w.start, hv);
 #pragma unroll
-    for (int c = 0; c < RK; ++c) load_state_run(src + chunk_offset(p.state_in, tile, col, c), x[c]);
+    for (int c = 0; c < kChunks; ++c)
+      load_state_run(src + chunk_offset(p.state_in, tile, col, c), x[c]);
   } else {
 #pragma unroll
-    for (int c = 0; c < RK; ++c)
+    for (int c = 0; c < kChunks; ++c)
 #pragma unroll
       for (int m = 0; m < 4; ++m) x[c][m] = 0.f;
   }
   LaneInputs<RK> in;
-  if (seq.len > 0) transform_lane_token<W>(p, raw, a, in);
+  if (seq.len > 0) transform_lane_token<W, T>(p, raw, a, in);
 
   for (int64_t t = 0; t < seq.len; ++t) {
     // A later token's loads are not issued early: their registers would hold through the
     // passes (decode is one token; a speculative step a few).
     if (t > 0) {
-      fetch_lane_token(p, row, t, hv, col, tile, raw);
-      transform_lane_token<W>(p, raw, a, in);
+      fetch_lane_token<W, T>(p, row, t, hv, col, tile, raw);
+      transform_lane_token<W, T>(p, raw, a, in);
     }
 
-    // Decay, then the lane's partial column sums k^T S' and q^T S', summed over key lanes.
-    float pred[4] = {0.f, 0.f, 0.f, 0.f}, out[4] = {0.f, 0.f, 0.f, 0.f};
+    // Decay, then the lane's partial column sums k^T S' and q^T S', summed over key lanes
+    // into the lane's sum column.
+    float pred[CPL], out[CPL];
 #pragma unroll
-    for (int c = 0; c < RK; ++c)
+    for (int e = 0; e < CPL; ++e) pred[e] = out[e] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        const int r = 4 * (c / 4) + m, e = c % 4;  // key r of the lane's, column e
+        const int r = 4 * (c / CPL) + m, e = c % CPL;  // key r of the lane's, column e
         x[c][m] *= in.d[r];
         pred[e] = fmaf(in.k[r], x[c][m], pred[e]);
         out[e] = fmaf(in.q[r], x[c][m], out[e]);
       }
-    float r_col[4], o[4];
+    const float pred_sum = column_sum<W>(pred, tile.key_lane);
+    const float out_sum = column_sum<W>(out, tile.key_lane);
+    const float r_sum = p.delta ? in.beta * (in.v - pred_sum) : in.v;
+    if (tile.key_lane % W::kSpread == 0)
+      store_float(const_cast<void*>(p.o.data), T::of(p.o),
+                  row.o + t * p.o.stride[1] + col + tile.sum_column, fmaf(in.qk, r_sum, out_sum));
+    float r_col[CPL];  // every column's residual, from the lanes that hold them
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      pred[e] = lane_sum<1, W::KL / 2>(pred[e]);
-      out[e] = lane_sum<1, W::KL / 2>(out[e]);
-      r_col[e] = p.delta ? in.beta * (in.v[e] - pred[e]) : in.v[e];
-      o[e] = fmaf(in.qk, r_col[e], out[e]);
-    }
-    if (tile.key_lane == 0) store_run4(p.o, row.o + t * p.o.stride[1] + col, o);
+    for (int e = 0; e < CPL; ++e)
+      r_col[e] = __shfl_sync(0xffffffffu, r_sum, W::sum_lane(e), W::KL);
 
     // S'' = S' + k r^T, kept for the next token and written to its slot, if any.
     const int64_t slot = slot_after(p, n, t, seq.len, w.start);
     S* const dst = slot >= 0 ? tile_base<S>(p.state_out, slot, hv) : nullptr;
 #pragma unroll
-    for (int c = 0; c < RK; ++c) {
+    for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
       for (int m = 0; m < 4; ++m)
-        x[c][m] = fmaf(in.k[4 * (c / 4) + m], r_col[c % 4], x[c][m]);
+        x[c][m] = fmaf(in.k[4 * (c / CPL) + m], r_col[c % CPL], x[c][m]);
       if (dst) store_run<4>(dst + chunk_offset(p.state_out, tile, col, c), 1, 4, true, x[c]);
     }
   }
   if (!p.serving && seq.len == 0 && p.state_out.data) {  // empty sequence: state passes through
     S* const dst = tile_base<S>(p.state_out, n, hv);
 #pragma unroll
-    for (int c = 0; c < RK; ++c)
+    for (int c = 0; c < kChunks; ++c)
       store_run<4>(dst + chunk_offset(p.state_out, tile, col, c), 1, 4, true, x[c]);
   }
 }
 
 // Blocks of one warp (a grid-stride loop only past 2^31 - 1 tasks).
-template <int KB, class S>
-__global__ void __launch_bounds__(32, WarpTile<KB>::kMinBlocks)
+template <int KB, class T, class S>
+__global__ void __launch_bounds__(32, (warp_min_blocks<KB, T>()))
     recurrent_warp_kernel(const __grid_constant__ RecurrentParams p) {
   using W = WarpTile<KB>;
   const W tile;
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   for (int64_t blk = blockIdx.x; blk < tasks; blk += gridDim.x)
-    run_warp_task<KB, S>(p, tile, task_of<W::CW>(p, blk, tasks));
+    run_warp_task<W, T, S>(p, tile, task_of<W::CW>(p, blk, tasks));
 }
 
-template <class S>
+template <class T, class S>
 void launch_for_k(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   if (tasks == 0) return;
   const unsigned grid = static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX);
   switch (p.K) {
-    case 32: return recurrent_warp_kernel<32, S><<<grid, 32, 0, stream>>>(p);
-    case 64: return recurrent_warp_kernel<64, S><<<grid, 32, 0, stream>>>(p);
-    case 128: return recurrent_warp_kernel<128, S><<<grid, 32, 0, stream>>>(p);
-    default: return recurrent_warp_kernel<256, S><<<grid, 32, 0, stream>>>(p);
+    case 32: return recurrent_warp_kernel<32, T, S><<<grid, 32, 0, stream>>>(p);
+    case 64: return recurrent_warp_kernel<64, T, S><<<grid, 32, 0, stream>>>(p);
+    case 128: return recurrent_warp_kernel<128, T, S><<<grid, 32, 0, stream>>>(p);
+    default: return recurrent_warp_kernel<256, T, S><<<grid, 32, 0, stream>>>(p);
   }
+}
+
+template <class S>
+void launch_for_tokens(const RecurrentParams& p, cudaStream_t stream) {
+  const auto bf16 = [](const TokenTensor& x) { return x.dtype == DType::bf16; };
+  // g and beta count only where the kernel reads them.
+  const bool all_bf16 = bf16(p.q) && bf16(p.k) && bf16(p.v) && bf16(p.o) &&
+                        (p.gate == GateForm::none || bf16(p.g)) && (!p.delta || bf16(p.beta));
+  if (all_bf16)
+    launch_for_k<TokenTypes<true>, S>(p, stream);
+  else
+    launch_for_k<TokenTypes<false>, S>(p, stream);
 }
 
 }  // namespace
@@ -339,21 +384,12 @@ int64_t recurrent_warp_columns(int64_t K) {
   }
 }
 
-int64_t recurrent_warp_blocks_per_sm(int64_t K) {
-  switch (K) {
-    case 32: return WarpTile<32>::kMinBlocks;
-    case 64: return WarpTile<64>::kMinBlocks;
-    case 128: return WarpTile<128>::kMinBlocks;
-    default: return WarpTile<256>::kMinBlocks;
-  }
-}
-
 void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (state_dtype == DType::bf16)
-    launch_for_k<__nv_bfloat16>(p, s);
+    launch_for_tokens<__nv_bfloat16>(p, s);
   else
-    launch_for_k<float>(p, s);
+    launch_for_tokens<float>(p, s);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     throw Error(ErrorCode::runtime, std::string("CUDA recurrent warp kernel launch failed: ") +

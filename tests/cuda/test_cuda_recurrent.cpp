@@ -296,42 +296,33 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
   expect_decode_matches_reference(w, "70,400 blocks", decode_on_device);
 }
 
-// The kernel choice (host only): under `auto` the warp kernel while its tasks fit in one
-// wave, else the narrow tile below one wide block per SM; `warp` wherever the warp kernel
-// takes the problem.
+// The kernel choice (host only): under `auto` the warp kernel wherever it takes the
+// problem, else the narrow tile below one wide block per SM; `warp` the same.
 TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
   using detail::RecurrentKernel;
   using detail::cuda_recurrent_kernel;
   constexpr const char* kTile = "FLASHDELTA_RECURRENT_TILE";
-  constexpr int64_t kWave = 132 * 24;
-  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto", "warp"}) {
     const ScopedEnv env(kTile, automatic);
-    EXPECT_EQ(cuda_recurrent_kernel(64, 132, 1024, kWave), RecurrentKernel::warp);
-    EXPECT_EQ(cuda_recurrent_kernel(2048, 132, kWave, kWave), RecurrentKernel::warp);
-    EXPECT_EQ(cuda_recurrent_kernel(64, 132, 0, kWave), RecurrentKernel::narrow);
-    EXPECT_EQ(cuda_recurrent_kernel(131, 132, kWave + 1, kWave), RecurrentKernel::narrow);
-    EXPECT_EQ(cuda_recurrent_kernel(132, 132, 0, kWave), RecurrentKernel::wide);
-    EXPECT_EQ(cuda_recurrent_kernel(2048, 132, kWave + 1, kWave), RecurrentKernel::wide);
+    EXPECT_EQ(cuda_recurrent_kernel(64, 132, 1024), RecurrentKernel::warp);
+    EXPECT_EQ(cuda_recurrent_kernel(100000, 132, 1 << 20), RecurrentKernel::warp);
+    EXPECT_EQ(cuda_recurrent_kernel(64, 132, 0), RecurrentKernel::narrow);
+    EXPECT_EQ(cuda_recurrent_kernel(131, 132, 0), RecurrentKernel::narrow);
+    EXPECT_EQ(cuda_recurrent_kernel(132, 132, 0), RecurrentKernel::wide);
+    EXPECT_EQ(cuda_recurrent_kernel(2048, 132, 0), RecurrentKernel::wide);
   }
   for (const int64_t blocks : {1, 100000})
-    for (const int64_t tasks : {int64_t{0}, int64_t{16}, 100 * kWave}) {
+    for (const int64_t tasks : {int64_t{0}, int64_t{16}, int64_t{1} << 20}) {
       {
         const ScopedEnv env(kTile, "wide");
-        EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks, kWave), RecurrentKernel::wide);
+        EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks), RecurrentKernel::wide);
       }
-      {
-        const ScopedEnv env(kTile, "narrow");
-        EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks, kWave), RecurrentKernel::narrow);
-      }
-      const ScopedEnv env(kTile, "warp");
-      EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks, kWave),
-                tasks > 0      ? RecurrentKernel::warp
-                : blocks < 132 ? RecurrentKernel::narrow
-                               : RecurrentKernel::wide);
+      const ScopedEnv env(kTile, "narrow");
+      EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks), RecurrentKernel::narrow);
     }
   const ScopedEnv env(kTile, "Narrow");
   try {
-    cuda_recurrent_kernel(64, 132, 0, kWave);
+    cuda_recurrent_kernel(64, 132, 0);
     ADD_FAILURE() << "accepted 'Narrow'";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
