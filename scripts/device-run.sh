@@ -48,7 +48,8 @@
 #                test_cuda_backward, takes long under the sanitizers: give it a filter)
 #   SANITIZE_FILTER   --gtest_filter for the sanitizer runs (default: every test)
 #   SANITIZE_ENV environment assignments for the sanitizer runs only (e.g.
-#                "FLASHDELTA_RECURRENT_TILE=warp": a kernel that `auto` picks for few cases)
+#                "FLASHDELTA_RECURRENT_TILE=wide": on V-first states `auto` picks the warp
+#                kernel, so the block kernel's V-first path needs forcing)
 #   BENCH_ARGS   extra arguments for bench_decode.py (e.g. "--cases kda_n1,kda_n256")
 #   BENCH_CHUNK_ARGS  extra arguments for bench_chunk.py (e.g. "--no-sweep")
 #   BENCH_BACKWARD_ARGS  extra arguments for bench_backward.py (e.g.

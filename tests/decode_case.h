@@ -100,18 +100,20 @@ inline void run_cpu_decode(const DecodeArgs& a, const Options& o) {
   decode(a, o, Schedule::recurrent);
 }
 
-// Runs `fast` and the reference decode on copies of the pool; asserts the outputs and every
-// used slot match, and that unused slots are bit-for-bit untouched.
+// Runs `fast` and the reference decode on copies of the pool; asserts the outputs (written
+// as o_dtype) and every used slot match, and that unused slots are bit-for-bit untouched.
 inline void expect_decode_matches_reference(const DecodeCase& d, const std::string& what,
-                                            const DecodeRunner& fast = run_cpu_decode) {
+                                            const DecodeRunner& fast = run_cpu_decode,
+                                            DType o_dtype = DType::f32) {
   const CaseConfig& cfg = d.c.cfg;
   HostTensor ref_pool = d.pool, fast_pool = d.pool;
-  HostTensor ref_o = d.c.make_output(DType::f64), fast_o = d.c.make_output(DType::f32);
+  HostTensor ref_o = d.c.make_output(DType::f64), fast_o = d.c.make_output(o_dtype);
   fast_o.fill(kPoison);
   decode(d.args(ref_o, ref_pool), d.c.options, Schedule::reference);
   fast(d.args(fast_o, fast_pool), d.c.options);
 
-  const double tol = tolerance(cfg.dtype == DType::f64 ? DType::f32 : cfg.dtype) *
+  const DType inputs = cfg.dtype == DType::f64 ? DType::f32 : cfg.dtype;
+  const double tol = std::max(tolerance(inputs), tolerance(o_dtype)) *
                      (d.pool.view.dtype == DType::bf16 ? 50 : 1);  // bf16 state: 2^-9 per store
   EXPECT_LT(rel_error(fast_o.to_double(), ref_o.to_double()), tol)
       << what << ": output relative error, tolerance " << tol;

@@ -567,8 +567,9 @@ def table(rows, baseline, copy_bw, copy_runs, gpu):
         if "error" in row:
             notes.append(f"{row['case']}/{row['layout']}: {row['error']}")
     lines.append("")
-    lines.append(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s, the higher of "
-                 f"{' before and '.join(f'{c / 1e9:.0f}' for c in copy_runs)} after the cases. "
+    runs = (f"the higher of {copy_runs[0] / 1e9:.0f} before and {copy_runs[1] / 1e9:.0f} after "
+            f"the cases" if len(copy_runs) == 2 else "measured before the cases")
+    lines.append(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s, {runs}. "
                  f"Times: median "
                  f"{'GPU time per call (CUDA events)' if gpu else 'host time per call'}; "
                  f"speedup = {baseline} / ours; diff = max |ours - {baseline}| / max "
@@ -707,7 +708,10 @@ def main(argv=None):
                   f"{'ERROR ' + ours['error'][:80] if 'error' in ours else ''} "
                   f"[{row['seconds']:.1f} s]", flush=True)
 
-    copy_runs.append(copy_bandwidth(torch, device, timer))
+    try:
+        copy_runs.append(copy_bandwidth(torch, device, timer))
+    except Exception as e:  # noqa: BLE001 (a failed case can leave the device unusable)
+        print(f"copy bandwidth after the cases: {error_text(e)}", flush=True)
     copy_bw = max(copy_runs)
     for row in rows:
         for entry in row["impls"].values():

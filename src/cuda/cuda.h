@@ -21,9 +21,9 @@ enum class RecurrentKernel { wide, narrow, warp };
 // and that makes `warp_tasks` warp kernel tasks (0: the warp kernel does not take it). The
 // environment variable FLASHDELTA_RECURRENT_TILE picks: unset or `auto`, the warp kernel
 // wherever it takes the problem, else the narrow tile when the wide tile leaves SMs
-// without a block, else the wide one; `wide`, `narrow` or `warp`, that kernel (the same
-// sums in another order: equal to float32 rounding; `warp` where it takes the problem,
-// else as `auto`). Any other value throws Error(invalid_argument) naming the variable.
+// without a block, else the wide one; `wide` or `narrow`, that kernel (the same sums in
+// another order: equal to float32 rounding); `warp` is `auto`'s choice, kept as a name.
+// Any other value throws Error(invalid_argument) naming the variable.
 RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks);
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it

@@ -44,9 +44,10 @@ bool allows_runs_of_4(const cuda::TokenTensor& x) {
 bool warp_kernel_fits(const RecurrentParams& r, bool key_contiguous) {
   const int64_t columns = cuda::recurrent_warp_columns(r.K);
   const bool vector_gate = r.gate == cuda::GateForm::vector;
-  // The kernel addresses within a head's tile in 32 bits.
+  // The kernel addresses within a head's tile in 32 bits (strides may be negative).
   const auto tile_fits_32_bits = [&](const StateTensor& s) {
-    return !s.data || (r.V - 1) * s.value_stride + r.K <= INT32_MAX;
+    const int64_t column_step = s.value_stride < 0 ? -s.value_stride : s.value_stride;
+    return !s.data || (r.V - 1) * column_step + r.K <= INT32_MAX;
   };
   return key_contiguous && columns > 0 && r.V % columns == 0 && r.vector_ok &&
          tile_fits_32_bits(r.state_in) && tile_fits_32_bits(r.state_out) &&

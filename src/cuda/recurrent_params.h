@@ -83,7 +83,8 @@ void launch_recurrent(const RecurrentParams& p, DType state_dtype, bool key_cont
                       void* stream);
 
 // The warp kernel (cuda/recurrent_warp_kernel.cu) on a key-contiguous (V-first) state, for
-// K in {32, 64, 128, 256}, V a multiple of recurrent_warp_columns(K) and p.vector_ok;
+// K in {32, 64, 128, 256}, V a multiple of recurrent_warp_columns(K), p.vector_ok and
+// a head's tile addressable in 32 bits ((V - 1) |value_stride| + K <= INT32_MAX);
 // p.value_tiles = V / that.
 void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream);
 // Value columns of one warp kernel task for head size K; 0 where the kernel does not run.

@@ -9,8 +9,9 @@
 // is spread over 4 KB of state.
 //
 // The host (cuda/recurrent.cpp) sends it the common case only: a key-contiguous (V-first)
-// state, so that a warp's load is one 512-byte column (on a K-first state its rows would
-// be short segments: measured at 35-48% of the copy bandwidth, bench/NOTES.md (ae)); K a
+// state, so that a warp's load is whole columns (one 512-byte column of fp32 state at
+// K = 128; on a K-first state its rows would be short segments: measured at 35-48% of the
+// copy bandwidth, bench/NOTES.md (ae)); K a
 // power of two in [32, 256] (no key masking); V a multiple of CW (no column masking);
 // states that allow aligned vector runs and whose head tiles are addressable in 32 bits;
 // token tensors of float32 or 16-bit with unit channel stride, aligned. The math is the
@@ -58,7 +59,7 @@ struct WarpTile {
 
 // The token tensors' element type (q, k, v, g, beta, o): bfloat16 fixed at compile time for
 // the serving common case, or read from the arguments. Fixed, the dtype branches go and the
-// K <= 128 kernels fit 80 registers (24 warps per SM instead of 20; ptxas spills 4-28
+// K <= 128 kernels fit 80 registers (24 warps per SM instead of 21; ptxas spills 4-28
 // bytes, a value or two per task, not per state element): N = 256 went from 2% slower
 // than the block kernel to 1% faster (bench/NOTES.md (ag)).
 template <bool AllBf16>

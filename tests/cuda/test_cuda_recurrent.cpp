@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda.h"
@@ -51,11 +52,15 @@ INSTANTIATE_TEST_SUITE_P(Forward, CudaRecurrentGrid, ::testing::ValuesIn(forward
 
 TEST(CudaRecurrent, VarlenWithEmptyAndOneTokenSequences) {
   FLASHDELTA_REQUIRE_GPU();
-  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet, Mechanism::gla}) {
-    const CaseConfig c{.mechanism = m, .T = 63, .H = 2, .HV = 4, .K = 64, .V = 96,
-                       .seqlens = {0, 1, 17, 0, 5, 40}};
-    expect_forward_matches_reference(make_case(c), std::string("varlen ") + mechanism_name(m));
-  }
+  // V-first: the warp kernel (V = 96, six 16-column tasks at K = 64).
+  for (const StateLayout layout : {StateLayout::k_first, StateLayout::v_first})
+    for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet, Mechanism::gla}) {
+      const CaseConfig c{.mechanism = m, .T = 63, .H = 2, .HV = 4, .K = 64, .V = 96,
+                         .seqlens = {0, 1, 17, 0, 5, 40}, .layout = layout};
+      expect_forward_matches_reference(
+          make_case(c), std::string("varlen ") + mechanism_name(m) +
+                            (layout == StateLayout::v_first ? " v_first" : " k_first"));
+    }
 }
 
 TEST(CudaRecurrent, FusedTransformsAndGateForms) {
@@ -187,18 +192,58 @@ TEST(CudaDecode, GroupedValueHeadsAndLargeHeads) {
 // count) makes the row a padding row instead of an out-of-bounds access.
 TEST(CudaDecode, OutOfRangeDeviceIndicesArePaddingRows) {
   FLASHDELTA_REQUIRE_GPU();
-  const CaseConfig cfg = decode_config(Mechanism::kda, 3, 2, 64, 64, 5);
-  const DecodeCase d = make_decode_case(cfg, 3, DType::f32, {{-1}, {-1}, {-1}});
-  HostTensor pool = d.pool, o = d.c.make_output(DType::f32);
-  HostTensor idx(DType::i64, {3});
-  const int64_t bad[3] = {3, 1000000, -7};
-  std::memcpy(idx.bytes.data(), bad, sizeof bad);
-  o.fill(kPoison);
-  DecodeArgs a = d.args(o, pool);
-  a.state_indices = idx.view;
-  decode_on_device(a, d.c.options);
-  for (const double x : o.to_double()) ASSERT_EQ(x, 0.0);
-  EXPECT_EQ(pool.bytes, d.pool.bytes);
+  for (const StateLayout layout : {StateLayout::k_first, StateLayout::v_first}) {
+    CaseConfig cfg = decode_config(Mechanism::kda, 3, 2, 64, 64, 5);
+    cfg.layout = layout;
+    const DecodeCase d = make_decode_case(cfg, 3, DType::f32, {{-1}, {-1}, {-1}});
+    HostTensor pool = d.pool, o = d.c.make_output(DType::f32);
+    HostTensor idx(DType::i64, {3});
+    const int64_t bad[3] = {3, 1000000, -7};
+    std::memcpy(idx.bytes.data(), bad, sizeof bad);
+    o.fill(kPoison);
+    DecodeArgs a = d.args(o, pool);
+    a.state_indices = idx.view;
+    decode_on_device(a, d.c.options);
+    for (const double x : o.to_double()) ASSERT_EQ(x, 0.0);
+    EXPECT_EQ(pool.bytes, d.pool.bytes);
+  }
+}
+
+// The warp kernel's shapes and instantiations on V-first pools: K = 32 (four column lanes
+// per warp), 64, 128 and 256 (8 keys per lane), each V a few tasks wide; all-bfloat16
+// tokens (the compile-time bf16 instantiation) and bf16 / f16 inputs with other output or
+// gate dtypes (the runtime-dtype one); float32 and bfloat16 pools; padding rows; T = 1 and
+// a 3-token step.
+TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
+  FLASHDELTA_REQUIRE_GPU();
+  struct Tokens {
+    const char* name;
+    DType inputs, o;
+    bool fused;  // gate, L2 norm and beta sigmoid in the kernel (g in the input dtype)
+  };
+  const Tokens kTokens[] = {{"bf16 fused, bf16 o", DType::bf16, DType::bf16, true},
+                            {"bf16, f32 gate and o", DType::bf16, DType::f32, false},
+                            {"f16 fused, f16 o", DType::f16, DType::f16, true}};
+  const std::pair<int64_t, int64_t> kShapes[] = {{32, 64}, {64, 48}, {128, 24}, {256, 40}};
+  uint64_t seed = 500;
+  for (const auto& [K, V] : kShapes)
+    for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
+      for (const Tokens& tokens : kTokens)
+        for (const DType pool : {DType::f32, DType::bf16})
+          for (const int64_t T : {1, 3}) {
+            CaseConfig cfg = decode_config(m, 3, T, K, V, seed++);
+            cfg.layout = StateLayout::v_first;
+            cfg.dtype = tokens.inputs;
+            cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = tokens.fused;
+            if (tokens.fused && m == Mechanism::kda) cfg.lower_bound = -5.0;
+            const DecodeCase d = make_decode_case(cfg, 5, pool, {{3}, {-1}, {0}});
+            expect_decode_matches_reference(
+                d,
+                std::string(mechanism_name(m)) + " K=" + std::to_string(K) + " V=" +
+                    std::to_string(V) + " T=" + std::to_string(T) + " " + tokens.name +
+                    ", pool " + dtype_name(pool),
+                decode_on_device, tokens.o);
+          }
 }
 
 TEST(CudaDecode, DeterministicBitwise) {
@@ -248,11 +293,11 @@ TEST(CudaDecode, CapturedInCudaGraph) {
   EXPECT_LT(rel_error(pool.to_double(), ref_pool.to_double()), 2e-4);
 }
 
-// 64-bit addressing: a pool of more than 2^31 elements (rows at its far end) and a launch
-// of more than 65,535 blocks.
-TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
-  FLASHDELTA_REQUIRE_GPU();
-  const CaseConfig cfg = decode_config(Mechanism::gated_deltanet, 2, 1, 128, 128, 13);
+// A decode step on two rows whose slots sit at the far end of a pool of more than 2^31
+// elements (64-bit slot offsets), against the reference on the same two slots.
+void expect_far_pool_slots_match_reference(StateLayout layout) {
+  CaseConfig cfg = decode_config(Mechanism::gated_deltanet, 2, 1, 128, 128, 13);
+  cfg.layout = layout;
   const DecodeCase d = make_decode_case(cfg, 2, DType::bf16, {{0}, {1}});
   HostTensor ref_pool = d.pool, ref_o = d.c.make_output(DType::f64);
   decode(d.args(ref_o, ref_pool), d.c.options, Schedule::reference);
@@ -285,6 +330,14 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
                         cudaMemcpyDeviceToHost), "slot");
   EXPECT_LT(rel_error(o.to_double(), ref_o.to_double()), 1e-2);
   EXPECT_LT(rel_error(pool.to_double(), ref_pool.to_double()), 1e-2);
+}
+
+// 64-bit addressing: a pool of more than 2^31 elements (rows at its far end) and a launch
+// of more than 65,535 blocks.
+TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
+  FLASHDELTA_REQUIRE_GPU();
+  for (const StateLayout layout : {StateLayout::k_first, StateLayout::v_first})
+    expect_far_pool_slots_match_reference(layout);
 
   // 1100 rows x 64 heads x 1 tile = 70,400 blocks.
   CaseConfig wide = decode_config(Mechanism::kda, 1100, 1, 16, 16, 17);
