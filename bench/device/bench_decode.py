@@ -675,7 +675,7 @@ def main(argv=None):
     else:
         dev_desc = dict(name=platform.processor() or platform.machine(), l2_bytes=1 << 20)
     # The copy is measured before and after the cases and the higher is the reference for
-    # % copy: one measurement has come out 2-5% low on some machines (bench/NOTES.md (ag)).
+    # % copy: one measurement has come out 5-10% low (bench/NOTES.md (ag)).
     copy_runs = [copy_bandwidth(torch, device, timer)]
     print(f"device: {dev_desc['name']}; copy bandwidth {copy_runs[0] / 1e9:.0f} GB/s", flush=True)
 
