@@ -1,6 +1,7 @@
 // Host side of the CUDA recurrent schedule: turns a validated problem into the kernel's
 // plain-data arguments (cuda/recurrent_params.h) and picks the thread mapping.
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <string>
 
@@ -46,8 +47,7 @@ bool warp_kernel_fits(const RecurrentParams& r, bool key_contiguous) {
   const bool vector_gate = r.gate == cuda::GateForm::vector;
   // The kernel addresses within a head's tile in 32 bits (strides may be negative).
   const auto tile_fits_32_bits = [&](const StateTensor& s) {
-    const int64_t column_step = s.value_stride < 0 ? -s.value_stride : s.value_stride;
-    return !s.data || (r.V - 1) * column_step + r.K <= INT32_MAX;
+    return !s.data || (r.V - 1) * std::abs(s.value_stride) + r.K <= INT32_MAX;
   };
   return key_contiguous && columns > 0 && r.V % columns == 0 && r.vector_ok &&
          tile_fits_32_bits(r.state_in) && tile_fits_32_bits(r.state_out) &&

@@ -90,7 +90,7 @@ __device__ __forceinline__ float column_sum(float (&x)[CPL], int key_lane) {
       x[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
     }
   }
-  return W::kSpread > 1 ? lane_sum<1, (W::kSpread > 1 ? W::kSpread / 2 : 1)>(x[0]) : x[0];
+  return lane_sum<1, W::kSpread / 2>(x[0]);  // the key lanes left (none when kSpread is 1)
 }
 
 // Four consecutive channels of a token tensor (unit channel stride, aligned: the host
