@@ -18,6 +18,10 @@ namespace {
 
 // Forces the state kernel's split (split_scan).
 constexpr const char* kSegmentsSetting = "FLASHDELTA_CHUNK_STATE_SEGMENTS";
+// `general` makes the prepare kernel read every token tensor by dtype and layout at run time
+// even where the dense bfloat16 path applies (ChunkParams::dense_tokens): for tests and A/B
+// timing.
+constexpr const char* kTokenRunsSetting = "FLASHDELTA_CHUNK_TOKEN_RUNS";
 // A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
 // records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter
 // and B=1 T=32768 H=32 runs faster whole than in two segments (3.536 against 3.577 ms,
@@ -57,6 +61,11 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
   c.chunk_states_count = io.chunk_states.t.present() ? io.chunk_states.t.shape[0] : 0;
   c.KP = cuda::chunk_key_width(p.K);
   c.VP = cuda::chunk_value_width(p.V);
+  const cuda::RecurrentParams& r = c.p;
+  c.dense_tokens = env_setting(kTokenRunsSetting, {"auto", "general"}) != "general" &&
+                   bf16_dense_runs(r.q, p.K) && bf16_dense_runs(r.k, p.K) &&
+                   bf16_dense_runs(r.v, p.V) &&
+                   (r.gate != cuda::GateForm::vector || bf16_dense_runs(r.g, p.K));
   c.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;
   // With cu_seqlens each sequence adds at most one partial chunk to T / C whole ones.
   c.max_chunks = p.cu_seqlens.present() ? c.chunks_per_row + p.N : p.B * c.chunks_per_row;

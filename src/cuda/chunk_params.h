@@ -54,6 +54,9 @@ struct ChunkParams {
   RecurrentParams p;  // sizes, options, token tensors, o, initial / final state, cu_seqlens
   int KP = 64;
   int64_t VP = 64;
+  // q, k, v and a vector gate all bf16_dense_runs (host_params.h): the prepare kernel reads
+  // them by TokenRuns<true> (cuda/device_io.cuh).
+  bool dense_tokens = false;
   int64_t chunks_per_row = 0;  // ceil(T / C), batch rows without cu_seqlens
   int64_t max_chunks = 0;      // chunks of all sequences, or an upper bound with cu_seqlens
   // The state kernel splits each sequence into `segments` runs of segment_chunks chunks

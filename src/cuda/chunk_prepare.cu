@@ -146,10 +146,10 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
 }
 
 // Loads key channels [c0, c0 + kSlice) of q, k (as given) and the vector gate's Gamma
-// (kGroups threads per token, 8 channels each), and each row block's reference points. Adds
-// the thread's squares of q and k to sq and sk, per pass: a thread has the same tokens in
-// every slice.
-template <GateForm G, int KP>
+// (kGroups threads per token, 8 channels each; TokenRuns<Dense>), and each row block's
+// reference points. Adds the thread's squares of q and k to sq and sk, per pass: a thread has
+// the same tokens in every slice.
+template <GateForm G, int KP, bool Dense>
 __device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, const ChunkRef& ref,
                            int64_t hv, float a_gate, int c0, float (&sq)[kPasses],
                            float (&sk)[kPasses]) {
@@ -161,23 +161,24 @@ __device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
   const int64_t ok = token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1] + key * p.k.stride[3];
   const int64_t og = token_offset(p.g, ref.seq, hv) + ref.t * p.g.stride[1] + key * p.g.stride[3];
   // Every load of the slice is issued before any is used.
+  using Runs = TokenRuns<Dense>;
   Run8 rq[kPasses], rk[kPasses], rg[kPasses];
 #pragma unroll
   for (int x = 0; x < kPasses; ++x) {
     const int t = tid / kGroups + x * kTokensPerPass;
     const int valid = t < ref.len ? valid_k : 0;
-    rq[x] = load_run8(p.q, oq + t * p.q.stride[1], valid);
-    rk[x] = load_run8(p.k, ok + t * p.k.stride[1], valid);
-    if (G == GateForm::vector) rg[x] = load_run8(p.g, og + t * p.g.stride[1], valid);
+    rq[x] = Runs::load(p.q, oq + t * p.q.stride[1], valid);
+    rk[x] = Runs::load(p.k, ok + t * p.k.stride[1], valid);
+    if (G == GateForm::vector) rg[x] = Runs::load(p.g, og + t * p.g.stride[1], valid);
   }
 #pragma unroll
   for (int x = 0; x < kPasses; ++x) {
     const int t = tid / kGroups + x * kTokensPerPass;
     float q[8], k[8], g[8] = {};
-    run8_to_float(rq[x], p.q.dtype, q);
-    run8_to_float(rk[x], p.k.dtype, k);
+    Runs::to_float(rq[x], p.q, q);
+    Runs::to_float(rk[x], p.k, k);
     if constexpr (G == GateForm::vector) {
-      run8_to_float(rg[x], p.g.dtype, g);
+      Runs::to_float(rg[x], p.g, g);
       if (p.gate_in_kernel) {
         const float4 b0 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8]);
         const float4 b1 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8 + 4]);
@@ -479,7 +480,7 @@ __device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, i
 
 // Value columns [v0, v0 + kValueTile) of the record's u: T (beta v) for the delta rule
 // (after solve), v itself for the linear write; 8 columns of one token per thread and load.
-template <int KP>
+template <int KP, bool Dense>
 __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const Record& rec,
                              const ChunkRef& ref, int64_t hv, int64_t v0) {
   const RecurrentParams& p = c.p;
@@ -491,14 +492,14 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
 #pragma unroll
   for (int x = 0; x < kLoads; ++x) {
     const int t = tid / kLanes + x * (kThreads / kLanes);
-    raw[x] = load_run8(p.v, ov + t * p.v.stride[1], t < ref.len ? valid_v : 0);
+    raw[x] = TokenRuns<Dense>::load(p.v, ov + t * p.v.stride[1], t < ref.len ? valid_v : 0);
   }
   __syncthreads();  // the previous tile's product has read vb
 #pragma unroll
   for (int x = 0; x < kLoads; ++x) {
     const int t = tid / kLanes + x * (kThreads / kLanes);
     float val[8];
-    run8_to_float(raw[x], p.v.dtype, val);
+    TokenRuns<Dense>::to_float(raw[x], p.v, val);
     if (p.delta) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) val[e] *= sh.beta[t];
@@ -512,7 +513,7 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
   lower_product_rows(&sh.u.v.tu[0][0], sh.vb(), kValueLd, 0, rec.u + record_u_index(0, v0), kValueTile);
 }
 
-template <GateForm G, int KP>
+template <GateForm G, int KP, bool Dense>
 __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_kernel(const ChunkParams c) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<PrepareShared<KP>*>(smem);
@@ -546,7 +547,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
   Acc acc_q[8], acc_k[8];
   float sq[kPasses] = {}, sk[kPasses] = {};  // the L2 norms' sums (unused without the norm)
   for (int c0 = 0; c0 < KP; c0 += kSlice) {
-    load_slice<G>(p, sh, ref, hv, a_gate, c0, sq, sk);
+    load_slice<G, KP, Dense>(p, sh, ref, hv, a_gate, c0, sq, sk);
     write_slice_factors<G>(p, sh, rec, ref, c0);
     accumulate_slice<G>(sh, acc_q, acc_k);
     if (c0 + kSlice == KP) finish_norms(p, sh, rec, ref, sq, sk);  // the sums are complete
@@ -559,12 +560,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
       lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w, KP);
-  for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile) write_values(c, sh, rec, ref, hv, v0);
+  for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile) write_values<KP, Dense>(c, sh, rec, ref, hv, v0);
 }
 
 template <GateForm G, int KP>
 void launch_prepare(const ChunkParams& c, cudaStream_t stream) {
-  const auto kernel = chunk_prepare_kernel<G, KP>;
+  const auto kernel = c.dense_tokens ? chunk_prepare_kernel<G, KP, true> : chunk_prepare_kernel<G, KP, false>;
   constexpr int smem = sizeof(PrepareShared<KP>);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   kernel<<<static_cast<unsigned>(c.max_chunks * c.p.HV), kThreads, smem, stream>>>(c);

@@ -139,6 +139,34 @@ __device__ __forceinline__ void run8_to_float(const Run8& r, DType t, float (&ou
   }
 }
 
+// How a kernel reads runs of 8 channels of its token tensors. Dense: the host has checked
+// (bf16_dense_runs) that the tensor is bfloat16 with unit channel stride, every run 16-byte
+// aligned and the channel count a multiple of 8, so that a run is one vector load, or nothing
+// where `valid` is 0 (past the chunk); no dtype or layout branch and no elementwise path.
+// Otherwise by the tensor's dtype and layout at run time (load_run8).
+template <bool Dense>
+struct TokenRuns {
+  __device__ __forceinline__ static Run8 load(const TokenTensor& x, int64_t off, int valid) {
+    if constexpr (Dense) {
+      Run8 r{};
+      r.packed = true;
+      if (valid > 0) {
+        const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(x.data) + off);
+        r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
+      }
+      return r;
+    } else {
+      return load_run8(x, off, valid);
+    }
+  }
+  __device__ __forceinline__ static void to_float(const Run8& r, const TokenTensor& x, float (&out)[8]) {
+    if constexpr (Dense)
+      bf16_pairs_to_float<8>(r.w, out);
+    else
+      run8_to_float(r, x.dtype, out);
+  }
+};
+
 // Queues L2 prefetches of `rows` rows of row_elems elements from p (row stride `stride`
 // elements), one 128-byte line per thread at a time; nothing waits on them. 32-bit indices: a
 // 64-bit division per line is a long call, on the critical path of the kernels that prefetch.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -18,6 +19,13 @@ cuda::TokenTensor token_tensor(const TensorView& t) {
   x.dtype = t.dtype;
   for (int i = 0; i < t.rank && i < 4; ++i) x.stride[i] = t.stride[i];
   return x;
+}
+
+bool bf16_dense_runs(const cuda::TokenTensor& x, int64_t channels) {
+  constexpr int64_t kRun = 8;  // bfloat16 elements in 16 bytes
+  return x.dtype == DType::bf16 && x.stride[3] == 1 && channels % kRun == 0 &&
+         reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.stride[0] % kRun == 0 &&
+         x.stride[1] % kRun == 0 && x.stride[2] % kRun == 0;
 }
 
 cuda::StateTensor state_tensor(const StateView& s) {

@@ -13,6 +13,10 @@ namespace flashdelta::detail {
 cuda::TokenTensor token_tensor(const TensorView& t);
 cuda::StateTensor state_tensor(const StateView& s);
 cuda::IndexTensor index_tensor(const TensorView& t);
+// Whether x is bfloat16 with unit channel stride, `channels` a multiple of 8, and every run
+// of 8 channels from a multiple of 8 on 16-byte aligned, at any batch, token and head: the
+// kernels then read it by TokenRuns<true> (cuda/device_io.cuh).
+bool bf16_dense_runs(const cuda::TokenTensor& x, int64_t channels);
 // Sizes, options, token inputs and cu_seqlens of a problem; outputs and states are set by
 // the caller.
 cuda::RecurrentParams problem_params(const Problem& p);

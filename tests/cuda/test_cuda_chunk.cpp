@@ -173,6 +173,41 @@ TEST(CudaChunk, DeterministicBitwise) {
   EXPECT_EQ(s1.bytes, s2.bytes);
 }
 
+constexpr const char* kTokenRuns = "FLASHDELTA_CHUNK_TOKEN_RUNS";
+
+// The prepare kernel's dense bfloat16 reads (TokenRuns<true>: contiguous bf16 q, k, v and
+// vector gate with K and V multiples of 8, as these cases are) and its general ones
+// (FLASHDELTA_CHUNK_TOKEN_RUNS=general) read the same values, so outputs and final states are
+// bitwise equal: every gate form and key width, the fused transforms, and a varlen batch whose
+// partial chunks the dense loads must skip. The grid checks both against the reference.
+TEST(CudaChunk, DenseAndGeneralTokenRunsAgreeBitwise) {
+  FLASHDELTA_REQUIRE_GPU();
+  std::vector<std::pair<std::string, CaseConfig>> cases = {
+      {"kda, fused transforms, lower bound", gate_form_case(Mechanism::kda, 1, 150, 5600)},
+      {"gated deltanet, K = V = 64", {.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 100,
+                                      .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16, .seed = 5601}},
+      {"deltanet, K = 256, V = 120", {.mechanism = Mechanism::deltanet, .T = 70, .K = 256,
+                                      .V = 120, .dtype = DType::bf16, .seed = 5602}},
+      {"gla, varlen", {.mechanism = Mechanism::gla, .T = 267, .HV = 4, .K = 128, .V = 128,
+                       .dtype = DType::bf16, .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 5603}},
+  };
+  for (const auto& [what, cfg] : cases) {
+    const Case c = make_case(cfg);
+    HostTensor o_dense = c.make_output(DType::bf16), s_dense = c.make_state();
+    HostTensor o_general = c.make_output(DType::bf16), s_general = c.make_state();
+    {
+      const ScopedEnv automatic(kTokenRuns, nullptr);
+      forward_on_device(c.args(o_dense, &s_dense), c.options, kChunk);
+    }
+    {
+      const ScopedEnv general(kTokenRuns, "general");
+      forward_on_device(c.args(o_general, &s_general), c.options, kChunk);
+    }
+    EXPECT_EQ(o_dense.bytes, o_general.bytes) << what << ": outputs";
+    EXPECT_EQ(s_dense.bytes, s_general.bytes) << what << ": final states";
+  }
+}
+
 // Views of host arguments labelled as cuda: the size query and the workspace checks are
 // host arithmetic and run before any device access, so this needs no GPU.
 ForwardArgs labelled_cuda(ForwardArgs a) {
@@ -222,6 +257,26 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
   expect_error(a, "aligned to 256");
   EXPECT_EQ(o.bytes, o_before);
   EXPECT_EQ(s.bytes, s_before);
+}
+
+// Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general; anything else fails the call
+// (here its size query, before any device access) naming the variable.
+TEST(CudaChunkTokenRuns, RejectsAnUnknownSetting) {
+  const Case c = make_case({.T = 100, .K = 64, .V = 64, .dtype = DType::bf16});
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  const ForwardArgs a = labelled_cuda(c.args(o, &s));
+  for (const char* fine : {"", "auto", "general"}) {
+    const ScopedEnv setting(kTokenRuns, fine);
+    EXPECT_GT(forward_workspace_bytes(a, c.options, kChunk), 0u) << fine;
+  }
+  const ScopedEnv wrong(kTokenRuns, "dense");
+  try {
+    forward_workspace_bytes(a, c.options, kChunk);
+    ADD_FAILURE() << kTokenRuns << ": accepted 'dense'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(kTokenRuns), std::string::npos) << e.what();
+  }
 }
 
 TEST(CudaChunkWorkspace, CallerMemoryMatchesTheAllocatingPath) {
