@@ -245,7 +245,7 @@ __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>&
                                     const Record& rec, const ChunkRef& ref, int c0) {
   const auto& s = sh.u.s;
   const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
-  if (tid < kSlice) rec.decay[c0 + tid] = exp2f(gamma_at<G>(sh, ref.len - 1, tid));
+  if (tid < kSlice) rec.decay[c0 + tid] = exp2_approx(gamma_at<G>(sh, ref.len - 1, tid));
   float gend[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) gend[e] = gamma_at<G>(sh, ref.len - 1, c8 + e);
@@ -256,9 +256,9 @@ __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>&
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float gam = gamma_at<G>(sh, t, c8 + e), kv = s.k[t][c8 + e];
-      const float up = exp2f(gam);
+      const float up = exp2_approx(gam);
       qg[e] = p.scale * s.q[t][c8 + e] * up;
-      kg[e] = kv * exp2f(gend[e] - gam);
+      kg[e] = kv * exp2_approx(gend[e] - gam);
       wk[e] = sh.beta[t] * kv * up;
     }
     store_bf16x8(rec.qg + record_index(t, c0 + c8, KP), qg);
@@ -288,7 +288,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
       float2 e = make_float2(1.f, 1.f);
       if constexpr (G == GateForm::vector) {
         const float2 g = pair(s.gamma[r0 + i]);
-        e = make_float2(exp2f(g.x - r.x), exp2f(g.y - r.y));
+        e = make_float2(exp2_approx(g.x - r.x), exp2_approx(g.y - r.y));
       }
       const float2 q = pair(s.q[r0 + i]), k = pair(s.k[r0 + i]);
       store(&s.xq[I][i][cp], q.x * e.x, q.y * e.y);
@@ -308,7 +308,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
     step[J] = make_float2(1.f, 1.f);
     if (G == GateForm::vector && J > 0) {
       const float2 a = pair(s.ref[J]), b = pair(s.ref[J - 1]);
-      step[J] = make_float2(exp2f(a.x - b.x), exp2f(a.y - b.y));
+      step[J] = make_float2(exp2_approx(a.x - b.x), exp2_approx(a.y - b.y));
     }
   }
 #pragma unroll
@@ -317,11 +317,11 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
     const float2 kj = pair(s.k[j]);
     if constexpr (G == GateForm::vector) {
       const float2 gj = pair(s.gamma[j]), rb = pair(s.ref[B]);
-      store(&s.kbar[kbar_base(B) + j][cp], s.exact[B][cp] ? kj.x * exp2f(rb.x - gj.x) : 0.f,
-            s.exact[B][cp + 1] ? kj.y * exp2f(rb.y - gj.y) : 0.f);
+      store(&s.kbar[kbar_base(B) + j][cp], s.exact[B][cp] ? kj.x * exp2_approx(rb.x - gj.x) : 0.f,
+            s.exact[B][cp + 1] ? kj.y * exp2_approx(rb.y - gj.y) : 0.f);
       if (B + 1 < kBlocks) {
         const float2 rn = pair(s.ref[B + 1]);
-        float x0 = kj.x * exp2f(rn.x - gj.x), x1 = kj.y * exp2f(rn.y - gj.y);
+        float x0 = kj.x * exp2_approx(rn.x - gj.x), x1 = kj.y * exp2_approx(rn.y - gj.y);
         store(&s.kbar[kbar_base(B + 1) + j][cp], x0, x1);
 #pragma unroll
         for (int J = B + 2; J < kBlocks; ++J) {
@@ -361,7 +361,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
       float fq = 0.f, fk = 0.f;
       for (unsigned m = inexact; m; m &= m - 1) {
         const int cc = __ffs(m) - 1;
-        const float kj = s.k[r0 + j][cc] * exp2f(s.gamma[r0 + i][cc] - s.gamma[r0 + j][cc]);
+        const float kj = s.k[r0 + j][cc] * exp2_approx(s.gamma[r0 + i][cc] - s.gamma[r0 + j][cc]);
         fq += s.q[r0 + i][cc] * kj;
         fk += s.k[r0 + i][cc] * kj;
       }
@@ -416,7 +416,7 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
           fk += sh.fix_kk[I][i][j - r0];
         }
         if (G == GateForm::scalar) {
-          const float f = exp2f(sh.gs[t] - sh.gs[j]);
+          const float f = exp2_approx(sh.gs[t] - sh.gs[j]);
           fq *= f;
           fk *= f;
         }

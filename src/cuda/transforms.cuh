@@ -17,6 +17,18 @@ __device__ __forceinline__ float softplusf(float x) {
   return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x)));
 }
 
+// 2^x by the hardware's approximation alone (ex2.approx.ftz: ~2 ulp, results below 2^-126
+// flushed to 0; -inf gives 0 and NaN stays NaN). exp2f adds a range check and two
+// multiplies around the same instruction so that results down to 2^-149 stay denormal. For
+// the chunk kernels' decay factors, which are rounded to bfloat16 or multiply values of
+// order 1, such results are 0 to the sums they enter, and the check is three of four
+// instructions.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Sum over the lanes whose index differs in the bits first..last (powers of two).
 template <int First, int Last>
 __device__ __forceinline__ float lane_sum(float x) {
