@@ -102,7 +102,7 @@ static_assert(sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * (kChu
               "T and beta v in bfloat16 fit in the places of A_kk and T in float32");
 // Three blocks per SM at KP <= 128 (the kernel is latency-bound: more warps hide more); the
 // cap of 168 registers spills a few loop-invariant values with the vector gate (ptxas at
-// KP = 128: 60 bytes stored, 132 reloaded). Shared memory allows 3 at KP <= 128 only.
+// KP = 128: 40 bytes stored, 96 reloaded). Shared memory allows 3 at KP <= 128 only.
 constexpr int kMinBlocks(GateForm, int KP) { return KP <= 128 ? 3 : 2; }
 
 __device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {
@@ -560,12 +560,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
       lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w, KP);
-  for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile) write_values<KP, Dense>(c, sh, rec, ref, hv, v0);
+  for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile)
+    write_values<KP, Dense>(c, sh, rec, ref, hv, v0);
 }
 
 template <GateForm G, int KP>
 void launch_prepare(const ChunkParams& c, cudaStream_t stream) {
-  const auto kernel = c.dense_tokens ? chunk_prepare_kernel<G, KP, true> : chunk_prepare_kernel<G, KP, false>;
+  const auto kernel =
+      c.dense_tokens ? chunk_prepare_kernel<G, KP, true> : chunk_prepare_kernel<G, KP, false>;
   constexpr int smem = sizeof(PrepareShared<KP>);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   kernel<<<static_cast<unsigned>(c.max_chunks * c.p.HV), kThreads, smem, stream>>>(c);

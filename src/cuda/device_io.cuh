@@ -151,7 +151,8 @@ struct TokenRuns {
       Run8 r{};
       r.packed = true;
       if (valid > 0) {
-        const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(x.data) + off);
+        const auto* run = static_cast<const unsigned short*>(x.data) + off;
+        const uint4 v = *reinterpret_cast<const uint4*>(run);
         r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
       }
       return r;
@@ -159,7 +160,8 @@ struct TokenRuns {
       return load_run8(x, off, valid);
     }
   }
-  __device__ __forceinline__ static void to_float(const Run8& r, const TokenTensor& x, float (&out)[8]) {
+  __device__ __forceinline__ static void to_float(const Run8& r, const TokenTensor& x,
+                                                  float (&out)[8]) {
     if constexpr (Dense)
       bf16_pairs_to_float<8>(r.w, out);
     else
