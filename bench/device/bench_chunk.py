@@ -28,6 +28,11 @@ process on the same inputs, each reported with its speedup and its output's diff
 ours, e.g. --variants FLASHDELTA_CHUNK_STATE_SEGMENTS=1,FLASHDELTA_CHUNK_STATE_SEGMENTS=2
 (the state kernel's split, src/cuda/chunk_state.cu).
 
+Kernels: each implementation's time per call kernel by kernel (torch.profiler over
+--kernel-calls calls after the timing; 0 skips it), summed per kernel name, e.g. ours'
+chunk_prepare_kernel and chunk_state_kernel; in the table and as <impl>_kernels_ms in the
+JSON.
+
 Outputs under --out: bench_chunk.txt, bench_chunk.json, bench_chunk.png (time against
 sequence length, B=1 H=32).
 
@@ -38,6 +43,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -45,7 +51,7 @@ import traceback
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import (Timer, copy_bandwidth, environment_of, error_text,  # noqa: E402
-                          versions)
+                          kernel_times, versions)
 
 PEAK_FLOPS = 680e12
 CHUNK = 64
@@ -60,6 +66,8 @@ def parse_args(argv):
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep")
     p.add_argument("--no-accuracy", action="store_true")
+    p.add_argument("--kernel-calls", type=int, default=3,
+                   help="calls profiled for the per-kernel times (0: none)")
     p.add_argument("--variants", default="",
                    help="comma-separated variants of ours to time beside it, each NAME=VALUE "
                         "pairs joined by '+' (environment settings), e.g. "
@@ -211,6 +219,12 @@ def run_case(torch, timer, case, args, copy_bw, accuracy):
                 torch.cuda.synchronize()
                 row[impl + "_first_call_s"] = time.perf_counter() - t0  # compile / autotune
                 t = timer.per_call(lambda i: calls[i](), len(calls), args.reps, args.warmup)
+                if args.kernel_calls > 0:
+                    try:
+                        row[impl + "_kernels_ms"] = kernels_per_call(torch, calls[0],
+                                                                     args.kernel_calls)
+                    except Exception as e:  # noqa: BLE001 (the timing above still counts)
+                        row[impl + "_kernels_error"] = error_text(e)
             row[impl + "_ms"] = t["median"] * 1e3
             row[impl + "_p10_ms"], row[impl + "_p90_ms"] = t["p10"] * 1e3, t["p90"] * 1e3
             if ref is not None:
@@ -234,6 +248,23 @@ def run_case(torch, timer, case, args, copy_bw, accuracy):
     del sets, outs, ref
     torch.cuda.empty_cache()
     return row
+
+
+def kernel_label(name):
+    """A kernel's function name without return type, namespaces, template and call
+    arguments: 'void a::(anonymous namespace)::k<(a::G)2, 128, true>(a::P)' -> 'k'."""
+    name = re.sub(r"^void |\(anonymous namespace\)::|<unnamed>::", "", name)
+    base = re.split(r"[<(]", name, maxsplit=1)[0]
+    return base.split("::")[-1] or name
+
+
+def kernels_per_call(torch, call, calls):
+    """{kernel label: ms per call}, largest first (kernel_times, summed per label)."""
+    per_label = {}
+    for name, (ms, _) in kernel_times(torch, call, calls).items():
+        label = kernel_label(name)
+        per_label[label] = per_label.get(label, 0.0) + ms
+    return dict(sorted(per_label.items(), key=lambda kv: -kv[1]))
 
 
 def fmt(v, spec):
@@ -260,8 +291,15 @@ def table(rows, copy_bw, gpu):
                              f"{fmt(speedup, '5.2f')}, o vs ours "
                              f"{fmt(r.get(impl + '_o_diff_vs_ours'), '7.1e')}")
         for impl in ("fla", "ours", *r.get("variants", [])):
-            if impl + "_error" in r:
-                lines.append(f"    {impl}: {r[impl + '_error'][:300]}")
+            kernels = r.get(impl + "_kernels_ms")
+            if kernels:
+                shown = ", ".join(f"{k} {v:.3f}" for k, v in list(kernels.items())[:5])
+                more = f" (+{len(kernels) - 5} more)" if len(kernels) > 5 else ""
+                lines.append(f"    {impl} kernels, ms per call: {shown}{more}")
+        for impl in ("fla", "ours", *r.get("variants", [])):
+            for key in ("_error", "_kernels_error"):
+                if impl + key in r:
+                    lines.append(f"    {impl}{key.replace('_', ' ')}: {r[impl + key][:300]}")
     return "\n".join(lines)
 
 
@@ -308,7 +346,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         rows.append(run_case(torch, timer, case, args, copy_bw,
                              accuracy=i == 0 and not args.no_accuracy))
-        print(table(rows[-1:], copy_bw, gpu).splitlines()[-1], flush=True)
+        print("\n".join(table(rows[-1:], copy_bw, gpu).splitlines()[2:]), flush=True)
         print(f"  ({time.perf_counter() - t0:.1f} s; " + ", ".join(
             f"{k} {v:.1f} s" for k, v in rows[-1].items() if k.endswith("_s")) + ")", flush=True)
     text = table(rows, copy_bw, gpu)

@@ -410,6 +410,24 @@ def error_text(e):
     return text if len(text) < 600 else text[:600] + " ..."
 
 
+def kernel_times(torch, step, steps):
+    """{kernel name: (ms per step, launches per step)} of `steps` calls of step() under
+    torch.profiler (device time of every CUDA kernel, summed over its launches)."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total, count = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time_total / 1e3
+            count[e.name] += 1
+    return {n: (t / steps, count[n] / steps) for n, t in total.items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # One case
 

@@ -13,26 +13,11 @@ Output: profile_backward.txt under --out (rewritten after every implementation).
 import argparse
 import os
 import sys
-from collections import defaultdict
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_backward import CASES, Inputs, environment_of, step_of  # noqa: E402
-
-
-def kernel_times(torch, step, steps):
-    """{kernel name: (ms per step, launches per step)} of `steps` profiled steps."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    total, count = defaultdict(float), defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name] += e.device_time_total / 1e3
-            count[e.name] += 1
-    return {n: (t / steps, count[n] / steps) for n, t in total.items()}
+from bench_decode import kernel_times  # noqa: E402
 
 
 def main():
