@@ -94,19 +94,21 @@ inline __device__ __noinline__ Run8 load_run8_elementwise(const void* data, DTyp
   return r;
 }
 
+// A complete run of 8 16-bit values at a 16-byte aligned address, by one vector load.
+__device__ __forceinline__ Run8 packed_run8(const unsigned short* ptr) {
+  Run8 r{};
+  const uint4 v = *reinterpret_cast<const uint4*>(ptr);
+  r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
+  r.packed = true;
+  return r;
+}
+
 // Channels [0, valid) of the run at element offset `off`; the rest read as 0 and are not
 // touched (valid <= 0 reads nothing).
 __device__ __forceinline__ Run8 load_run8(const TokenTensor& x, int64_t off, int valid) {
   if (is_16bit(x.dtype) && x.stride[3] == 1 && valid >= 8) {
     const auto* ptr = static_cast<const unsigned short*>(x.data) + off;
-    if ((reinterpret_cast<uintptr_t>(ptr) & 15) == 0) {
-      Run8 r;
-      const uint4 v = *reinterpret_cast<const uint4*>(ptr);
-      r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
-      r.w[4] = r.w[5] = r.w[6] = r.w[7] = 0u;
-      r.packed = true;
-      return r;
-    }
+    if ((reinterpret_cast<uintptr_t>(ptr) & 15) == 0) return packed_run8(ptr);
   }
   return load_run8_elementwise(x.data, x.dtype, off, x.stride[3], valid);
 }
@@ -148,14 +150,10 @@ template <bool Dense>
 struct TokenRuns {
   __device__ __forceinline__ static Run8 load(const TokenTensor& x, int64_t off, int valid) {
     if constexpr (Dense) {
-      Run8 r{};
-      r.packed = true;
-      if (valid > 0) {
-        const auto* run = static_cast<const unsigned short*>(x.data) + off;
-        const uint4 v = *reinterpret_cast<const uint4*>(run);
-        r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
-      }
-      return r;
+      if (valid > 0) return packed_run8(static_cast<const unsigned short*>(x.data) + off);
+      Run8 zeros{};
+      zeros.packed = true;
+      return zeros;
     } else {
       return load_run8(x, off, valid);
     }
