@@ -151,9 +151,7 @@ struct TokenRuns {
   __device__ __forceinline__ static Run8 load(const TokenTensor& x, int64_t off, int valid) {
     if constexpr (Dense) {
       if (valid > 0) return packed_run8(static_cast<const unsigned short*>(x.data) + off);
-      Run8 zeros{};
-      zeros.packed = true;
-      return zeros;
+      return Run8{};  // to_float reads w only
     } else {
       return load_run8(x, off, valid);
     }
