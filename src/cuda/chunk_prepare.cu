@@ -387,7 +387,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
 }
 
 // The inverse lengths of q and k, 1 / sqrt(sum of squares + eps) with the L2 norm and 1
-// without (0 past the chunk's last token), from the sums load_slice gathered (two shuffles per
+// without (0 past the chunk's last token), from the sums stage_slice gathered (two shuffles per
 // pass: a token's kGroups threads are adjacent lanes), to the record and k's to shared
 // memory, which the caller's barrier publishes.
 template <int KP>
