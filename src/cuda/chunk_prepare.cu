@@ -68,8 +68,9 @@ struct PrepareShared {
     alignas(16) float k[kChunk][kSlice];
     alignas(16) float gamma[kChunk][kSlice];  // vector gate: Gamma after each token
     alignas(16) bf16 xq[4][kSubChunk][kSliceLd];  // row factors per warp
-    alignas(16) bf16 xk[4][kSubChunk][kSliceLd];
-    alignas(16) bf16 kbar[kKbarRows][kSliceLd];  // column factors
+    alignas(16) bf16 xk[4][kSubChunk][kSliceLd];  // vector gate only (else kbar's rows)
+    // Column factors per row block (kbar_base); without a vector gate rows 0 .. 63 hold k.
+    alignas(16) bf16 kbar[kKbarRows][kSliceLd];
     alignas(16) float ref[4][kSlice];  // vector gate: reference point of each row block and channel
     bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
@@ -290,9 +291,12 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
         const float2 g = pair(s.gamma[r0 + i]);
         e = make_float2(exp2_approx(g.x - r.x), exp2_approx(g.y - r.y));
       }
-      const float2 q = pair(s.q[r0 + i]), k = pair(s.k[r0 + i]);
+      const float2 q = pair(s.q[r0 + i]);
       store(&s.xq[I][i][cp], q.x * e.x, q.y * e.y);
-      store(&s.xk[I][i][cp], k.x * e.x, k.y * e.y);
+      if constexpr (G == GateForm::vector) {
+        const float2 k = pair(s.k[r0 + i]);
+        store(&s.xk[I][i][cp], k.x * e.x, k.y * e.y);
+      }
     }
   }
   // Column factors k_j 2^(r_J - Gamma_j) of tokens j = I + 4 m (every warp takes 4 tokens of
@@ -331,17 +335,19 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
         }
       }
     } else {
-#pragma unroll
-      for (int J = B; J < kBlocks; ++J) store(&s.kbar[kbar_base(J) + j][cp], kj.x, kj.y);
+      store(&s.kbar[j][cp], kj.x, kj.y);
     }
   }
   __syncthreads();
-  const bf16* kbar = &s.kbar[kbar_base(I)][0];
+  // Without a vector gate every row block's column factors are k itself, and A_kk's row
+  // factors too: one table of the chunk's 64 rows of k serves them all.
+  const bf16* kbar = G == GateForm::vector ? &s.kbar[kbar_base(I)][0] : &s.kbar[0][0];
+  const bf16* xk = G == GateForm::vector ? &s.xk[I][0][0] : &s.kbar[r0][0];
 #pragma unroll
   for (int k0 = 0; k0 < kSlice; k0 += 16) {
     uint32_t aq[4], ak[4];
     load_a(aq, &s.xq[I][0][0], kSliceLd, 0, k0);
-    load_a(ak, &s.xk[I][0][0], kSliceLd, 0, k0);
+    load_a(ak, xk, kSliceLd, 0, k0);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       if (np > I) break;
