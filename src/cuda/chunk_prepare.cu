@@ -68,8 +68,9 @@ struct PrepareShared {
     alignas(16) float k[kChunk][kSlice];
     alignas(16) float gamma[kChunk][kSlice];  // vector gate: Gamma after each token
     alignas(16) bf16 xq[4][kSubChunk][kSliceLd];  // row factors per warp
-    alignas(16) bf16 xk[4][kSubChunk][kSliceLd];
-    alignas(16) bf16 kbar[kKbarRows][kSliceLd];  // column factors
+    alignas(16) bf16 xk[4][kSubChunk][kSliceLd];  // vector gate only (else kbar's rows)
+    // Column factors per row block (kbar_base); without a vector gate rows 0 .. 63 hold k.
+    alignas(16) bf16 kbar[kKbarRows][kSliceLd];
     alignas(16) float ref[4][kSlice];  // vector gate: reference point of each row block and channel
     bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
@@ -145,32 +146,47 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
   }
 }
 
-// Loads key channels [c0, c0 + kSlice) of q, k (as given) and the vector gate's Gamma
-// (kGroups threads per token, 8 channels each; TokenRuns<Dense>), and each row block's
-// reference points. Adds the thread's squares of q and k to sq and sk, per pass: a thread has
-// the same tokens in every slice.
-template <GateForm G, int KP, bool Dense>
-__device__ void load_slice(const RecurrentParams& p, PrepareShared<KP>& sh, const ChunkRef& ref,
-                           int64_t hv, float a_gate, int c0, float (&sq)[kPasses],
-                           float (&sk)[kPasses]) {
-  auto& s = sh.u.s;
+// The raw runs of key channels [c0, c0 + kSlice) of q, k and the vector gate that a thread
+// loads (kGroups threads per token, 8 channels each; TokenRuns<Dense>): fetched a slice
+// ahead, so that their latency passes behind the previous slice's products.
+struct SliceRuns {
+  Run8 q[kPasses], k[kPasses], g[kPasses];
+};
+
+template <GateForm G, bool Dense>
+__device__ SliceRuns fetch_slice(const RecurrentParams& p, const ChunkRef& ref, int64_t hv, int c0) {
   const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
   const int64_t key = c0 + c8, h = hv / p.group;
   const int valid_k = clamp_run(p.K - key);
   const int64_t oq = token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1] + key * p.q.stride[3];
   const int64_t ok = token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1] + key * p.k.stride[3];
   const int64_t og = token_offset(p.g, ref.seq, hv) + ref.t * p.g.stride[1] + key * p.g.stride[3];
-  // Every load of the slice is issued before any is used.
   using Runs = TokenRuns<Dense>;
-  Run8 rq[kPasses], rk[kPasses], rg[kPasses];
+  SliceRuns r;
 #pragma unroll
   for (int x = 0; x < kPasses; ++x) {
     const int t = tid / kGroups + x * kTokensPerPass;
     const int valid = t < ref.len ? valid_k : 0;
-    rq[x] = Runs::load(p.q, oq + t * p.q.stride[1], valid);
-    rk[x] = Runs::load(p.k, ok + t * p.k.stride[1], valid);
-    if (G == GateForm::vector) rg[x] = Runs::load(p.g, og + t * p.g.stride[1], valid);
+    r.q[x] = Runs::load(p.q, oq + t * p.q.stride[1], valid);
+    r.k[x] = Runs::load(p.k, ok + t * p.k.stride[1], valid);
+    if (G == GateForm::vector) r.g[x] = Runs::load(p.g, og + t * p.g.stride[1], valid);
   }
+  return r;
+}
+
+// Key channels [c0, c0 + kSlice) of q, k (as given) and the vector gate's Gamma from the
+// slice's runs into shared memory, and each row block's reference points. Adds the
+// thread's squares of q and k to sq and sk, per pass: a thread has the same tokens in every
+// slice.
+template <GateForm G, int KP, bool Dense>
+__device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, const ChunkRef& ref,
+                           const SliceRuns& runs, float a_gate, int c0, float (&sq)[kPasses],
+                           float (&sk)[kPasses]) {
+  auto& s = sh.u.s;
+  const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
+  const int valid_k = clamp_run(p.K - (c0 + c8));
+  using Runs = TokenRuns<Dense>;
+  const Run8 (&rq)[kPasses] = runs.q, (&rk)[kPasses] = runs.k, (&rg)[kPasses] = runs.g;
 #pragma unroll
   for (int x = 0; x < kPasses; ++x) {
     const int t = tid / kGroups + x * kTokensPerPass;
@@ -290,9 +306,12 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
         const float2 g = pair(s.gamma[r0 + i]);
         e = make_float2(exp2_approx(g.x - r.x), exp2_approx(g.y - r.y));
       }
-      const float2 q = pair(s.q[r0 + i]), k = pair(s.k[r0 + i]);
+      const float2 q = pair(s.q[r0 + i]);
       store(&s.xq[I][i][cp], q.x * e.x, q.y * e.y);
-      store(&s.xk[I][i][cp], k.x * e.x, k.y * e.y);
+      if constexpr (G == GateForm::vector) {
+        const float2 k = pair(s.k[r0 + i]);
+        store(&s.xk[I][i][cp], k.x * e.x, k.y * e.y);
+      }
     }
   }
   // Column factors k_j 2^(r_J - Gamma_j) of tokens j = I + 4 m (every warp takes 4 tokens of
@@ -331,17 +350,19 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
         }
       }
     } else {
-#pragma unroll
-      for (int J = B; J < kBlocks; ++J) store(&s.kbar[kbar_base(J) + j][cp], kj.x, kj.y);
+      store(&s.kbar[j][cp], kj.x, kj.y);
     }
   }
   __syncthreads();
-  const bf16* kbar = &s.kbar[kbar_base(I)][0];
+  // Without a vector gate every row block's column factors are k itself, and A_kk's row
+  // factors too: one table of the chunk's 64 rows of k serves them all.
+  const bf16* kbar = G == GateForm::vector ? &s.kbar[kbar_base(I)][0] : &s.kbar[0][0];
+  const bf16* xk = G == GateForm::vector ? &s.xk[I][0][0] : &s.kbar[r0][0];
 #pragma unroll
   for (int k0 = 0; k0 < kSlice; k0 += 16) {
     uint32_t aq[4], ak[4];
     load_a(aq, &s.xq[I][0][0], kSliceLd, 0, k0);
-    load_a(ak, &s.xk[I][0][0], kSliceLd, 0, k0);
+    load_a(ak, xk, kSliceLd, 0, k0);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       if (np > I) break;
@@ -372,7 +393,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
 }
 
 // The inverse lengths of q and k, 1 / sqrt(sum of squares + eps) with the L2 norm and 1
-// without (0 past the chunk's last token), from the sums load_slice gathered (two shuffles per
+// without (0 past the chunk's last token), from the sums stage_slice gathered (two shuffles per
 // pass: a token's kGroups threads are adjacent lanes), to the record and k's to shared
 // memory, which the caller's barrier publishes.
 template <int KP>
@@ -546,9 +567,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
 
   Acc acc_q[8], acc_k[8];
   float sq[kPasses] = {}, sk[kPasses] = {};  // the L2 norms' sums (unused without the norm)
+  SliceRuns runs = fetch_slice<G, Dense>(p, ref, hv, 0);
   for (int c0 = 0; c0 < KP; c0 += kSlice) {
-    load_slice<G, KP, Dense>(p, sh, ref, hv, a_gate, c0, sq, sk);
+    stage_slice<G, KP, Dense>(p, sh, ref, runs, a_gate, c0, sq, sk);
     write_slice_factors<G>(p, sh, rec, ref, c0);
+    if (c0 + kSlice < KP) runs = fetch_slice<G, Dense>(p, ref, hv, c0 + kSlice);
     accumulate_slice<G>(sh, acc_q, acc_k);
     if (c0 + kSlice == KP) finish_norms(p, sh, rec, ref, sq, sk);  // the sums are complete
     __syncthreads();  // the next slice overwrites the slice buffers; finish_a reads the norms
