@@ -22,6 +22,9 @@ constexpr const char* kSegmentsSetting = "FLASHDELTA_CHUNK_STATE_SEGMENTS";
 // even where the dense bfloat16 path applies (ChunkParams::dense_tokens): for tests and A/B
 // timing.
 constexpr const char* kTokenRunsSetting = "FLASHDELTA_CHUNK_TOKEN_RUNS";
+// `mma_sync` keeps the state kernel's products on mma.sync where wgmma applies
+// (ChunkParams::state_wgmma): for tests and A/B timing.
+constexpr const char* kStateProductsSetting = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
 // A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
 // records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter
 // and B=1 T=32768 H=32 runs faster whole than in two segments (3.536 against 3.577 ms,
@@ -66,6 +69,8 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
                    bf16_dense_runs(r.q, p.K) && bf16_dense_runs(r.k, p.K) &&
                    bf16_dense_runs(r.v, p.V) &&
                    (r.gate != cuda::GateForm::vector || bf16_dense_runs(r.g, p.K));
+  c.state_wgmma = env_setting(kStateProductsSetting, {"auto", "mma_sync"}) != "mma_sync" &&
+                  c.KP <= 128;
   c.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;
   // With cu_seqlens each sequence adds at most one partial chunk to T / C whole ones.
   c.max_chunks = p.cu_seqlens.present() ? c.chunks_per_row + p.N : p.B * c.chunks_per_row;

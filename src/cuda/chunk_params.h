@@ -27,8 +27,8 @@ constexpr int chunk_record_floats(int KP) { return KP + 2 * kChunk; }
 
 // One record per (chunk, value head), index chunk * HV + hv, all zero past the chunk's last
 // token and past K / V (decay is 1 past K), with Gamma the cumulative log2 decay from the
-// chunk start. The bf16 matrices' rows are permuted within (cuda/chunk_records.cuh,
-// record_index), and u is stored in tiles of 64 columns. q and k are taken as given: the L2
+// chunk start. The bf16 matrices are stored in tiles of 64 columns, their rows permuted within
+// (cuda/chunk_records.cuh, record_index). q and k are taken as given: the L2
 // norm's inverse lengths n_q, n_k (1 without it) enter only as row and column scales, where
 // they are exact, so that the prepare kernel needs no pass over q and k before its slices:
 //     T = (I + A_kk)^-1,  A_kk[i, j] = beta_i n_k,i n_k,j k_i . k_j 2^(Gamma_i - Gamma_j), j < i
@@ -36,9 +36,9 @@ constexpr int chunk_record_floats(int KP) { return KP + 2 * kChunk; }
 //     v_new = u - w S,   o = diag(n_q) (qg S + A_qk v_new),   S' = diag(decay) S + kg^T n_k v_new
 // (n_k v_new: v_new's rows scaled).
 struct ChunkWorkspace {
-  uint16_t* qg = nullptr;   // [C, KP] bf16: scale q 2^Gamma (reads the chunk-start state)
-  uint16_t* kg = nullptr;   // [C, KP] bf16: k 2^(Gamma_end - Gamma) (writes the end state)
-  uint16_t* w = nullptr;    // [C, KP] bf16: T diag(n_k) (beta k 2^Gamma), delta rule only
+  uint16_t* qg = nullptr;   // [KP / 64][C, 64] bf16: scale q 2^Gamma (reads the chunk-start state)
+  uint16_t* kg = nullptr;   // [KP / 64][C, 64] bf16: k 2^(Gamma_end - Gamma) (writes the end state)
+  uint16_t* w = nullptr;    // [KP / 64][C, 64] bf16: T diag(n_k) (beta k 2^Gamma), delta rule only
   uint16_t* u = nullptr;    // [VP / 64][C, 64] bf16: T (beta v) (delta) or v (linear)
   uint16_t* aqk = nullptr;  // [C, C]  bf16: scale q_i . k_j n_k,j 2^(Gamma_i - Gamma_j), j <= i
   // [chunk_record_floats(KP)]: [KP] 2^Gamma_end, then [C] n_q and [C] n_k (zero past the
@@ -57,6 +57,9 @@ struct ChunkParams {
   // q, k, v and a vector gate all bf16_dense_runs (host_params.h): the prepare kernel reads
   // them by TokenRuns<true> (cuda/device_io.cuh).
   bool dense_tokens = false;
+  // The state kernel's products on wgmma (K <= 128; compiled for sm_90a, mma.sync elsewhere)
+  // rather than mma.sync.
+  bool state_wgmma = false;
   int64_t chunks_per_row = 0;  // ceil(T / C), batch rows without cu_seqlens
   int64_t max_chunks = 0;      // chunks of all sequences, or an upper bound with cu_seqlens
   // The state kernel splits each sequence into `segments` runs of segment_chunks chunks
@@ -77,7 +80,7 @@ void launch_chunk_table(const ChunkParams& c, void* stream);
 void launch_chunk_prepare(const ChunkParams& c, void* stream);
 void launch_chunk_state(const ChunkParams& c, void* stream);
 // Throws Error(unsupported) when the current GPU lacks the state kernel's shared memory
-// (101.5 KB at K <= 64, 150 KB at K <= 128, 133.5 KB at K <= 256: A100s have it, GPUs with
+// (104 KB at K <= 64, 152 KB at K <= 128, 136 KB at K <= 256: A100s have it, GPUs with
 // 99 KB per block do not); called before anything is launched.
 void require_chunk_state_shared_memory(const ChunkParams& c);
 

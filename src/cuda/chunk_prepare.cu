@@ -277,8 +277,8 @@ __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>&
       kg[e] = kv * exp2_approx(gend[e] - gam);
       wk[e] = sh.beta[t] * kv * up;
     }
-    store_bf16x8(rec.qg + record_index(t, c0 + c8, KP), qg);
-    store_bf16x8(rec.kg + record_index(t, c0 + c8, KP), kg);
+    store_bf16x8(rec.qg + record_index(t, c0 + c8), qg);
+    store_bf16x8(rec.kg + record_index(t, c0 + c8), kg);
     if (p.delta) store_bf16x8(&sh.wsrc[t][c0 + c8], wk);
   }
 }
@@ -446,7 +446,7 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
         vk[x] = j < t ? row_k * fk * col : 0.f;
       }
       const int j0 = 8 * nt + acc_col(e);
-      store_pair(rec.aqk + record_index(t, j0, kChunk), vq[0], vq[1]);
+      store_pair(rec.aqk + record_index(t, j0), vq[0], vq[1]);
       sh.u.v.a[t][j0] = vk[0];
       sh.u.v.a[t][j0 + 1] = vk[1];
     }
@@ -474,10 +474,9 @@ __device__ void solve(PrepareShared<KP>& sh) {
 }
 
 // out[rows of block I][n0 .. n0 + 63] = t[block I rows] . src[tokens][n0 ..], in bfloat16,
-// into a record matrix `width` wide (cuda/chunk_records.cuh); t is one of solve's bfloat16
+// into a record matrix (cuda/chunk_records.cuh); t is one of solve's bfloat16
 // copies of T (rows kChunkLd wide).
-__device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, int n0, bf16* out,
-                                   int width) {
+__device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, int n0, bf16* out) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
   Acc acc[8];
   for (int k0 = 0; k0 <= r0; k0 += 16) {
@@ -495,7 +494,7 @@ __device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, i
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; e += 2)
-      store_pair(out + record_index(r0 + acc_row(e), n0 + 8 * nt + acc_col(e), width), acc[nt].d[e],
+      store_pair(out + record_index(r0 + acc_row(e), n0 + 8 * nt + acc_col(e)), acc[nt].d[e],
                  acc[nt].d[e + 1]);
 }
 
@@ -526,12 +525,12 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
       for (int e = 0; e < 8; ++e) val[e] *= sh.beta[t];
       store_bf16x8(sh.vb() + t * kValueLd + col, val);
     } else {
-      store_bf16x8(rec.u + record_u_index(t, v0 + col), val);
+      store_bf16x8(rec.u + record_index(t, v0 + col), val);
     }
   }
   if (!p.delta) return;
   __syncthreads();
-  lower_product_rows(&sh.u.v.tu[0][0], sh.vb(), kValueLd, 0, rec.u + record_u_index(0, v0), kValueTile);
+  lower_product_rows(&sh.u.v.tu[0][0], sh.vb(), kValueLd, 0, rec.u + record_index(0, v0));
 }
 
 template <GateForm G, int KP, bool Dense>
@@ -582,7 +581,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
   // w = T diag(n_k) (beta k 2^Gamma); u = T (beta v), or v for the linear write.
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
-      lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w, KP);
+      lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w);
   for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile)
     write_values<KP, Dense>(c, sh, rec, ref, hv, v0);
 }

@@ -19,23 +19,21 @@ __device__ bool locate_chunk(const ChunkParams& c, int64_t chunk, ChunkRef& ref)
 }
 
 // The bf16 matrices of one record, and its float run (decay, inv_q, inv_k). Each matrix is
-// stored dense, 64 token rows, with the 16-byte pieces of row t permuted by XOR with t % 8
-// (record_index): one bulk copy moves a whole matrix into shared memory as it lies, and
-// there ldmatrix's 8 consecutive rows at one column land in 8 different bank groups (loads
-// without conflicts, rows without padding). u is stored in tiles of 64 value columns, tile
-// after tile, so that a state-kernel block's columns are one run too.
+// stored dense in tiles of 64 columns, tile after tile, each tile 64 token rows of 128 bytes
+// with the 16-byte pieces of row t permuted by XOR with t % 8 (record_index). That is the
+// 128-byte swizzle of the Hopper tensor cores' shared-memory operands (a tile's rows at
+// address bits 7-9, its pieces at bits 4-6), and one bulk copy moves a whole matrix into
+// shared memory as it lies. There ldmatrix's 8 consecutive rows at one column land in 8
+// different bank groups too (loads without conflicts, rows without padding); and a
+// state-kernel block's 64 columns of u are one run.
 struct Record {
   bf16 *qg, *kg, *w, *u, *aqk;
   float *decay, *inv_q, *inv_k;
 };
 
-// Element (t, x) of a record matrix `width` (a multiple of 64) elements wide.
-__host__ __device__ __forceinline__ int record_index(int t, int x, int width) {
-  return t * width + (((x >> 3) ^ (t & 7)) << 3) + (x & 7);
-}
-// Element (t, j) of a record's u.
-__device__ __forceinline__ int64_t record_u_index(int t, int64_t j) {
-  return j / 64 * (kChunk * 64) + record_index(t, static_cast<int>(j % 64), 64);
+// Element (t, x) of a record matrix (any width: the tiles make it independent of it).
+__host__ __device__ __forceinline__ int64_t record_index(int t, int64_t x) {
+  return (x >> 6) * (kChunk * 64) + t * 64 + ((((x >> 3) & 7) ^ (t & 7)) << 3) + (x & 7);
 }
 
 // chunk_record_floats(KP) as a constant device code can read (the function is host code),
@@ -60,15 +58,15 @@ __device__ __forceinline__ Record record_of(const ChunkParams& c, int64_t rec) {
 
 // mma.cuh's load_b_pair_nk and load_b_pair_kn for a record matrix in shared memory, laid out
 // as in global memory (record_index).
-__device__ __forceinline__ void load_record_b_pair_nk(uint32_t (&b)[4], const bf16* x, int width,
-                                                      int n0, int k0) {
+__device__ __forceinline__ void load_record_b_pair_nk(uint32_t (&b)[4], const bf16* x, int n0,
+                                                      int k0) {
   const int l = threadIdx.x % 32;
-  ldmatrix_x4<false>(b, x + record_index(n0 + l % 8 + 8 * (l / 16), k0 + 8 * ((l / 8) % 2), width));
+  ldmatrix_x4<false>(b, x + record_index(n0 + l % 8 + 8 * (l / 16), k0 + 8 * ((l / 8) % 2)));
 }
-__device__ __forceinline__ void load_record_b_pair_kn(uint32_t (&b)[4], const bf16* x, int width,
-                                                      int n0, int k0) {
+__device__ __forceinline__ void load_record_b_pair_kn(uint32_t (&b)[4], const bf16* x, int n0,
+                                                      int k0) {
   const int l = threadIdx.x % 32, mat = l / 8;
-  ldmatrix_x4<true>(b, x + record_index(k0 + l % 8 + 8 * (mat % 2), n0 + 8 * (mat / 2), width));
+  ldmatrix_x4<true>(b, x + record_index(k0 + l % 8 + 8 * (mat % 2), n0 + 8 * (mat / 2)));
 }
 
 }  // namespace

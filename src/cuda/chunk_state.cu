@@ -36,6 +36,7 @@
 #include "cuda/chunk_records.cuh"
 #include "cuda/device_io.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/wgmma.cuh"
 
 namespace flashdelta::detail::cuda {
 namespace {
@@ -48,20 +49,20 @@ struct StateGeometry {
   static constexpr int kWarps = BV / kWarpColumns;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = KP <= 128 ? 2 : 1;
-  static constexpr int kKeyTiles = KP / 8;       // n8 tiles of S^T
   static constexpr int kTokenTiles = kChunk / 8;  // n8 tiles of v_new^T and o^T
 };
 
-// One record (this block's tile of u), laid out as in global memory (cuda/chunk_records.cuh).
+// One record (this block's tile of u), laid out as in global memory (cuda/chunk_records.cuh),
+// each matrix 1024-byte aligned as wgmma's swizzled operands need.
 template <int KP>
 struct Stage {
   using G = StateGeometry<KP>;
   static_assert(G::BV == 64, "a block's columns of u are one tile of the record");
-  alignas(16) bf16 qg[kChunk * KP];
-  alignas(16) bf16 kg[kChunk * KP];
-  alignas(16) bf16 w[kChunk * KP];
-  alignas(16) bf16 u[kChunk * G::BV];
-  alignas(16) bf16 a[kChunk * kChunk];
+  alignas(1024) bf16 qg[kChunk * KP];
+  alignas(1024) bf16 kg[kChunk * KP];
+  alignas(1024) bf16 w[kChunk * KP];
+  alignas(1024) bf16 u[kChunk * G::BV];
+  alignas(1024) bf16 a[kChunk * kChunk];
   alignas(16) float decay[kRecordFloats<KP>];  // the record's run: decay, inv_q, inv_k
 
   __device__ const float* inv_q() const { return decay + kInvQAt<KP>; }
@@ -75,6 +76,11 @@ struct StateShared {
   alignas(16) float o[G::kWarps][kChunk][kWarpColumns + 4];  // each warp's output, staged
   uint64_t landed[G::kStages];  // each stage's bulk copies complete here (Hopper)
 };
+// Dynamic shared memory is requested this much larger than StateShared, whose start the
+// kernel rounds up to a multiple of 1024 bytes (the launch promises 16).
+constexpr int kSharedAlignSlack = 1024;
+template <int KP>
+inline constexpr int kStateSharedBytes = sizeof(StateShared<KP>) + kSharedAlignSlack;
 
 // Copies one record (this block's tile of u, unless with_u is false: a map's identity
 // columns have none) into a stage: on Hopper one bulk copy per matrix, completing on the
@@ -148,7 +154,7 @@ __device__ __forceinline__ void times_token_rows(Acc (&acc)[kChunk / 8],
 #pragma unroll
     for (int np = 0; np < kChunk / 16; ++np) {
       uint32_t b[4];
-      load_record_b_pair_nk(b, x, KP, 16 * np, 16 * kk);
+      load_record_b_pair_nk(b, x, 16 * np, 16 * kk);
       mma_bf16(acc[2 * np], a, b[0], b[1]);
       mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
     }
@@ -274,6 +280,147 @@ struct StateColumns {
   }
 };
 
+// This warp's columns of the stage's u as v_new^T's tiles (zero for a map's identity
+// columns, which have no u).
+template <int KP>
+__device__ __forceinline__ void load_u(Acc (&vn)[kChunk / 8], const Stage<KP>& st, bool map, int warp) {
+#pragma unroll
+  for (int nt = 0; nt < kChunk / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = 8 * nt + acc_col(e), col = kWarpColumns * warp + acc_row(e);
+      vn[nt].d[e] = map ? 0.f : __bfloat162float(st.u[record_index(t, col)]);
+    }
+}
+
+// Before the state update: v_new^T's columns (tokens) scaled by n_k, S^T's (keys) by the
+// chunk's decay.
+template <int KP>
+__device__ __forceinline__ void scale_for_update(Acc (&vn)[kChunk / 8], Acc (&s)[KP / 8],
+                                                 const Stage<KP>& st) {
+#pragma unroll
+  for (int nt = 0; nt < kChunk / 8; ++nt) {
+    const float2 n = *reinterpret_cast<const float2*>(&st.inv_k()[8 * nt + acc_col(0)]);
+    vn[nt].d[0] *= n.x, vn[nt].d[1] *= n.y, vn[nt].d[2] *= n.x, vn[nt].d[3] *= n.y;
+  }
+#pragma unroll
+  for (int nt = 0; nt < KP / 8; ++nt) {
+    const float2 d = *reinterpret_cast<const float2*>(&st.decay[8 * nt + acc_col(0)]);
+    s[nt].d[0] *= d.x, s[nt].d[1] *= d.y, s[nt].d[2] *= d.x, s[nt].d[3] *= d.y;
+  }
+}
+
+// One chunk for this warp's 16 columns on mma.sync, each warp reading the whole record:
+//     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T (unless kEnds),
+//     S^T = S^T diag(decay) + v_new^T diag(n_k) kg.
+template <int KP, bool kEnds>
+__device__ __forceinline__ void chunk_step_mma_sync(const Stage<KP>& st, StateColumns<KP>& S,
+                                                    Acc (&o)[kChunk / 8], bool delta, bool map,
+                                                    int warp) {
+  Acc vn[kChunk / 8], u[kChunk / 8];
+  if (delta) times_token_rows<KP>(vn, S.acc, st.w);
+  load_u(u, st, map, warp);
+#pragma unroll
+  for (int nt = 0; nt < kChunk / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) vn[nt].d[e] = u[nt].d[e] - vn[nt].d[e];
+
+  // A_qk is zero right of the diagonal, so token block kk of v_new only reaches output
+  // tokens from 16 kk on.
+  if (!kEnds) times_token_rows<KP>(o, S.acc, st.qg);
+#pragma unroll
+  for (int kk = 0; kk < (kEnds ? 0 : kChunk / 16); ++kk) {
+    uint32_t a[4];
+    a_from_acc(a, vn, kk);
+#pragma unroll
+    for (int np = kk; np < kChunk / 16; ++np) {
+      uint32_t b[4];
+      load_record_b_pair_nk(b, st.a, 16 * np, 16 * kk);
+      mma_bf16(o[2 * np], a, b[0], b[1]);
+      mma_bf16(o[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+
+  scale_for_update(vn, S.acc, st);
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+    uint32_t a[4];
+    a_from_acc(a, vn, kk);
+#pragma unroll
+    for (int np = 0; np < KP / 16; ++np) {
+      uint32_t b[4];
+      load_record_b_pair_kn(b, st.kg, 16 * np, 16 * kk);
+      mma_bf16(S.acc[2 * np], a, b[0], b[1]);
+      mma_bf16(S.acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// The descriptor of k-step kk (16 columns) of a K-major record matrix: its tile kk / 4, 32
+// bytes a step inside (cuda/chunk_records.cuh, cuda/wgmma.cuh).
+__device__ __forceinline__ uint64_t k_step_descriptor(const bf16* x, int kk) {
+  return swizzled_descriptor(x + (kk / 4) * (kChunk * 64) + (kk % 4) * 16);
+}
+
+// The same chunk on wgmma: the block's 4 warps are one warpgroup, S^T (64 columns x KP keys)
+// its left operand from registers, and each record matrix is read once per block instead of
+// once per warp. v_new^T starts from u^T and takes -S^T w^T (the left operand negated); the
+// first batch (w and qg, both from S^T's fragments) runs while nothing else waits on it.
+template <int KP, bool kEnds>
+__device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColumns<KP>& S,
+                                                 Acc (&o)[kChunk / 8], bool delta, bool map,
+                                                 int warp) {
+  Acc vn[kChunk / 8];
+  load_u(vn, st, map, warp);
+  for (Acc& x : o) x = Acc{};
+  // Every fragment of S^T first: registers the batch reads stay distinct, so ptxas need not
+  // wait for one product before it forms the next fragment in the same registers.
+  uint32_t a[KP / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < KP / 16; ++kk) a_from_acc(a[kk], S.acc, kk);
+  wgmma_fence();
+  hold_registers(vn);
+  hold_registers(o);
+#pragma unroll
+  for (int kk = 0; kk < KP / 16; ++kk) {
+    if (delta) wgmma_m64n64k16<false, -1>(vn, a[kk], k_step_descriptor(st.w, kk));
+    if (!kEnds) wgmma_m64n64k16<false>(o, a[kk], k_step_descriptor(st.qg, kk));
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  hold_registers(vn);
+  hold_registers(o);
+
+  if (!kEnds) {  // o^T += v_new^T A_qk^T (the zero blocks above A_qk's diagonal included)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      uint32_t a[4];
+      a_from_acc(a, vn, kk);
+      wgmma_m64n64k16<false>(o, a, k_step_descriptor(st.a, kk));
+    }
+    wgmma_commit();
+  }
+
+  // S^T += v_new^T diag(n_k) kg, kg N-major: key tile j, tokens 16 kk .. as rows.
+  scale_for_update(vn, S.acc, st);
+  wgmma_fence();
+  hold_registers(S.acc);
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+    uint32_t a[4];
+    a_from_acc(a, vn, kk);
+#pragma unroll
+    for (int j = 0; j < KP / 64; ++j)
+      wgmma_m64n64k16<true>(reinterpret_cast<Acc(&)[8]>(S.acc[8 * j]), a,
+                            swizzled_descriptor(st.kg + j * (kChunk * 64) + kk * 16 * 64));
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  hold_registers(S.acc);
+  hold_registers(o);
+}
+
 // S^T = S^T P^T + e^T: the state carried across the segment whose map is m (K rows of
 // V + K floats: e, then P). P's rows (the result's keys) go through `scratch` (kChunk rows of
 // KP + 8 floats, the stages' memory) kChunk at a time, by asynchronous copies that all go out
@@ -339,12 +486,17 @@ enum class StatePass { whole, ends, segments };
 // registers differently once it holds the stores or the segments' bounds). Blocks are
 // numbered ((n * HV + hv) * segments + seg) * tiles + tile, the maps' launch with the
 // identity's K columns as tiles after V's.
-template <int KP, bool kRecord, StatePass kPass>
+// kWgmma: the chunk's products on wgmma where this pass compiles it (sm_90a, KP <= 128),
+// else on mma.sync.
+template <int KP, bool kRecord, StatePass kPass, bool kWgmma>
 __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kernel(const ChunkParams c) {
   using G = StateGeometry<KP>;
   constexpr bool kEnds = kPass == StatePass::ends;
+  constexpr bool kW = kWgmma && kWgmmaCompiled && KP <= 128;
+  static_assert(!kW || G::kThreads == 128, "the block is one warpgroup");
   extern __shared__ __align__(16) unsigned char smem[];
-  auto& sh = *reinterpret_cast<StateShared<KP>*>(smem);
+  const unsigned misalign = smem_address(smem) % kSharedAlignSlack;
+  auto& sh = *reinterpret_cast<StateShared<KP>*>(smem + (misalign ? kSharedAlignSlack - misalign : 0));
   const RecurrentParams& p = c.p;
   const int64_t segments = kPass == StatePass::whole ? 1 : c.segments;
   const int64_t value_tiles = (p.V + G::BV - 1) / G::BV;
@@ -410,58 +562,11 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
     __syncthreads();
     if (G::kStages == 2 && i + 1 < c1) fetch(i + 1);
 
-    // v_new^T = u^T - S^T w^T (this warp's columns, all 64 tokens).
-    Acc vn[G::kTokenTiles];
-    if (p.delta) times_token_rows<KP>(vn, S.acc, st.w);
-    const int wc = kWarpColumns * warp;  // the warp's first column in the stage's u
-#pragma unroll
-    for (int nt = 0; nt < G::kTokenTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = 8 * nt + acc_col(e), col = wc + acc_row(e);
-        vn[nt].d[e] = (map ? 0.f : __bfloat162float(st.u[record_index(t, col, G::BV)])) - vn[nt].d[e];
-      }
-
-    // o^T = S^T qg^T + v_new^T A_qk^T; A_qk is zero right of the diagonal, so token block
-    // kk of v_new only reaches output tokens from 16 kk on.
     Acc o[G::kTokenTiles];
-    if (!kEnds) times_token_rows<KP>(o, S.acc, st.qg);
-#pragma unroll
-    for (int kk = 0; kk < (kEnds ? 0 : kChunk / 16); ++kk) {
-      uint32_t a[4];
-      a_from_acc(a, vn, kk);
-#pragma unroll
-      for (int np = kk; np < kChunk / 16; ++np) {
-        uint32_t b[4];
-        load_record_b_pair_nk(b, st.a, kChunk, 16 * np, 16 * kk);
-        mma_bf16(o[2 * np], a, b[0], b[1]);
-        mma_bf16(o[2 * np + 1], a, b[2], b[3]);
-      }
-    }
-
-    // S^T = S^T diag(decay) + v_new^T diag(n_k) kg (v_new's rows scaled after the output's use).
-#pragma unroll
-    for (int nt = 0; nt < G::kTokenTiles; ++nt) {
-      const float2 n = *reinterpret_cast<const float2*>(&st.inv_k()[8 * nt + acc_col(0)]);
-      vn[nt].d[0] *= n.x, vn[nt].d[1] *= n.y, vn[nt].d[2] *= n.x, vn[nt].d[3] *= n.y;
-    }
-#pragma unroll
-    for (int nt = 0; nt < G::kKeyTiles; ++nt) {
-      const float2 d = *reinterpret_cast<const float2*>(&st.decay[8 * nt + acc_col(0)]);
-      S.acc[nt].d[0] *= d.x, S.acc[nt].d[1] *= d.y, S.acc[nt].d[2] *= d.x, S.acc[nt].d[3] *= d.y;
-    }
-#pragma unroll
-    for (int kk = 0; kk < kChunk / 16; ++kk) {
-      uint32_t a[4];
-      a_from_acc(a, vn, kk);
-#pragma unroll
-      for (int np = 0; np < KP / 16; ++np) {
-        uint32_t b[4];
-        load_record_b_pair_kn(b, st.kg, KP, 16 * np, 16 * kk);
-        mma_bf16(S.acc[2 * np], a, b[0], b[1]);
-        mma_bf16(S.acc[2 * np + 1], a, b[2], b[3]);
-      }
-    }
+    if constexpr (kW)
+      chunk_step_wgmma<KP, kEnds>(st, S, o, p.delta, map, warp);
+    else
+      chunk_step_mma_sync<KP, kEnds>(st, S, o, p.delta, map, warp);
 
     if (kEnds) {
       if (G::kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
@@ -504,36 +609,43 @@ template <int KP>
 void launch_state_kernel(void (*kernel)(ChunkParams), const ChunkParams& c, int64_t tiles,
                          cudaStream_t stream) {
   using G = StateGeometry<KP>;
-  constexpr int smem = sizeof(StateShared<KP>);
+  constexpr int smem = kStateSharedBytes<KP>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int64_t blocks = c.p.N * c.p.HV * c.segments * tiles;
   if (blocks > 0) kernel<<<static_cast<unsigned>(blocks), G::kThreads, smem, stream>>>(c);
 }
 
-template <int KP>
-void launch_state(const ChunkParams& c, cudaStream_t stream) {
+template <int KP, bool kWgmma>
+void launch_state_products(const ChunkParams& c, cudaStream_t stream) {
   constexpr int64_t BV = StateGeometry<KP>::BV;
   const int64_t value_tiles = (c.p.V + BV - 1) / BV;
   const bool record = c.chunk_states.data != nullptr;
   if constexpr (KP <= 128) {  // the host splits sequences only there
     if (c.segments > 1) {
       constexpr StatePass kEnds = StatePass::ends, kSegments = StatePass::segments;
-      launch_state_kernel<KP>(chunk_state_kernel<KP, false, kEnds>, c,
+      launch_state_kernel<KP>(chunk_state_kernel<KP, false, kEnds, kWgmma>, c,
                               value_tiles + (c.p.K + BV - 1) / BV, stream);
-      return launch_state_kernel<KP>(record ? chunk_state_kernel<KP, true, kSegments>
-                                            : chunk_state_kernel<KP, false, kSegments>,
+      return launch_state_kernel<KP>(record ? chunk_state_kernel<KP, true, kSegments, kWgmma>
+                                            : chunk_state_kernel<KP, false, kSegments, kWgmma>,
                                      c, value_tiles, stream);
     }
   }
   constexpr StatePass kWhole = StatePass::whole;
-  launch_state_kernel<KP>(
-      record ? chunk_state_kernel<KP, true, kWhole> : chunk_state_kernel<KP, false, kWhole>, c,
-      value_tiles, stream);
+  launch_state_kernel<KP>(record ? chunk_state_kernel<KP, true, kWhole, kWgmma>
+                                 : chunk_state_kernel<KP, false, kWhole, kWgmma>,
+                          c, value_tiles, stream);
+}
+
+template <int KP>
+void launch_state(const ChunkParams& c, cudaStream_t stream) {
+  if constexpr (KP <= 128)
+    if (c.state_wgmma) return launch_state_products<KP, true>(c, stream);
+  launch_state_products<KP, false>(c, stream);
 }
 
 template <int KP>
 void require_shared_memory() {
-  constexpr int smem = sizeof(StateShared<KP>);
+  constexpr int smem = kStateSharedBytes<KP>;
   int device = 0, available = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=

@@ -174,6 +174,7 @@ TEST(CudaChunk, DeterministicBitwise) {
 }
 
 constexpr const char* kTokenRuns = "FLASHDELTA_CHUNK_TOKEN_RUNS";
+constexpr const char* kStateProducts = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
 
 // The prepare kernel's dense bfloat16 reads (TokenRuns<true>: contiguous bf16 q, k, v and
 // vector gate with K and V multiples of 8, as these cases are) and its general ones
@@ -259,23 +260,33 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
   EXPECT_EQ(s.bytes, s_before);
 }
 
-// Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general; anything else fails the call
-// (here its size query, before any device access) naming the variable.
-TEST(CudaChunkTokenRuns, RejectsAnUnknownSetting) {
+// Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general, and
+// FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync; anything else fails the call (here its
+// size query, before any device access) naming the variable.
+TEST(CudaChunkSettings, RejectUnknownValues) {
   const Case c = make_case({.T = 100, .K = 64, .V = 64, .dtype = DType::bf16});
   HostTensor o = c.make_output(DType::f32), s = c.make_state();
   const ForwardArgs a = labelled_cuda(c.args(o, &s));
-  for (const char* fine : {"", "auto", "general"}) {
-    const ScopedEnv setting(kTokenRuns, fine);
-    EXPECT_GT(forward_workspace_bytes(a, c.options, kChunk), 0u) << fine;
-  }
-  const ScopedEnv wrong(kTokenRuns, "dense");
-  try {
-    forward_workspace_bytes(a, c.options, kChunk);
-    ADD_FAILURE() << kTokenRuns << ": accepted 'dense'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find(kTokenRuns), std::string::npos) << e.what();
+  struct Setting {
+    const char* name;
+    std::vector<const char*> fine;
+    const char* wrong;
+  };
+  const Setting settings[] = {{kTokenRuns, {"", "auto", "general"}, "dense"},
+                              {kStateProducts, {"", "auto", "mma_sync"}, "wgmma"}};
+  for (const Setting& setting : settings) {
+    for (const char* fine : setting.fine) {
+      const ScopedEnv set(setting.name, fine);
+      EXPECT_GT(forward_workspace_bytes(a, c.options, kChunk), 0u) << setting.name << "=" << fine;
+    }
+    const ScopedEnv wrong(setting.name, setting.wrong);
+    try {
+      forward_workspace_bytes(a, c.options, kChunk);
+      ADD_FAILURE() << setting.name << ": accepted '" << setting.wrong << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(setting.name), std::string::npos) << e.what();
+    }
   }
 }
 
@@ -601,6 +612,49 @@ TEST(CudaChunk, SplitSequencesMatchTheReference) {
   EXPECT_EQ(first.o, second.o);
   EXPECT_EQ(first.state, second.state);
   EXPECT_EQ(first.chunks, second.chunks);
+}
+
+// The state kernel's products on wgmma (the default where K <= 128 on sm_90a) and on mma.sync
+// (FLASHDELTA_CHUNK_STATE_PRODUCTS=mma_sync) take the same bfloat16 operands and differ only
+// in the order of float32 sums, so their outputs, final states and chunk states agree to far
+// below the reference's tolerance: a misread operand tile or swizzle would be an error of
+// order 1. Both key widths wgmma takes, V-first states, the fused transforms, varlen, a value
+// width over four tiles with a partial last one, the linear write (no w), and sequences split
+// into segments (the maps' identity columns).
+TEST(CudaChunk, WgmmaAndMmaSyncStateProductsAgree) {
+  FLASHDELTA_REQUIRE_GPU();
+  std::vector<std::pair<std::string, CaseConfig>> cases = {
+      {"kda, fused transforms, lower bound", gate_form_case(Mechanism::kda, 1, 150, 5800)},
+      {"gated deltanet, K = V = 64, varlen", {.mechanism = Mechanism::gated_deltanet, .T = 267,
+                                              .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16,
+                                              .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 5801}},
+      {"deltanet, K = 40, V = 200", {.mechanism = Mechanism::deltanet, .B = 2, .T = 130, .K = 40,
+                                     .V = 200, .dtype = DType::f32, .seed = 5802}},
+      {"linear attention", {.mechanism = Mechanism::linear_attention, .T = 200, .HV = 2,
+                            .K = 128, .V = 128, .dtype = DType::bf16, .seed = 5803}},
+      {"kda, 3 segments", {.T = 700, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+                           .qk_l2norm = true, .gate_min = -0.05, .seed = 5804}},
+  };
+  for (const auto& [what, cfg] : cases) {
+    const ScopedEnv split(kSegments, what.find("segments") != std::string::npos ? "3" : nullptr);
+    const Case c = make_case(cfg);
+    ChunkStatesRun wgmma, mma_sync;
+    {
+      const ScopedEnv automatic(kStateProducts, nullptr);
+      wgmma = run_with_chunk_states(c, DType::f32, kChunk);
+    }
+    {
+      const ScopedEnv forced(kStateProducts, "mma_sync");
+      mma_sync = run_with_chunk_states(c, DType::f32, kChunk);
+    }
+    // A float32 difference can flip a bfloat16 rounding of S^T here and there (2^-9 of an
+    // element), which the recurrence carries on.
+    constexpr double kTol = 1e-3;
+    EXPECT_LT(rel_error(wgmma.o, mma_sync.o), kTol) << what << ": outputs";
+    EXPECT_LT(rel_error(wgmma.state, mma_sync.state), kTol) << what << ": final states";
+    EXPECT_LT(rel_error(wgmma.chunks, mma_sync.chunks), kTol) << what << ": chunk states";
+    expect_forward_matches_reference(c, what, kChunk);
+  }
 }
 
 }  // namespace
