@@ -281,16 +281,27 @@ struct StateColumns {
 };
 
 // This warp's columns of the stage's u as v_new^T's tiles (zero for a map's identity
-// columns, which have no u).
+// columns, which have no u): ldmatrix.trans of u's [token][column] 8x8 blocks gives each lane
+// the accumulator layout's (column, token pair) directly.
 template <int KP>
 __device__ __forceinline__ void load_u(Acc (&vn)[kChunk / 8], const Stage<KP>& st, bool map, int warp) {
+  if (map) {
+    for (Acc& x : vn) x = Acc{};
+    return;
+  }
+  const int l = threadIdx.x % 32, m = l / 8;  // lane l addresses row l % 8 of matrix m
 #pragma unroll
-  for (int nt = 0; nt < kChunk / 8; ++nt)
+  for (int np = 0; np < kChunk / 16; ++np) {  // token tiles 2 np (matrices 0, 1) and 2 np + 1
+    uint32_t r[4];
+    ldmatrix_x4<true>(r, st.u + record_index(16 * np + 8 * (m / 2) + l % 8,
+                                             kWarpColumns * warp + 8 * (m % 2)));
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int t = 8 * nt + acc_col(e), col = kWarpColumns * warp + acc_row(e);
-      vn[nt].d[e] = map ? 0.f : __bfloat162float(st.u[record_index(t, col)]);
+    for (int x = 0; x < 4; ++x) {  // matrix x: token tile 2 np + x / 2, columns + 8 (x % 2)
+      Acc& a = vn[2 * np + x / 2];
+      a.d[2 * (x % 2)] = __uint_as_float(r[x] << 16);
+      a.d[2 * (x % 2) + 1] = __uint_as_float(r[x] & 0xFFFF0000u);
     }
+  }
 }
 
 // Before the state update: v_new^T's columns (tokens) scaled by n_k, S^T's (keys) by the
@@ -356,10 +367,10 @@ __device__ __forceinline__ void chunk_step_mma_sync(const Stage<KP>& st, StateCo
   }
 }
 
-// The descriptor of k-step kk (16 columns) of a K-major record matrix: its tile kk / 4, 32
-// bytes a step inside (cuda/chunk_records.cuh, cuda/wgmma.cuh).
-__device__ __forceinline__ uint64_t k_step_descriptor(const bf16* x, int kk) {
-  return swizzled_descriptor(x + (kk / 4) * (kChunk * 64) + (kk % 4) * 16);
+// Bytes from a K-major record matrix's start to k-step kk (16 columns): its tile kk / 4, 32
+// bytes a step inside (cuda/chunk_records.cuh).
+__host__ __device__ constexpr uint32_t k_step_bytes(int kk) {
+  return (kk / 4) * (kChunk * 64 * 2) + (kk % 4) * 32;
 }
 
 // The same chunk on wgmma: the block's 4 warps are one warpgroup, S^T (64 columns x KP keys)
@@ -378,14 +389,19 @@ __device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColum
   uint32_t a[KP / 16][4];
 #pragma unroll
   for (int kk = 0; kk < KP / 16; ++kk) a_from_acc(a[kk], S.acc, kk);
+  const SwizzledOperand w(st.w), qg(st.qg), aqk(st.a), kg(st.kg);
   wgmma_fence();
   hold_registers(vn);
   hold_registers(o);
+  if (delta)
 #pragma unroll
-  for (int kk = 0; kk < KP / 16; ++kk) {
-    if (delta) wgmma_m64n64k16<false, -1>(vn, a[kk], k_step_descriptor(st.w, kk));
-    if (!kEnds) wgmma_m64n64k16<false>(o, a[kk], k_step_descriptor(st.qg, kk));
-  }
+    for (int kk = 0; kk < KP / 16; ++kk) {
+      wgmma_m64n64k16<false, -1>(vn, a[kk], w.at(k_step_bytes(kk)));
+      if (!kEnds) wgmma_m64n64k16<false>(o, a[kk], qg.at(k_step_bytes(kk)));
+    }
+  else if (!kEnds)
+#pragma unroll
+    for (int kk = 0; kk < KP / 16; ++kk) wgmma_m64n64k16<false>(o, a[kk], qg.at(k_step_bytes(kk)));
   wgmma_commit();
   wgmma_wait<0>();
   hold_registers(vn);
@@ -395,9 +411,9 @@ __device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColum
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kChunk / 16; ++kk) {
-      uint32_t a[4];
-      a_from_acc(a, vn, kk);
-      wgmma_m64n64k16<false>(o, a, k_step_descriptor(st.a, kk));
+      uint32_t b[4];
+      a_from_acc(b, vn, kk);
+      wgmma_m64n64k16<false>(o, b, aqk.at(k_step_bytes(kk)));
     }
     wgmma_commit();
   }
@@ -408,12 +424,12 @@ __device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColum
   hold_registers(S.acc);
 #pragma unroll
   for (int kk = 0; kk < kChunk / 16; ++kk) {
-    uint32_t a[4];
-    a_from_acc(a, vn, kk);
+    uint32_t b[4];
+    a_from_acc(b, vn, kk);
 #pragma unroll
     for (int j = 0; j < KP / 64; ++j)
-      wgmma_m64n64k16<true>(reinterpret_cast<Acc(&)[8]>(S.acc[8 * j]), a,
-                            swizzled_descriptor(st.kg + j * (kChunk * 64) + kk * 16 * 64));
+      wgmma_m64n64k16<true>(reinterpret_cast<Acc(&)[8]>(S.acc[8 * j]), b,
+                            kg.at(j * (kChunk * 64 * 2) + kk * 16 * 128));
   }
   wgmma_commit();
   wgmma_wait<0>();

@@ -31,15 +31,23 @@ inline constexpr bool kWgmmaCompiled = true;
 inline constexpr bool kWgmmaCompiled = false;
 #endif
 
-// The descriptor of a 128-byte-swizzled operand starting at `at` (the tile's base plus the
-// k-step's unswizzled offset). K-major (k contiguous in each 128-byte row, one row per n):
-// rows 128 bytes apart, groups of 8 rows 1024 bytes apart (the stride offset); the leading
-// offset is unused. N-major (n contiguous in each row, one row per k): groups of 8 k rows 1024
-// bytes apart, and the leading offset steps to the next 64 columns (unused at n64).
-__device__ __forceinline__ uint64_t swizzled_descriptor(const void* at) {
-  constexpr uint64_t kLead = 8192 >> 4, kStride = 1024 >> 4, kSwizzle128 = 1;
-  return ((smem_address(at) & 0x3FFFFu) >> 4) | kLead << 16 | kStride << 32 | kSwizzle128 << 62;
-}
+// The descriptor of a 128-byte-swizzled operand in shared memory, made once per matrix: at(b)
+// describes the operand starting b bytes in (its tile plus the k-step's unswizzled offset),
+// by a 32-bit add to the start-address field (shared addresses stay below 2^18, so the
+// field never carries). K-major (k contiguous in each 128-byte row, one row per n): rows 128
+// bytes apart, groups of 8 rows 1024 bytes apart (the stride offset); the leading offset is
+// unused. N-major (n contiguous in each row, one row per k): groups of 8 k rows 1024 bytes
+// apart, and the leading offset steps to the next 64 columns (unused at n64).
+struct SwizzledOperand {
+  uint32_t lo;  // start address / 16 and the leading offset
+
+  __device__ explicit SwizzledOperand(const void* base)
+      : lo((smem_address(base) & 0x3FFFFu) >> 4 | (8192u >> 4) << 16) {}
+  __device__ uint64_t at(uint32_t bytes) const {
+    constexpr uint32_t kStride = 1024 >> 4, kSwizzle128 = 1u << 30;
+    return static_cast<uint64_t>(kStride | kSwizzle128) << 32 | (lo + (bytes >> 4));
+  }
+};
 
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
