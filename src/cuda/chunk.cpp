@@ -25,6 +25,9 @@ constexpr const char* kTokenRunsSetting = "FLASHDELTA_CHUNK_TOKEN_RUNS";
 // `mma_sync` keeps the state kernel's products on mma.sync where wgmma applies
 // (ChunkParams::state_wgmma): for tests and A/B timing.
 constexpr const char* kStateProductsSetting = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
+// `1` or `2` fixes the wgmma state kernel's record stages (ChunkParams::state_stages): for
+// tests and A/B timing.
+constexpr const char* kStateStagesSetting = "FLASHDELTA_CHUNK_STATE_STAGES";
 // A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
 // records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter
 // and B=1 T=32768 H=32 runs faster whole than in two segments (3.536 against 3.577 ms,
@@ -69,8 +72,11 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
                    bf16_dense_runs(r.q, p.K) && bf16_dense_runs(r.k, p.K) &&
                    bf16_dense_runs(r.v, p.V) &&
                    (r.gate != cuda::GateForm::vector || bf16_dense_runs(r.g, p.K));
+  c.dense_output = bf16_dense_runs(c.p.o, p.V);
   c.state_wgmma = env_setting(kStateProductsSetting, {"auto", "mma_sync"}) != "mma_sync" &&
                   c.KP <= 128;
+  const std::string stages = env_setting(kStateStagesSetting, {"auto", "1", "2"});
+  c.state_stages = stages == "1" ? 1 : stages == "2" ? 2 : 0;
   c.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;
   // With cu_seqlens each sequence adds at most one partial chunk to T / C whole ones.
   c.max_chunks = p.cu_seqlens.present() ? c.chunks_per_row + p.N : p.B * c.chunks_per_row;
@@ -105,6 +111,7 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
   if (caller_memory) check_caller_workspace(workspace, workspace_bytes, bytes);
   require_sm80("the CUDA chunk schedule");
   cuda::require_chunk_state_shared_memory(c);
+  c.sm_count = sm_count();
   const int64_t columns = cuda::chunk_state_columns(c.KP);
   const int64_t state_blocks = p.N * p.HV * ((p.V + columns - 1) / columns);
   if (c.max_chunks * p.HV > INT_MAX || state_blocks > INT_MAX)

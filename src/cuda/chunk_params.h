@@ -60,6 +60,13 @@ struct ChunkParams {
   // The state kernel's products on wgmma (K <= 128; compiled for sm_90a, mma.sync elsewhere)
   // rather than mma.sync.
   bool state_wgmma = false;
+  // o is bf16_dense_runs (host_params.h): the state kernel stores it by 16-byte runs from
+  // bfloat16 staging (sm_90).
+  bool dense_output = false;
+  // Record stages of the wgmma state kernel: 0 picks per launch (one, two blocks per SM,
+  // where the launch has more blocks than sm_count), 1 or 2 fix it.
+  int state_stages = 0;
+  int sm_count = 0;
   int64_t chunks_per_row = 0;  // ceil(T / C), batch rows without cu_seqlens
   int64_t max_chunks = 0;      // chunks of all sequences, or an upper bound with cu_seqlens
   // The state kernel splits each sequence into `segments` runs of segment_chunks chunks

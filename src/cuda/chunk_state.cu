@@ -48,7 +48,6 @@ struct StateGeometry {
   static constexpr int BV = chunk_state_columns(KP);
   static constexpr int kWarps = BV / kWarpColumns;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kStages = KP <= 128 ? 2 : 1;
   static constexpr int kTokenTiles = kChunk / 8;  // n8 tiles of v_new^T and o^T
 };
 
@@ -69,18 +68,33 @@ struct Stage {
   __device__ const float* inv_k() const { return decay + kInvKAt<KP>; }
 };
 
+// Records staged in shared memory: two stages where they fit (chunk i + 1's record lands
+// while chunk i computes), else one. One stage at KP <= 128 also lets two blocks share an SM,
+// each hiding the other's fetch and latencies; the host takes it where the blocks are more
+// than the SMs (ChunkParams::state_stages).
 template <int KP>
+inline constexpr int kDefaultStages = KP <= 128 ? 2 : 1;
+template <int KP, int kStages>
+inline constexpr int kBlocksPerSM = kStages == 1 && KP <= 128 ? 2 : 1;
+// __launch_bounds__' minimum blocks per SM: 0 (none stated) unless two must fit; a stated 1
+// makes ptxas spend all 255 registers (and spill) on the mma.sync kernels.
+template <int KP, int kStages>
+inline constexpr int kMinBlocks = kBlocksPerSM<KP, kStages> == 2 ? 2 : 0;
+
+template <int KP, int kStages>
 struct StateShared {
   using G = StateGeometry<KP>;
-  Stage<KP> stage[G::kStages];
+  Stage<KP> stage[kStages];
   alignas(16) float o[G::kWarps][kChunk][kWarpColumns + 4];  // each warp's output, staged
-  uint64_t landed[G::kStages];  // each stage's bulk copies complete here (Hopper)
+  uint64_t landed[kStages];  // each stage's bulk copies complete here (Hopper)
 };
 // Dynamic shared memory is requested this much larger than StateShared, whose start the
 // kernel rounds up to a multiple of 1024 bytes (the launch promises 16).
 constexpr int kSharedAlignSlack = 1024;
-template <int KP>
-inline constexpr int kStateSharedBytes = sizeof(StateShared<KP>) + kSharedAlignSlack;
+template <int KP, int kStages = kDefaultStages<KP>>
+inline constexpr int kStateSharedBytes = sizeof(StateShared<KP, kStages>) + kSharedAlignSlack;
+static_assert(kBlocksPerSM<128, 1> * kStateSharedBytes<128, 1> <= 227 * 1024,
+              "one stage at K <= 128 fits twice in a Hopper SM");
 
 // Copies one record (this block's tile of u, unless with_u is false: a map's identity
 // columns have none) into a stage: on Hopper one bulk copy per matrix, completing on the
@@ -437,6 +451,69 @@ __device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColum
   hold_registers(o);
 }
 
+// This warp's 16 columns of the chunk's output rows t0 .. t0 + 63 (those before len): o^T's
+// tiles with their tokens scaled by n_q, through the warp's staging rows ob, in runs of 8
+// columns (any dtype and layout: store_run8).
+__device__ __forceinline__ void store_output(const RecurrentParams& p, const Acc (&o)[kChunk / 8],
+                                             const float* inv_q, float (*ob)[kWarpColumns + 4],
+                                             int64_t o_base, int64_t t0, int64_t len, int64_t jw) {
+#pragma unroll
+  for (int nt = 0; nt < kChunk / 8; ++nt) {
+    const float2 n = *reinterpret_cast<const float2*>(&inv_q[8 * nt + acc_col(0)]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ob[8 * nt + acc_col(e)][acc_row(e)] = o[nt].d[e] * (e % 2 ? n.y : n.x);
+  }
+  __syncwarp();
+  constexpr int kRuns = kChunk * kWarpColumns / 8;
+#pragma unroll
+  for (int x = threadIdx.x % 32; x < kRuns; x += 32) {
+    const int row = x / (kWarpColumns / 8), col = 8 * (x % (kWarpColumns / 8));
+    const int64_t t = t0 + row, j = jw + col;
+    if (t >= len) continue;
+    float run[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) run[e] = ob[row][col + e];
+    store_run8(p.o, o_base + t * p.o.stride[1] + j * p.o.stride[3], clamp_run(p.V - j), run);
+  }
+  __syncwarp();  // the next chunk rewrites the staging rows
+}
+
+// The same for a dense bfloat16 output (ChunkParams::dense_output; sm_90): o^T's tiles go to
+// the staging rows as bfloat16 [token][column] by 4 stmatrix.trans, and each run of 8 columns
+// is one 16-byte load and store. Rows 24 elements apart keep both conflict-free.
+__device__ __forceinline__ void store_output_dense(const RecurrentParams& p,
+                                                   const Acc (&o)[kChunk / 8], const float* inv_q,
+                                                   float (*ob)[kWarpColumns + 4], int64_t o_base,
+                                                   int64_t t0, int64_t len, int64_t jw) {
+  constexpr int kLd = 24;
+  static_assert(kChunk * kLd * sizeof(bf16) <= kChunk * (kWarpColumns + 4) * sizeof(float));
+  bf16* rows = reinterpret_cast<bf16*>(&ob[0][0]);
+  const int l = threadIdx.x % 32, m = l / 8;
+#pragma unroll
+  for (int np = 0; np < kChunk / 16; ++np) {  // token tiles 2 np, 2 np + 1: matrices 0-1, 2-3
+    uint32_t r[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const Acc& a = o[2 * np + x / 2];
+      const float2 n = *reinterpret_cast<const float2*>(&inv_q[8 * (2 * np + x / 2) + acc_col(0)]);
+      r[x] = pack_bf16(a.d[2 * (x % 2)] * n.x, a.d[2 * (x % 2) + 1] * n.y);
+    }
+    stmatrix_x4_trans(rows + (16 * np + 8 * (m / 2) + l % 8) * kLd + 8 * (m % 2), r);
+  }
+  __syncwarp();
+  auto* out = static_cast<bf16*>(const_cast<void*>(p.o.data)) + o_base + jw;
+  constexpr int kRuns = kChunk * kWarpColumns / 8;
+#pragma unroll
+  for (int x = l; x < kRuns; x += 32) {
+    const int row = x / 2, col = 8 * (x % 2);
+    const int64_t t = t0 + row;
+    if (t >= len || jw + col >= p.V) continue;
+    *reinterpret_cast<uint4*>(out + t * p.o.stride[1] + col) =
+        *reinterpret_cast<const uint4*>(rows + row * kLd + col);
+  }
+  __syncwarp();  // the next chunk rewrites the staging rows
+}
+
 // S^T = S^T P^T + e^T: the state carried across the segment whose map is m (K rows of
 // V + K floats: e, then P). P's rows (the result's keys) go through `scratch` (kChunk rows of
 // KP + 8 floats, the stages' memory) kChunk at a time, by asynchronous copies that all go out
@@ -503,16 +580,18 @@ enum class StatePass { whole, ends, segments };
 // numbered ((n * HV + hv) * segments + seg) * tiles + tile, the maps' launch with the
 // identity's K columns as tiles after V's.
 // kWgmma: the chunk's products on wgmma where this pass compiles it (sm_90a, KP <= 128),
-// else on mma.sync.
-template <int KP, bool kRecord, StatePass kPass, bool kWgmma>
-__global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kernel(const ChunkParams c) {
+// else on mma.sync. kStages: see StateShared.
+template <int KP, bool kRecord, StatePass kPass, bool kWgmma, int kStages>
+__global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kStages>)
+    chunk_state_kernel(const ChunkParams c) {
   using G = StateGeometry<KP>;
   constexpr bool kEnds = kPass == StatePass::ends;
   constexpr bool kW = kWgmma && kWgmmaCompiled && KP <= 128;
   static_assert(!kW || G::kThreads == 128, "the block is one warpgroup");
   extern __shared__ __align__(16) unsigned char smem[];
   const unsigned misalign = smem_address(smem) % kSharedAlignSlack;
-  auto& sh = *reinterpret_cast<StateShared<KP>*>(smem + (misalign ? kSharedAlignSlack - misalign : 0));
+  auto& sh = *reinterpret_cast<StateShared<KP, kStages>*>(
+      smem + (misalign ? kSharedAlignSlack - misalign : 0));
   const RecurrentParams& p = c.p;
   const int64_t segments = kPass == StatePass::whole ? 1 : c.segments;
   const int64_t value_tiles = (p.V + G::BV - 1) / G::BV;
@@ -520,7 +599,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
   const int64_t blk = blockIdx.x, tile = blk % tiles, seg = blk / tiles % segments,
                 n = blk / (tiles * segments * p.HV), hv = blk / (tiles * segments) % p.HV;
   const bool map = kEnds && tile >= value_tiles;  // the identity's columns
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
   // The block's and the warp's columns.
   const int64_t j0 = (map ? tile - value_tiles : tile) * G::BV, jw = j0 + kWarpColumns * warp;
   const Sequence seq = sequence_of(p, n);
@@ -540,7 +619,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
   };
 
   if constexpr (kBulkCopies) {
-    if (threadIdx.x < G::kStages) init_landing_barrier(&sh.landed[threadIdx.x]);
+    if (threadIdx.x < kStages) init_landing_barrier(&sh.landed[threadIdx.x]);
     __syncthreads();
   }
   StateColumns<KP> S;
@@ -560,23 +639,23 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
   }
   // Chunk i's stage, and how many fetches into that stage came before it.
   auto record = [&](int64_t i) { return record_of<KP>(c, (chunks.first + i) * p.HV + hv); };
-  auto stage = [&](int64_t i) { return static_cast<int>((i - c0) % G::kStages); };
+  auto stage = [&](int64_t i) { return static_cast<int>((i - c0) % kStages); };
   auto fetch = [&](int64_t i) {
     fetch_record(record(i), j0, p.delta, !map, sh.stage[stage(i)], &sh.landed[stage(i)]);
   };
-  if (G::kStages == 2 && c0 < c1) fetch(c0);
+  if (kStages == 2 && c0 < c1) fetch(c0);
 
   for (int64_t i = c0; i < c1; ++i) {
     // The registers hold the state entering chunk i: recorded straight from them.
     if (kRecord && !kEnds && chunks.first + i < c.chunk_states_count)
       S.store_entry(c, chunks.first + i, hv, jw);
     Stage<KP>& st = sh.stage[stage(i)];
-    if (G::kStages == 1) fetch(i);
-    await_record(&sh.landed[stage(i)], (i - c0) / G::kStages);
+    if (kStages == 1) fetch(i);
+    await_record(&sh.landed[stage(i)], (i - c0) / kStages);
     // Chunk i's stage has landed for every thread, and every warp is done with chunk i - 1,
     // whose stage the prefetch of chunk i + 1 then overwrites while chunk i computes.
     __syncthreads();
-    if (G::kStages == 2 && i + 1 < c1) fetch(i + 1);
+    if (kStages == 2 && i + 1 < c1) fetch(i + 1);
 
     Acc o[G::kTokenTiles];
     if constexpr (kW)
@@ -585,33 +664,14 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
       chunk_step_mma_sync<KP, kEnds>(st, S, o, p.delta, map, warp);
 
     if (kEnds) {
-      if (G::kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
+      if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
       continue;
     }
-    // The output, its rows (tokens) scaled by n_q, through this warp's staging rows, in runs
-    // of 8 columns (one vector store each for contiguous 16-bit outputs).
-    auto& ob = sh.o[warp];
-#pragma unroll
-    for (int nt = 0; nt < G::kTokenTiles; ++nt) {
-      const float2 n = *reinterpret_cast<const float2*>(&st.inv_q()[8 * nt + acc_col(0)]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        ob[8 * nt + acc_col(e)][acc_row(e)] = o[nt].d[e] * (e % 2 ? n.y : n.x);
-    }
-    __syncwarp();
-    constexpr int kRuns = kChunk * kWarpColumns / 8;
-#pragma unroll
-    for (int x = lane; x < kRuns; x += 32) {
-      const int row = x / (kWarpColumns / 8), col = 8 * (x % (kWarpColumns / 8));
-      const int64_t t = i * kChunk + row, j = jw + col;
-      if (t >= seq.len) continue;
-      float run[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) run[e] = ob[row][col + e];
-      store_run8(p.o, o_base + t * p.o.stride[1] + j * p.o.stride[3], clamp_run(p.V - j), run);
-    }
-    __syncwarp();  // the next chunk rewrites the staging rows
-    if (G::kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
+    if (kStmatrix && c.dense_output)
+      store_output_dense(p, o, st.inv_q(), sh.o[warp], o_base, i * kChunk, seq.len, jw);
+    else
+      store_output(p, o, st.inv_q(), sh.o[warp], o_base, i * kChunk, seq.len, jw);
+    if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
   }
   if (kEnds)  // the segment's end, into its map (columns V .. for the identity's)
     S.for_each_map_value(p, jw, map ? p.K : p.V, map ? p.V : 0,
@@ -620,15 +680,23 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads) chunk_state_kerne
     S.store(p, n, hv, jw);
 }
 
-// One block per (sequence, value head, segment, tile of BV columns).
-template <int KP>
-void launch_state_kernel(void (*kernel)(ChunkParams), const ChunkParams& c, int64_t tiles,
-                         cudaStream_t stream) {
+// One launch of the state kernel: one block per (sequence, value head, segment, tile of BV
+// columns). With wgmma (the only path instantiated with one stage at KP <= 128), one stage
+// where the launch has more blocks than the GPU has SMs, unless the host fixed the stages.
+template <int KP, bool kRecord, StatePass kPass, bool kWgmma>
+void launch_state_kernel(const ChunkParams& c, int64_t tiles, cudaStream_t stream) {
   using G = StateGeometry<KP>;
-  constexpr int smem = kStateSharedBytes<KP>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int64_t blocks = c.p.N * c.p.HV * c.segments * tiles;
-  if (blocks > 0) kernel<<<static_cast<unsigned>(blocks), G::kThreads, smem, stream>>>(c);
+  if (blocks <= 0) return;
+  auto launch = [&](auto kernel, int smem) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    kernel<<<static_cast<unsigned>(blocks), G::kThreads, smem, stream>>>(c);
+  };
+  if constexpr (kWgmma && KP <= 128) {
+    const bool one = c.state_stages == 1 || (c.state_stages == 0 && blocks > c.sm_count);
+    if (one) return launch(chunk_state_kernel<KP, kRecord, kPass, true, 1>, kStateSharedBytes<KP, 1>);
+  }
+  launch(chunk_state_kernel<KP, kRecord, kPass, kWgmma, kDefaultStages<KP>>, kStateSharedBytes<KP>);
 }
 
 template <int KP, bool kWgmma>
@@ -639,17 +707,15 @@ void launch_state_products(const ChunkParams& c, cudaStream_t stream) {
   if constexpr (KP <= 128) {  // the host splits sequences only there
     if (c.segments > 1) {
       constexpr StatePass kEnds = StatePass::ends, kSegments = StatePass::segments;
-      launch_state_kernel<KP>(chunk_state_kernel<KP, false, kEnds, kWgmma>, c,
-                              value_tiles + (c.p.K + BV - 1) / BV, stream);
-      return launch_state_kernel<KP>(record ? chunk_state_kernel<KP, true, kSegments, kWgmma>
-                                            : chunk_state_kernel<KP, false, kSegments, kWgmma>,
-                                     c, value_tiles, stream);
+      launch_state_kernel<KP, false, kEnds, kWgmma>(c, value_tiles + (c.p.K + BV - 1) / BV,
+                                                    stream);
+      return record ? launch_state_kernel<KP, true, kSegments, kWgmma>(c, value_tiles, stream)
+                    : launch_state_kernel<KP, false, kSegments, kWgmma>(c, value_tiles, stream);
     }
   }
   constexpr StatePass kWhole = StatePass::whole;
-  launch_state_kernel<KP>(record ? chunk_state_kernel<KP, true, kWhole, kWgmma>
-                                 : chunk_state_kernel<KP, false, kWhole, kWgmma>,
-                          c, value_tiles, stream);
+  record ? launch_state_kernel<KP, true, kWhole, kWgmma>(c, value_tiles, stream)
+         : launch_state_kernel<KP, false, kWhole, kWgmma>(c, value_tiles, stream);
 }
 
 template <int KP>

@@ -91,6 +91,27 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* row) {
 #endif
 }
 
+// Whether this pass has stmatrix (sm_90 and later).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+inline constexpr bool kStmatrix = true;
+#else
+inline constexpr bool kStmatrix = false;
+#endif
+
+// Stores four 8x8 bfloat16 matrices transposed: r[m] is this lane's pair of matrix m in the
+// fragment layout (row l / 4, columns 2 (l % 4) and + 1), and lane 8 m + i gives the address
+// of row i of matrix m's transpose, where fragment column i lands (16 bytes).
+__device__ __forceinline__ void stmatrix_x4_trans(bf16* row, const uint32_t (&r)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(smem_address(row)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#else
+  (void)row, (void)r;
+  __trap();
+#endif
+}
+
 // A fragment of the 16x16 block at (m0, k0) of a row-major [m][k] matrix.
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* s, int ld, int m0, int k0) {
   const int l = threadIdx.x % 32;

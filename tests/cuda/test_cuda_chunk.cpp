@@ -175,6 +175,7 @@ TEST(CudaChunk, DeterministicBitwise) {
 
 constexpr const char* kTokenRuns = "FLASHDELTA_CHUNK_TOKEN_RUNS";
 constexpr const char* kStateProducts = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
+constexpr const char* kStateStages = "FLASHDELTA_CHUNK_STATE_STAGES";
 
 // The prepare kernel's dense bfloat16 reads (TokenRuns<true>: contiguous bf16 q, k, v and
 // vector gate with K and V multiples of 8, as these cases are) and its general ones
@@ -260,9 +261,10 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
   EXPECT_EQ(s.bytes, s_before);
 }
 
-// Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general, and
-// FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync; anything else fails the call (here its
-// size query, before any device access) naming the variable.
+// Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general,
+// FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync, FLASHDELTA_CHUNK_STATE_STAGES auto, 1 or
+// 2; anything else fails the call (here its size query, before any device access) naming the
+// variable.
 TEST(CudaChunkSettings, RejectUnknownValues) {
   const Case c = make_case({.T = 100, .K = 64, .V = 64, .dtype = DType::bf16});
   HostTensor o = c.make_output(DType::f32), s = c.make_state();
@@ -273,7 +275,8 @@ TEST(CudaChunkSettings, RejectUnknownValues) {
     const char* wrong;
   };
   const Setting settings[] = {{kTokenRuns, {"", "auto", "general"}, "dense"},
-                              {kStateProducts, {"", "auto", "mma_sync"}, "wgmma"}};
+                              {kStateProducts, {"", "auto", "mma_sync"}, "wgmma"},
+                              {kStateStages, {"", "auto", "1", "2"}, "3"}};
   for (const Setting& setting : settings) {
     for (const char* fine : setting.fine) {
       const ScopedEnv set(setting.name, fine);
@@ -620,7 +623,9 @@ TEST(CudaChunk, SplitSequencesMatchTheReference) {
 // below the reference's tolerance: a misread operand tile or swizzle would be an error of
 // order 1. Both key widths wgmma takes, V-first states, the fused transforms, varlen, a value
 // width over four tiles with a partial last one, the linear write (no w), and sequences split
-// into segments (the maps' identity columns).
+// into segments (the maps' identity columns). The wgmma kernel's one-stage form (two blocks
+// per SM, FLASHDELTA_CHUNK_STATE_STAGES=1) and its two-stage form compute the same sums in
+// the same order: bitwise equal.
 TEST(CudaChunk, WgmmaAndMmaSyncStateProductsAgree) {
   FLASHDELTA_REQUIRE_GPU();
   std::vector<std::pair<std::string, CaseConfig>> cases = {
@@ -638,11 +643,19 @@ TEST(CudaChunk, WgmmaAndMmaSyncStateProductsAgree) {
   for (const auto& [what, cfg] : cases) {
     const ScopedEnv split(kSegments, what.find("segments") != std::string::npos ? "3" : nullptr);
     const Case c = make_case(cfg);
-    ChunkStatesRun wgmma, mma_sync;
+    ChunkStatesRun wgmma, one_stage, mma_sync;
     {
       const ScopedEnv automatic(kStateProducts, nullptr);
+      const ScopedEnv two(kStateStages, "2");
       wgmma = run_with_chunk_states(c, DType::f32, kChunk);
     }
+    {
+      const ScopedEnv one(kStateStages, "1");
+      one_stage = run_with_chunk_states(c, DType::f32, kChunk);
+    }
+    EXPECT_EQ(one_stage.o, wgmma.o) << what << ": outputs, one stage";
+    EXPECT_EQ(one_stage.state, wgmma.state) << what << ": final states, one stage";
+    EXPECT_EQ(one_stage.chunks, wgmma.chunks) << what << ": chunk states, one stage";
     {
       const ScopedEnv forced(kStateProducts, "mma_sync");
       mma_sync = run_with_chunk_states(c, DType::f32, kChunk);
