@@ -64,7 +64,7 @@ struct ChunkParams {
   // bfloat16 staging (sm_90).
   bool dense_output = false;
   // Record stages of the wgmma state kernel: 0 picks per launch (one, two blocks per SM,
-  // where the launch has more blocks than sm_count), 1 or 2 fix it.
+  // where the launch has between sm_count and twice as many blocks), 1 or 2 fix it.
   int state_stages = 0;
   int sm_count = 0;
   int64_t chunks_per_row = 0;  // ceil(T / C), batch rows without cu_seqlens

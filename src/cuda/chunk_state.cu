@@ -70,8 +70,7 @@ struct Stage {
 
 // Records staged in shared memory: two stages where they fit (chunk i + 1's record lands
 // while chunk i computes), else one. One stage at KP <= 128 also lets two blocks share an SM,
-// each hiding the other's fetch and latencies; the host takes it where the blocks are more
-// than the SMs (ChunkParams::state_stages).
+// each hiding the other's fetch and latencies (launch_state_kernel chooses).
 template <int KP>
 inline constexpr int kDefaultStages = KP <= 128 ? 2 : 1;
 template <int KP, int kStages>
@@ -682,7 +681,10 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
 
 // One launch of the state kernel: one block per (sequence, value head, segment, tile of BV
 // columns). With wgmma (the only path instantiated with one stage at KP <= 128), one stage
-// where the launch has more blocks than the GPU has SMs, unless the host fixed the stages.
+// where the launch has more blocks than SMs but not more than twice as many, unless the host
+// fixed the stages: then every block is resident at once, two per SM. Beyond that both forms
+// run in waves, and each block's own prefetch pays more (bench/NOTES.md (ai): varlen's 768
+// blocks 0.288 ms with two stages, 0.314 with one).
 template <int KP, bool kRecord, StatePass kPass, bool kWgmma>
 void launch_state_kernel(const ChunkParams& c, int64_t tiles, cudaStream_t stream) {
   using G = StateGeometry<KP>;
@@ -693,7 +695,8 @@ void launch_state_kernel(const ChunkParams& c, int64_t tiles, cudaStream_t strea
     kernel<<<static_cast<unsigned>(blocks), G::kThreads, smem, stream>>>(c);
   };
   if constexpr (kWgmma && KP <= 128) {
-    const bool one = c.state_stages == 1 || (c.state_stages == 0 && blocks > c.sm_count);
+    const bool one = c.state_stages == 1 ||
+                     (c.state_stages == 0 && blocks > c.sm_count && blocks <= 2 * c.sm_count);
     if (one) return launch(chunk_state_kernel<KP, kRecord, kPass, true, 1>, kStateSharedBytes<KP, 1>);
   }
   launch(chunk_state_kernel<KP, kRecord, kPass, kWgmma, kDefaultStages<KP>>, kStateSharedBytes<KP>);
