@@ -154,7 +154,8 @@ struct SliceRuns {
 };
 
 template <GateForm G, bool Dense>
-__device__ SliceRuns fetch_slice(const RecurrentParams& p, const ChunkRef& ref, int64_t hv, int c0) {
+__device__ SliceRuns fetch_slice(const RecurrentParams& p, const ChunkRef& ref, int64_t hv,
+                                 int c0) {
   const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
   const int64_t key = c0 + c8, h = hv / p.group;
   const int valid_k = clamp_run(p.K - key);

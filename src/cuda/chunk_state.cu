@@ -16,9 +16,13 @@
 //     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T,   S^T = S^T diag(decay) + v_new^T kg
 // (v_new^T's columns scaled by n_k between the last two, o^T's by n_q on the way out)
 // with the record's matrices as right operands from shared memory. The state itself
-// accumulates in float32; every tensor-core operand is bfloat16. When the per-chunk states
-// are wanted (ForwardArgs::chunk_states), each warp writes its columns of the state entering
-// every chunk straight from the accumulators.
+// accumulates in float32; every tensor-core operand is bfloat16. On sm_90a with KP <= 128 the
+// block's 4 warps are one warpgroup and each k-step of these products is one wgmma over the
+// block's 64 columns (chunk_step_wgmma: the record read once per block, not once per warp);
+// elsewhere, or with FLASHDELTA_CHUNK_STATE_PRODUCTS=mma_sync, each warp issues mma.sync
+// (chunk_step_mma_sync). The two keep the same register layouts and epilogues. When the
+// per-chunk states are wanted (ForwardArgs::chunk_states), each warp writes its columns of
+// the state entering every chunk straight from the accumulators.
 //
 // Split sequences (ChunkParams::segments > 1, K <= 128, when the blocks above are too few to
 // fill the GPU; DESIGN.md section 3): a first launch (StatePass::ends) runs every segment but a
@@ -297,7 +301,8 @@ struct StateColumns {
 // columns, which have no u): ldmatrix.trans of u's [token][column] 8x8 blocks gives each lane
 // the accumulator layout's (column, token pair) directly.
 template <int KP>
-__device__ __forceinline__ void load_u(Acc (&vn)[kChunk / 8], const Stage<KP>& st, bool map, int warp) {
+__device__ __forceinline__ void load_u(Acc (&vn)[kChunk / 8], const Stage<KP>& st, bool map,
+                                       int warp) {
   if (map) {
     for (Acc& x : vn) x = Acc{};
     return;
@@ -460,7 +465,8 @@ __device__ __forceinline__ void store_output(const RecurrentParams& p, const Acc
   for (int nt = 0; nt < kChunk / 8; ++nt) {
     const float2 n = *reinterpret_cast<const float2*>(&inv_q[8 * nt + acc_col(0)]);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) ob[8 * nt + acc_col(e)][acc_row(e)] = o[nt].d[e] * (e % 2 ? n.y : n.x);
+    for (int e = 0; e < 4; ++e)
+      ob[8 * nt + acc_col(e)][acc_row(e)] = o[nt].d[e] * (e % 2 ? n.y : n.x);
   }
   __syncwarp();
   constexpr int kRuns = kChunk * kWarpColumns / 8;
@@ -697,7 +703,8 @@ void launch_state_kernel(const ChunkParams& c, int64_t tiles, cudaStream_t strea
   if constexpr (kWgmma && KP <= 128) {
     const bool one = c.state_stages == 1 ||
                      (c.state_stages == 0 && blocks > c.sm_count && blocks <= 2 * c.sm_count);
-    if (one) return launch(chunk_state_kernel<KP, kRecord, kPass, true, 1>, kStateSharedBytes<KP, 1>);
+    if (one)
+      return launch(chunk_state_kernel<KP, kRecord, kPass, true, 1>, kStateSharedBytes<KP, 1>);
   }
   launch(chunk_state_kernel<KP, kRecord, kPass, kWgmma, kDefaultStages<KP>>, kStateSharedBytes<KP>);
 }
