@@ -41,6 +41,11 @@
 #                                  (NCU_BACKWARD_KERNELS, one launch each) in a training
 #                                  step, summed per source line (-> ncu_backward.txt);
 #                                  configure with CMAKE_ARGS=-DCMAKE_CUDA_FLAGS=-lineinfo
+#                  ncu-chunk       the same for the chunk forward's kernels (NCU_CHUNK_KERNELS,
+#                                  default prepare and state, one launch each) in one case of
+#                                  the C++ bench (NCU_CHUNK_CASE, default kda_T8192_H64;
+#                                  -> ncu_chunk.txt, ncu_chunk_details.txt); builds need
+#                                  flashdelta_cuda_chunk_bench and -lineinfo as above
 #                e.g. STAGES="deps configure build bench-backward" BUILD_TARGETS=_C
 #   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test
 #                binaries (SANITIZE_BINARIES); 0: skip
@@ -93,6 +98,8 @@ export SANITIZE_BINARIES=${SANITIZE_BINARIES:-"test_cuda_recurrent test_cuda_chu
 export SANITIZE=${SANITIZE:-1} SANITIZE_FILTER=${SANITIZE_FILTER:-} SANITIZE_ENV=${SANITIZE_ENV:-} BENCH_ARGS=${BENCH_ARGS:-} BENCH_CHUNK_ARGS=${BENCH_CHUNK_ARGS:-} CTEST_REGEX=${CTEST_REGEX:-} KERNEL_BENCH_VARIANTS=${KERNEL_BENCH_VARIANTS:-} KERNEL_BENCH_ARGS=${KERNEL_BENCH_ARGS:-}
 export BENCH_BACKWARD_ARGS=${BENCH_BACKWARD_ARGS:-} PROFILE_BACKWARD_ARGS=${PROFILE_BACKWARD_ARGS:-}
 export NCU_BACKWARD_KERNELS=${NCU_BACKWARD_KERNELS:-"grads_kernel|records_kernel|keys_kernel"}
+export NCU_CHUNK_KERNELS=${NCU_CHUNK_KERNELS:-"chunk_prepare_kernel|chunk_state_kernel"}
+export NCU_CHUNK_CASE=${NCU_CHUNK_CASE:-kda_T8192_H64}
 export JOBS=${JOBS:-$(nproc)}
 export CUDA_ARCH=${CUDA_ARCH:-90a}
 export BUILD_TYPE=${BUILD_TYPE:-Release}
@@ -111,10 +118,10 @@ START=$SECONDS
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=240 [sanitize]=150
                 [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
-                [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [ncu-backward]=300 [overhead]=40 [pytest-all]=150)
+                [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [ncu-backward]=300 [ncu-chunk]=240 [overhead]=40 [pytest-all]=150)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
                 [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60
-                [profile-backward]=60 [kernel-bench]=10 [ncu-decode]=60 [ncu-backward]=60 [overhead]=15 [pytest-all]=0)
+                [profile-backward]=60 [kernel-bench]=10 [ncu-decode]=60 [ncu-backward]=60 [ncu-chunk]=60 [overhead]=15 [pytest-all]=0)
 
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
@@ -324,6 +331,23 @@ stage_ncu-backward() {
   "$ncu" -i /tmp/ncu-backward.ncu-rep --page source --csv --print-source cuda,sass \
     >/tmp/ncu-backward.csv || return 1
   python3 bench/device/ncu_hotspots.py /tmp/ncu-backward.csv --top 40 | tee "$OUT/ncu_backward.txt"
+}
+
+stage_ncu-chunk() {
+  # Where the chunk forward's kernels wait, by source line (needs a -lineinfo build): one
+  # launch of each kernel of NCU_CHUNK_KERNELS in NCU_CHUNK_CASE of the C++ chunk bench.
+  local ncu n bin
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  n=$(echo "$NCU_CHUNK_KERNELS" | tr '|' '\n' | wc -l)
+  bin=$(find "$BUILD" -name flashdelta_cuda_chunk_bench -type f | head -1)
+  [ -n "$bin" ] || { echo "flashdelta_cuda_chunk_bench is not built (BUILD_TARGETS)"; return 1; }
+  "$ncu" --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+    --section Occupancy --import-source yes -k "regex:$NCU_CHUNK_KERNELS" -c "$n" -f \
+    -o /tmp/ncu-chunk "$bin" --only "$NCU_CHUNK_CASE" --reps 1 >/dev/null || return 1
+  "$ncu" -i /tmp/ncu-chunk.ncu-rep --page details >"$OUT/ncu_chunk_details.txt" || return 1
+  "$ncu" -i /tmp/ncu-chunk.ncu-rep --page source --csv --print-source cuda,sass \
+    >/tmp/ncu-chunk.csv || return 1
+  python3 bench/device/ncu_hotspots.py /tmp/ncu-chunk.csv --top 40 | tee "$OUT/ncu_chunk.txt"
 }
 
 stage_overhead() {
