@@ -24,6 +24,9 @@
 #
 # Environment (all optional):
 #   OUT          output folder (default: ./device-out)
+#   FLASHDELTA_COMMIT  the commit the benchmarks' JSON records (versions.git); name it when
+#                the tree is not a checkout of its own HEAD (the device tool copies the
+#                working tree onto another commit's checkout), e.g. FLASHDELTA_COMMIT=9309d64
 #   BUDGET_S     time budget of the whole run in seconds (default 450); below the sum of the
 #                stages' minimums (MIN below) the run stops before any stage, with exit 2
 #   STAGES       stages to run, in order (default: "info deps configure build ctest sanitize

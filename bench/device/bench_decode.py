@@ -638,12 +638,27 @@ def versions(torch):
             v[mod] = getattr(m, "__version__", "?")
         except Exception as e:  # noqa: BLE001
             v[mod] = f"unavailable ({type(e).__name__}: {e})"[:200]
-    try:
-        v["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True, timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        v["git"] = None
+    v["git"] = git_version()
     return v
+
+
+def git_version():
+    """The commit the measured tree is: FLASHDELTA_COMMIT when the caller names it (the device
+    tool copies the working tree onto a checkout of another commit, so HEAD there is not the
+    tree's), else HEAD, marked +dirty when tracked files differ from it."""
+    named = os.environ.get("FLASHDELTA_COMMIT")
+    if named:
+        return named
+
+    def git(*a):
+        return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if not head:
+            return None
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def main(argv=None):
