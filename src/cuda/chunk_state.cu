@@ -160,18 +160,23 @@ __device__ __forceinline__ void a_from_acc(uint32_t (&a)[4], const Acc (&acc)[N]
   a[3] = pack_bf16(acc[2 * kk + 1].d[2], acc[2 * kk + 1].d[3]);
 }
 
-// acc[16 x 64 tokens] += left[16 x KP] . x^T for a [token][key] record matrix x.
-template <int KP>
-__device__ __forceinline__ void times_token_rows(Acc (&acc)[kChunk / 8],
-                                                 const Acc (&left)[KP / 8], const bf16* x) {
+// This warp's acc[16 x N] += left[16 x K] . B on mma.sync, B from a record matrix x in shared
+// memory: x^T for an [n][k] matrix (kNK), x itself for a [k][n] one. kLower skips the blocks
+// of B above its block diagonal (n block < k block), which A_qk^T leaves zero.
+template <int K, int N, bool kNK, bool kLower = false>
+__device__ __forceinline__ void warp_product(Acc (&acc)[N / 8], const Acc (&left)[K / 8],
+                                             const bf16* x) {
 #pragma unroll
-  for (int kk = 0; kk < KP / 16; ++kk) {
+  for (int kk = 0; kk < K / 16; ++kk) {
     uint32_t a[4];
     a_from_acc(a, left, kk);
 #pragma unroll
-    for (int np = 0; np < kChunk / 16; ++np) {
+    for (int np = kLower ? kk : 0; np < N / 16; ++np) {
       uint32_t b[4];
-      load_record_b_pair_nk(b, x, 16 * np, 16 * kk);
+      if constexpr (kNK)
+        load_record_b_pair_nk(b, x, 16 * np, 16 * kk);
+      else
+        load_record_b_pair_kn(b, x, 16 * np, 16 * kk);
       mma_bf16(acc[2 * np], a, b[0], b[1]);
       mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
     }
@@ -347,7 +352,7 @@ __device__ __forceinline__ void chunk_step_mma_sync(const Stage<KP>& st, StateCo
                                                     Acc (&o)[kChunk / 8], bool delta, bool map,
                                                     int warp) {
   Acc vn[kChunk / 8], u[kChunk / 8];
-  if (delta) times_token_rows<KP>(vn, S.acc, st.w);
+  if (delta) warp_product<KP, kChunk, true>(vn, S.acc, st.w);
   load_u(u, st, map, warp);
 #pragma unroll
   for (int nt = 0; nt < kChunk / 8; ++nt)
@@ -356,33 +361,13 @@ __device__ __forceinline__ void chunk_step_mma_sync(const Stage<KP>& st, StateCo
 
   // A_qk is zero right of the diagonal, so token block kk of v_new only reaches output
   // tokens from 16 kk on.
-  if (!kEnds) times_token_rows<KP>(o, S.acc, st.qg);
-#pragma unroll
-  for (int kk = 0; kk < (kEnds ? 0 : kChunk / 16); ++kk) {
-    uint32_t a[4];
-    a_from_acc(a, vn, kk);
-#pragma unroll
-    for (int np = kk; np < kChunk / 16; ++np) {
-      uint32_t b[4];
-      load_record_b_pair_nk(b, st.a, 16 * np, 16 * kk);
-      mma_bf16(o[2 * np], a, b[0], b[1]);
-      mma_bf16(o[2 * np + 1], a, b[2], b[3]);
-    }
+  if (!kEnds) {
+    warp_product<KP, kChunk, true>(o, S.acc, st.qg);
+    warp_product<kChunk, kChunk, true, true>(o, vn, st.a);
   }
 
   scale_for_update(vn, S.acc, st);
-#pragma unroll
-  for (int kk = 0; kk < kChunk / 16; ++kk) {
-    uint32_t a[4];
-    a_from_acc(a, vn, kk);
-#pragma unroll
-    for (int np = 0; np < KP / 16; ++np) {
-      uint32_t b[4];
-      load_record_b_pair_kn(b, st.kg, 16 * np, 16 * kk);
-      mma_bf16(S.acc[2 * np], a, b[0], b[1]);
-      mma_bf16(S.acc[2 * np + 1], a, b[2], b[3]);
-    }
-  }
+  warp_product<kChunk, KP, false>(S.acc, vn, st.kg);
 }
 
 // Bytes from a K-major record matrix's start to k-step kk (16 columns): its tile kk / 4, 32
