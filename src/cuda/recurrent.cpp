@@ -73,6 +73,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
   switch (cuda_recurrent_kernel(wide_blocks, sms, warp_tasks)) {
     case RecurrentKernel::warp:
       r.value_tiles = r.V / warp_columns;
+      r.task_grid = cuda_recurrent_warp_task_grid(r.N, r.HV);
       return cuda::launch_recurrent_warp(r, state_dtype, stream);
     case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
     case RecurrentKernel::wide: r.tile = cuda::RecurrentTile::wide; break;
@@ -90,6 +91,12 @@ RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp
   if (setting == "narrow") return RecurrentKernel::narrow;
   if (warp_tasks > 0) return RecurrentKernel::warp;
   return wide_blocks < sms ? RecurrentKernel::narrow : RecurrentKernel::wide;
+}
+
+bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {
+  const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_GRID", {"auto", "loop"});
+  constexpr int64_t kGridYZ = 65535;
+  return setting == "auto" && N <= kGridYZ && HV <= kGridYZ;
 }
 
 void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream) {

@@ -23,6 +23,31 @@ struct StateTensor {
   int64_t slot_stride = 0, head_stride = 0, key_stride = 0, value_stride = 0;
 };
 
+#if defined(__CUDACC__)
+#define FLASHDELTA_HOST_DEVICE __host__ __device__
+#else
+#define FLASHDELTA_HOST_DEVICE
+#endif
+
+// Division of n < 2^31 by a constant d >= 1 as a high multiply, an add and a shift (the
+// round-up method of Granlund and Montgomery, "Division by invariant integers using
+// multiplication", 1994): q = (mulhi(n, m) + n) >> s with s = ceil(log2 d) and
+// m = floor(2^32 (2^s - d) / d) + 1. A kernel's integer division is ~20 instructions.
+struct FastDivisor {
+  uint32_t d = 1, m = 1, s = 0;
+};
+inline FastDivisor make_fast_divisor(uint32_t d) {
+  FastDivisor f;
+  f.d = d;
+  while ((uint64_t{1} << f.s) < d) ++f.s;
+  f.m = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.s) - d)) / d + 1);
+  return f;
+}
+FLASHDELTA_HOST_DEVICE inline uint32_t fast_divide(uint32_t n, const FastDivisor& f) {
+  const uint32_t hi = static_cast<uint32_t>((static_cast<uint64_t>(n) * f.m) >> 32);
+  return (hi + n) >> f.s;
+}
+
 // An int32/int64 index tensor of rank 1 or 2.
 struct IndexTensor {
   const void* data = nullptr;
@@ -43,8 +68,12 @@ struct RecurrentParams {
   int64_t N = 0;      // sequences (batch rows, or cu_seqlens entries)
   int64_t T = 0;      // tokens per batch row (total tokens with cu_seqlens)
   int64_t HV = 0, group = 1, K = 0, V = 0;
+  FastDivisor group_divisor;  // of group, where group < 2^31
   int64_t value_tiles = 0;  // ceil(V / columns per block)
   RecurrentTile tile = RecurrentTile::wide;
+  // Warp kernel: the grid is (value tiles, HV, N) and a task is its block's index (no
+  // division), else a grid-stride loop over task numbers (cuda_recurrent_warp_task_grid).
+  bool task_grid = false;
 
   // The recurrence.
   GateForm gate = GateForm::none;

@@ -249,7 +249,7 @@ template <class W, class T, class S>
 __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w) {
   constexpr int RK = W::RK, CPL = W::kColumns, kChunks = RK / 4 * CPL;
   const int64_t n = w.n, hv = w.hv,
-                h = p.group <= INT_MAX ? w.hv / static_cast<int>(p.group) : hv / p.group;
+                h = p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(w.hv), p.group_divisor) : hv / p.group;
   const Sequence seq = sequence_of(p, n);
   const RowOffsets row = row_offsets(p, seq, h, hv);
   const int col = w.j0 + tile.column;
@@ -343,6 +343,14 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<KB, T>()))
     recurrent_warp_kernel(const __grid_constant__ RecurrentParams p) {
   using W = WarpTile<KB>;
   const W tile;
+  if (p.task_grid) {  // the task is the block index: ~100 instructions of division saved
+    Task w;
+    w.j0 = static_cast<int>(blockIdx.x) * W::CW;
+    w.hv = static_cast<int>(blockIdx.y);
+    w.n = blockIdx.z;
+    w.start = start_slot(p, w.n);
+    return run_warp_task<W, T, S>(p, tile, w);
+  }
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   for (int64_t blk = blockIdx.x; blk < tasks; blk += gridDim.x)
     run_warp_task<W, T, S>(p, tile, task_of<W::CW>(p, blk, tasks));
@@ -352,7 +360,9 @@ template <class T, class S>
 void launch_for_k(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   if (tasks == 0) return;
-  const unsigned grid = static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX);
+  const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
+                                       static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
+                                : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
   switch (p.K) {
     case 32: return recurrent_warp_kernel<32, T, S><<<grid, 32, 0, stream>>>(p);
     case 64: return recurrent_warp_kernel<64, T, S><<<grid, 32, 0, stream>>>(p);

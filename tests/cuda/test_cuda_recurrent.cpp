@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "cuda/cuda.h"
 #include "cuda/device_mirror.h"
 #include "cuda/forward_check.h"
+#include "cuda/recurrent_params.h"
 #include "decode_case.h"
 #include "scoped_env.h"
 #include "test_util.h"
@@ -246,6 +248,37 @@ TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
           }
 }
 
+// The warp kernel's two grids: (value tiles, HV, N) with the task in the block index, and
+// the grid-stride loop over task numbers that problems past 65,535 sequences or heads run
+// (FLASHDELTA_RECURRENT_WARP_GRID=loop). Bitwise equal, and equal to the reference, with
+// value-head groups of 1, 2 and 3 (the key head by a multiply-shift division), a padding
+// row, one-token and 3-token steps.
+TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
+  FLASHDELTA_REQUIRE_GPU();
+  uint64_t seed = 900;
+  for (const int64_t group : {1, 2, 3})
+    for (const int64_t T : {1, 3}) {
+      CaseConfig cfg = decode_config(Mechanism::kda, 3, T, 128, 24, seed++);
+      cfg.H = 2;
+      cfg.HV = 2 * group;
+      cfg.layout = StateLayout::v_first;
+      cfg.dtype = DType::bf16;
+      cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
+      const DecodeCase d = make_decode_case(cfg, 5, DType::f32, {{3}, {-1}, {0}});
+      const std::string what = "group " + std::to_string(group) + " T=" + std::to_string(T);
+      HostTensor pools[2], outputs[2];
+      const char* kForms[2] = {"auto", "loop"};
+      for (int f = 0; f < 2; ++f) {
+        const ScopedEnv env("FLASHDELTA_RECURRENT_WARP_GRID", kForms[f]);
+        expect_decode_matches_reference(d, what + " " + kForms[f], decode_on_device, DType::bf16);
+        pools[f] = d.pool, outputs[f] = d.c.make_output(DType::bf16);
+        decode_on_device(d.args(outputs[f], pools[f]), d.c.options);
+      }
+      EXPECT_EQ(outputs[0].bytes, outputs[1].bytes) << what;
+      EXPECT_EQ(pools[0].bytes, pools[1].bytes) << what;
+    }
+}
+
 TEST(CudaDecode, DeterministicBitwise) {
   FLASHDELTA_REQUIRE_GPU();
   const CaseConfig cfg = decode_config(Mechanism::kda, 4, 2, 128, 128, 7);
@@ -381,6 +414,57 @@ TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
     EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
     EXPECT_NE(std::string(e.what()).find(kTile), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("'Narrow'"), std::string::npos) << e.what();
+  }
+}
+
+// The multiply-shift division the kernels use for the key head of a value head (host
+// only): every numerator below 4,096 for divisors 1-300, and numerators near 2^31 for
+// divisors across the 32-bit range.
+TEST(CudaFastDivisor, MatchesIntegerDivision) {
+  using detail::cuda::fast_divide;
+  using detail::cuda::make_fast_divisor;
+  for (uint32_t d = 1; d <= 300; ++d) {
+    const auto f = make_fast_divisor(d);
+    for (uint32_t n = 0; n < 4096; ++n) ASSERT_EQ(fast_divide(n, f), n / d) << n << " / " << d;
+  }
+  const uint32_t kNear = (uint32_t{1} << 31) - 1;
+  for (const uint32_t d : {1u, 2u, 3u, 7u, 641u, 65535u, 65536u, 1000003u, kNear - 1, kNear}) {
+    const auto f = make_fast_divisor(d);
+    for (uint32_t n = kNear - 5000; n < kNear; ++n)
+      ASSERT_EQ(fast_divide(n, f), n / d) << n << " / " << d;
+    for (uint32_t k = 0; k < 1000; ++k) {  // around multiples of d
+      const uint64_t m = static_cast<uint64_t>(d) * (k * 2654435761u % (kNear / d + 1));
+      for (const uint64_t n : {m, m + 1, m == 0 ? 0 : m - 1})
+        if (n <= kNear) {
+          ASSERT_EQ(fast_divide(static_cast<uint32_t>(n), f), n / d) << n << " / " << d;
+        }
+    }
+  }
+}
+
+// The warp kernel's grid (host only): the task grid where N and HV fit a grid dimension,
+// the loop otherwise or under `loop`.
+TEST(CudaRecurrentTile, WarpGridFollowsTheEnvironmentVariable) {
+  using detail::cuda_recurrent_warp_task_grid;
+  constexpr const char* kGrid = "FLASHDELTA_RECURRENT_WARP_GRID";
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
+    const ScopedEnv env(kGrid, automatic);
+    EXPECT_TRUE(cuda_recurrent_warp_task_grid(1, 1));
+    EXPECT_TRUE(cuda_recurrent_warp_task_grid(65535, 65535));
+    EXPECT_FALSE(cuda_recurrent_warp_task_grid(65536, 32));
+    EXPECT_FALSE(cuda_recurrent_warp_task_grid(4, 65536));
+  }
+  {
+    const ScopedEnv env(kGrid, "loop");
+    EXPECT_FALSE(cuda_recurrent_warp_task_grid(256, 32));
+  }
+  const ScopedEnv env(kGrid, "grid");
+  try {
+    cuda_recurrent_warp_task_grid(256, 32);
+    ADD_FAILURE() << "accepted 'grid'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(kGrid), std::string::npos) << e.what();
   }
 }
 
