@@ -96,7 +96,7 @@ RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp
 bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {
   const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_GRID", {"auto", "loop"});
   constexpr int64_t kGridYZ = 65535;
-  return setting == "auto" && N <= kGridYZ && HV <= kGridYZ;
+  return setting != "loop" && N <= kGridYZ && HV <= kGridYZ;  // unset reads as ""
 }
 
 void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream) {
