@@ -254,8 +254,9 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 }
 
 // W state elements starting at p, `step` elements apart, from floats. With `vec` (step == 1
-// and p aligned to the word) a full run is one streaming vector store; elements at or past
-// `valid` are never touched.
+// and p aligned to the word) a full run is one vector store; elements at or past `valid`
+// are never touched. Plain stores: streaming ones (st.global.cs) measured 1-2% slower in
+// the decode kernels at N = 256 (bench/NOTES.md (aj)).
 template <int W, class S>
 __device__ __forceinline__ void store_run(S* p, int64_t step, int valid, bool vec,
                                           const float (&in)[W]) {
@@ -268,7 +269,7 @@ __device__ __forceinline__ void store_run(S* p, int64_t step, int valid, bool ve
 #pragma unroll
     for (int w = 0; w < W; ++w) e[w] = from_float<S>(in[w]);
 #pragma unroll
-    for (int x = 0; x < kBytes / kWord; ++x) __stcs(reinterpret_cast<WordT*>(p) + x, raw[x]);
+    for (int x = 0; x < kBytes / kWord; ++x) reinterpret_cast<WordT*>(p)[x] = raw[x];
   } else {
 #pragma unroll
     for (int w = 0; w < W; ++w)

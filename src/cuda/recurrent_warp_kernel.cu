@@ -235,12 +235,14 @@ __device__ __forceinline__ int chunk_offset(const StateTensor& st, const W& tile
   return (col + c % C) * static_cast<int>(st.value_stride) + tile.key(4 * (c / C));
 }
 
+// Plain loads: evict-first ones (ld.global.cs) measured ~2% slower at N = 256, where the
+// state streams through L2 once each way (bench/NOTES.md (aj)).
 __device__ __forceinline__ void load_state_run(const float* p, float (&x)[4]) {
-  const float4 v = __ldcs(reinterpret_cast<const float4*>(p));
+  const float4 v = *reinterpret_cast<const float4*>(p);
   x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
 }
 __device__ __forceinline__ void load_state_run(const __nv_bfloat16* p, float (&x)[4]) {
-  const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
   x[0] = __uint_as_float(v.x << 16), x[1] = __uint_as_float(v.x & 0xffff0000u);
   x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
 }
