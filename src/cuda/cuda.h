@@ -31,6 +31,11 @@ RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp
 // task numbers that larger problems run (the same tasks: bitwise equal). Any other value
 // throws Error(invalid_argument) naming the variable.
 bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV);
+// Keys per lane of the warp kernel for head size K: 8 at K = 256; at K = 128, 4 (8-column
+// tasks of 4 KB) unless FLASHDELTA_RECURRENT_WARP_KEYS is `8` (16-column tasks of 8 KB, the
+// K = 256 kernel's lane shape; 12 warps per SM instead of 24); 4 below. `auto` or unset:
+// as described. Any other value throws Error(invalid_argument) naming the variable.
+int cuda_recurrent_warp_keys(int64_t K);
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it
 // allocates in stream order.

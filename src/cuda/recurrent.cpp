@@ -43,7 +43,7 @@ bool allows_runs_of_4(const cuda::TokenTensor& x) {
 
 // Whether the warp kernel takes the problem (see cuda/recurrent_warp_kernel.cu).
 bool warp_kernel_fits(const RecurrentParams& r, bool key_contiguous) {
-  const int64_t columns = cuda::recurrent_warp_columns(r.K);
+  const int64_t columns = cuda::recurrent_warp_columns(r.K, r.warp_keys);
   const bool vector_gate = r.gate == cuda::GateForm::vector;
   // The kernel addresses within a head's tile in 32 bits (strides may be negative).
   const auto tile_fits_32_bits = [&](const StateTensor& s) {
@@ -67,7 +67,8 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
   const int sms = sm_count();
   const int64_t wide_blocks =
       r.N * r.HV * tiles(cuda::recurrent_block_columns(r.K, cuda::RecurrentTile::wide));
-  const int64_t warp_columns = cuda::recurrent_warp_columns(r.K);
+  r.warp_keys = cuda_recurrent_warp_keys(r.K);
+  const int64_t warp_columns = cuda::recurrent_warp_columns(r.K, r.warp_keys);
   const int64_t warp_tasks =
       warp_kernel_fits(r, key_contiguous) ? r.N * r.HV * (r.V / warp_columns) : 0;
   switch (cuda_recurrent_kernel(wide_blocks, sms, warp_tasks)) {
@@ -97,6 +98,12 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {
   const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_GRID", {"auto", "loop"});
   constexpr int64_t kGridYZ = 65535;
   return setting != "loop" && N <= kGridYZ && HV <= kGridYZ;  // unset reads as ""
+}
+
+int cuda_recurrent_warp_keys(int64_t K) {
+  const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_KEYS", {"auto", "4", "8"});
+  if (K >= 256) return 8;
+  return K == 128 && setting == "8" ? 8 : 4;
 }
 
 void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream) {

@@ -74,6 +74,7 @@ struct RecurrentParams {
   // Warp kernel: the grid is (value tiles, HV, N) and a task is its block's index (no
   // division), else a grid-stride loop over task numbers (cuda_recurrent_warp_task_grid).
   bool task_grid = false;
+  int warp_keys = 4;  // warp kernel: keys per lane, 4 or 8 (cuda_recurrent_warp_keys)
 
   // The recurrence.
   GateForm gate = GateForm::none;
@@ -112,12 +113,13 @@ void launch_recurrent(const RecurrentParams& p, DType state_dtype, bool key_cont
                       void* stream);
 
 // The warp kernel (cuda/recurrent_warp_kernel.cu) on a key-contiguous (V-first) state, for
-// K in {32, 64, 128, 256}, V a multiple of recurrent_warp_columns(K), p.vector_ok and
+// K in {32, 64, 128, 256}, V a multiple of recurrent_warp_columns(K, p.warp_keys), p.vector_ok and
 // a head's tile addressable in 32 bits ((V - 1) |value_stride| + K <= INT32_MAX);
 // p.value_tiles = V / that.
 void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream);
-// Value columns of one warp kernel task for head size K; 0 where the kernel does not run.
-int64_t recurrent_warp_columns(int64_t K);
+// Value columns of one warp kernel task for head size K and keys_per_lane keys per lane (8
+// at K = 256; 4 or 8 at K = 128; 4 below); 0 where the kernel does not run.
+int64_t recurrent_warp_columns(int64_t K, int keys_per_lane);
 
 // Columns of V one thread block covers for head size K and a tile (the kernel's tile width).
 int64_t recurrent_block_columns(int64_t K, RecurrentTile tile);

@@ -31,9 +31,9 @@ namespace {
 // Lane geometry for head size KB: a lane owns RK keys x 8 adjacent columns, KL key lanes x
 // CL column lanes make the warp. The keys come in RK / 4 runs of 4 with the key lanes' runs
 // adjacent, so that a warp's load is KL x 16 contiguous bytes of each column.
-template <int KB>
+template <int KB, int KeysPerLane>
 struct WarpTile {
-  static constexpr int RK = KB >= 256 ? 8 : 4;  // 4 keys per lane (8 at K = 256)
+  static constexpr int RK = KeysPerLane;  // 4, or 8 (K >= 128: 16 KB of state per lane)
   static constexpr int KL = KB / RK;
   static constexpr int CL = 32 / KL;
   static constexpr int kColumns = 8;  // per lane (4 measured 25-35% slower from N = 64 on)
@@ -69,9 +69,9 @@ struct TokenTypes {
 };
 
 // One-warp blocks per SM the register budget is sized for.
-template <int KB, class T>
+template <int RK, class T>
 constexpr int warp_min_blocks() {
-  return KB >= 256 ? 12 : T::kAllBf16 ? 24 : 20;
+  return RK >= 8 ? 12 : T::kAllBf16 ? 24 : 20;
 }
 
 // Sums x[e] over the KL key lanes for every e < CPL, transposing as it goes: each exchange
@@ -340,10 +340,10 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
 }
 
 // Blocks of one warp (a grid-stride loop only past 2^31 - 1 tasks).
-template <int KB, class T, class S>
-__global__ void __launch_bounds__(32, (warp_min_blocks<KB, T>()))
+template <int KB, int RK, class T, class S>
+__global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
     recurrent_warp_kernel(const __grid_constant__ RecurrentParams p) {
-  using W = WarpTile<KB>;
+  using W = WarpTile<KB, RK>;
   const W tile;
   if (p.task_grid) {  // the task is the block index: ~100 instructions of division saved
     Task w;
@@ -366,10 +366,12 @@ void launch_for_k(const RecurrentParams& p, cudaStream_t stream) {
                                        static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
                                 : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
   switch (p.K) {
-    case 32: return recurrent_warp_kernel<32, T, S><<<grid, 32, 0, stream>>>(p);
-    case 64: return recurrent_warp_kernel<64, T, S><<<grid, 32, 0, stream>>>(p);
-    case 128: return recurrent_warp_kernel<128, T, S><<<grid, 32, 0, stream>>>(p);
-    default: return recurrent_warp_kernel<256, T, S><<<grid, 32, 0, stream>>>(p);
+    case 32: return recurrent_warp_kernel<32, 4, T, S><<<grid, 32, 0, stream>>>(p);
+    case 64: return recurrent_warp_kernel<64, 4, T, S><<<grid, 32, 0, stream>>>(p);
+    case 128:
+      if (p.warp_keys == 8) return recurrent_warp_kernel<128, 8, T, S><<<grid, 32, 0, stream>>>(p);
+      return recurrent_warp_kernel<128, 4, T, S><<<grid, 32, 0, stream>>>(p);
+    default: return recurrent_warp_kernel<256, 8, T, S><<<grid, 32, 0, stream>>>(p);
   }
 }
 
@@ -387,12 +389,13 @@ void launch_for_tokens(const RecurrentParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-int64_t recurrent_warp_columns(int64_t K) {
+int64_t recurrent_warp_columns(int64_t K, int keys_per_lane) {
+  const bool eight = keys_per_lane == 8;
   switch (K) {
-    case 32: return WarpTile<32>::CW;
-    case 64: return WarpTile<64>::CW;
-    case 128: return WarpTile<128>::CW;
-    case 256: return WarpTile<256>::CW;
+    case 32: return eight ? 0 : WarpTile<32, 4>::CW;
+    case 64: return eight ? 0 : WarpTile<64, 4>::CW;
+    case 128: return eight ? WarpTile<128, 8>::CW : WarpTile<128, 4>::CW;
+    case 256: return eight ? WarpTile<256, 8>::CW : 0;
     default: return 0;
   }
 }

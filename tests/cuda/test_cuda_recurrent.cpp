@@ -279,6 +279,35 @@ TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
     }
 }
 
+// The warp kernel at K = 128 with 8 keys per lane (FLASHDELTA_RECURRENT_WARP_KEYS=8:
+// 16-column tasks, the K = 256 kernel's lane shape) against the reference: V two and three
+// tasks wide, all-bf16 fused tokens and float32 inputs, float32 and bfloat16 pools, a
+// padding row, one-token and 3-token steps.
+TEST(CudaDecode, WarpKernelEightKeysPerLane) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv env("FLASHDELTA_RECURRENT_WARP_KEYS", "8");
+  uint64_t seed = 950;
+  for (const int64_t V : {32, 48})
+    for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
+      for (const bool bf16_tokens : {true, false})
+        for (const DType pool : {DType::f32, DType::bf16})
+          for (const int64_t T : {1, 3}) {
+            CaseConfig cfg = decode_config(m, 3, T, 128, V, seed++);
+            cfg.layout = StateLayout::v_first;
+            if (bf16_tokens) {
+              cfg.dtype = DType::bf16;
+              cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
+            }
+            const DecodeCase d = make_decode_case(cfg, 5, pool, {{3}, {-1}, {0}});
+            expect_decode_matches_reference(
+                d,
+                std::string(mechanism_name(m)) + " V=" + std::to_string(V) + " T=" +
+                    std::to_string(T) + (bf16_tokens ? " bf16 fused" : " f32") + ", pool " +
+                    dtype_name(pool),
+                decode_on_device, bf16_tokens ? DType::bf16 : DType::f32);
+          }
+}
+
 TEST(CudaDecode, DeterministicBitwise) {
   FLASHDELTA_REQUIRE_GPU();
   const CaseConfig cfg = decode_config(Mechanism::kda, 4, 2, 128, 128, 7);
@@ -465,6 +494,33 @@ TEST(CudaRecurrentTile, WarpGridFollowsTheEnvironmentVariable) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
     EXPECT_NE(std::string(e.what()).find(kGrid), std::string::npos) << e.what();
+  }
+}
+
+// The warp kernel's keys per lane (host only): 8 at K = 256, at K = 128 only under `8`.
+TEST(CudaRecurrentTile, WarpKeysFollowTheEnvironmentVariable) {
+  using detail::cuda_recurrent_warp_keys;
+  constexpr const char* kKeys = "FLASHDELTA_RECURRENT_WARP_KEYS";
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto", "4"}) {
+    const ScopedEnv env(kKeys, automatic);
+    EXPECT_EQ(cuda_recurrent_warp_keys(256), 8);
+    EXPECT_EQ(cuda_recurrent_warp_keys(128), 4);
+    EXPECT_EQ(cuda_recurrent_warp_keys(64), 4);
+  }
+  {
+    const ScopedEnv env(kKeys, "8");
+    EXPECT_EQ(cuda_recurrent_warp_keys(256), 8);
+    EXPECT_EQ(cuda_recurrent_warp_keys(128), 8);
+    EXPECT_EQ(cuda_recurrent_warp_keys(64), 4);
+    EXPECT_EQ(cuda_recurrent_warp_keys(32), 4);
+  }
+  const ScopedEnv env(kKeys, "16");
+  try {
+    cuda_recurrent_warp_keys(128);
+    ADD_FAILURE() << "accepted '16'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(kKeys), std::string::npos) << e.what();
   }
 }
 
