@@ -31,11 +31,16 @@ RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp
 // task numbers that larger problems run (the same tasks: bitwise equal). Any other value
 // throws Error(invalid_argument) naming the variable.
 bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV);
-// Keys per lane of the warp kernel for head size K: 8 at K = 256; at K = 128, 4 (8-column
-// tasks of 4 KB) unless FLASHDELTA_RECURRENT_WARP_KEYS is `8` (16-column tasks of 8 KB, the
-// K = 256 kernel's lane shape; 12 warps per SM instead of 24); 4 below. `auto` or unset:
+// Keys per lane of the warp kernel for head size K, V value columns, `pairs` (sequence,
+// value head) pairs and a float32 or bfloat16 (`bf16_state`) state on `sms` SMs: 8 at
+// K = 256, 4 below K = 128. At K = 128, 8 (16-column tasks, the K = 256 kernel's lane shape,
+// 12 warps per SM instead of 24) for a bfloat16 state whose 16-column tasks fill at least
+// kWarpWavesForEightKeys waves, where a 4-key task's 2 KB of state leave its per-task work
+// uncovered (5% faster at N = 256, equal to 1.5% slower on float32 states: bench/NOTES.md
+// (ak)); else 4. FLASHDELTA_RECURRENT_WARP_KEYS=4 or 8 forces K = 128's; unset or `auto`:
 // as described. Any other value throws Error(invalid_argument) naming the variable.
-int cuda_recurrent_warp_keys(int64_t K);
+int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms);
+inline constexpr int64_t kWarpWavesForEightKeys = 8;
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it
 // allocates in stream order.

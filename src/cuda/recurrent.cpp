@@ -67,7 +67,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
   const int sms = sm_count();
   const int64_t wide_blocks =
       r.N * r.HV * tiles(cuda::recurrent_block_columns(r.K, cuda::RecurrentTile::wide));
-  r.warp_keys = cuda_recurrent_warp_keys(r.K);
+  r.warp_keys = cuda_recurrent_warp_keys(r.K, r.V, r.N * r.HV, state_dtype == DType::bf16, sms);
   const int64_t warp_columns = cuda::recurrent_warp_columns(r.K, r.warp_keys);
   const int64_t warp_tasks =
       warp_kernel_fits(r, key_contiguous) ? r.N * r.HV * (r.V / warp_columns) : 0;
@@ -100,10 +100,14 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {
   return setting != "loop" && N <= kGridYZ && HV <= kGridYZ;  // unset reads as ""
 }
 
-int cuda_recurrent_warp_keys(int64_t K) {
+int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms) {
   const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_KEYS", {"auto", "4", "8"});
   if (K >= 256) return 8;
-  return K == 128 && setting == "8" ? 8 : 4;
+  if (K != 128) return 4;
+  if (setting == "4" || setting == "8") return setting == "8" ? 8 : 4;
+  const int64_t slots = int64_t{12} * (sms > 0 ? sms : 1);  // 12 warps per SM at 8 keys
+  const bool fill = V % 16 == 0 && pairs * (V / 16) >= kWarpWavesForEightKeys * slots;
+  return bf16_state && fill ? 8 : 4;
 }
 
 void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream) {

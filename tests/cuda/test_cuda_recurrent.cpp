@@ -497,26 +497,36 @@ TEST(CudaRecurrentTile, WarpGridFollowsTheEnvironmentVariable) {
   }
 }
 
-// The warp kernel's keys per lane (host only): 8 at K = 256, at K = 128 only under `8`.
+// The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 for bfloat16 states
+// whose 16-column tasks fill kWarpWavesForEightKeys waves of 12 warps per SM, or under `8`.
 TEST(CudaRecurrentTile, WarpKeysFollowTheEnvironmentVariable) {
   using detail::cuda_recurrent_warp_keys;
   constexpr const char* kKeys = "FLASHDELTA_RECURRENT_WARP_KEYS";
-  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto", "4"}) {
+  const int64_t fill = detail::kWarpWavesForEightKeys * 12 * 132 / 8;  // pairs at V = 128
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kKeys, automatic);
-    EXPECT_EQ(cuda_recurrent_warp_keys(256), 8);
-    EXPECT_EQ(cuda_recurrent_warp_keys(128), 4);
-    EXPECT_EQ(cuda_recurrent_warp_keys(64), 4);
+    for (const bool bf16 : {false, true}) {
+      EXPECT_EQ(cuda_recurrent_warp_keys(256, 256, 1, bf16, 132), 8);
+      EXPECT_EQ(cuda_recurrent_warp_keys(64, 64, 1 << 20, bf16, 132), 4);
+      EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 1 << 20, bf16, 132), bf16 ? 8 : 4);
+    }
+    EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 256 * 32, true, 132), 8);  // N = 256
+    EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, fill, true, 132), 8);
+    EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, fill - 1, true, 132), 4);
+    EXPECT_EQ(cuda_recurrent_warp_keys(128, 24, 1 << 20, true, 132), 4);  // V not of 16
   }
-  {
-    const ScopedEnv env(kKeys, "8");
-    EXPECT_EQ(cuda_recurrent_warp_keys(256), 8);
-    EXPECT_EQ(cuda_recurrent_warp_keys(128), 8);
-    EXPECT_EQ(cuda_recurrent_warp_keys(64), 4);
-    EXPECT_EQ(cuda_recurrent_warp_keys(32), 4);
+  for (const char* forced : {"4", "8"}) {
+    const ScopedEnv env(kKeys, forced);
+    const int keys = forced[0] - '0';
+    EXPECT_EQ(cuda_recurrent_warp_keys(256, 256, 1, false, 132), 8);
+    EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 1, false, 132), keys);
+    EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 1 << 20, true, 132), keys);
+    EXPECT_EQ(cuda_recurrent_warp_keys(64, 64, 1, false, 132), 4);
+    EXPECT_EQ(cuda_recurrent_warp_keys(32, 32, 1, true, 132), 4);
   }
   const ScopedEnv env(kKeys, "16");
   try {
-    cuda_recurrent_warp_keys(128);
+    cuda_recurrent_warp_keys(128, 128, 1, false, 132);
     ADD_FAILURE() << "accepted '16'";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
