@@ -6,7 +6,8 @@
 // ramp or drain to speak of at any batch size (the block kernel, cuda/recurrent_kernel.cu,
 // costs ~10 us per launch in its first and last waves) and short chains where few
 // sequences are latency only; large enough that the per-token work (loads, gate, norms)
-// is spread over 4 KB of state.
+// is spread over 4 KB of state. With 8 keys per lane (K = 256, and K = 128 for bfloat16
+// states of many sequences: cuda_recurrent_warp_keys) the tasks are 16 columns.
 //
 // The host (cuda/recurrent.cpp) sends it the common case only: a key-contiguous (V-first)
 // state, so that a warp's load is whole columns (one 512-byte column of fp32 state at
@@ -33,7 +34,7 @@ namespace {
 // adjacent, so that a warp's load is KL x 16 contiguous bytes of each column.
 template <int KB, int KeysPerLane>
 struct WarpTile {
-  static constexpr int RK = KeysPerLane;  // 4, or 8 (K >= 128: 16 KB of state per lane)
+  static constexpr int RK = KeysPerLane;  // 4, or 8 at K >= 128 (tasks of 16 columns)
   static constexpr int KL = KB / RK;
   static constexpr int CL = 32 / KL;
   static constexpr int kColumns = 8;  // per lane (4 measured 25-35% slower from N = 64 on)
