@@ -49,6 +49,11 @@
 #                                  the C++ bench (NCU_CHUNK_CASE, default kda_T8192_H64;
 #                                  -> ncu_chunk.txt, ncu_chunk_details.txt); builds need
 #                                  flashdelta_cuda_chunk_bench and -lineinfo as above
+#                  ncu-decode-lines  the same for the decode kernel: one launch in one case of
+#                                  the C++ decode bench (NCU_DECODE_CASE, default
+#                                  "N=256 HV=32 v_first"; -> ncu_decode_lines.txt,
+#                                  ncu_decode_details.txt); builds need
+#                                  flashdelta_cuda_decode_bench and -lineinfo
 #                e.g. STAGES="deps configure build bench-backward" BUILD_TARGETS=_C
 #   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test
 #                binaries (SANITIZE_BINARIES); 0: skip
@@ -103,6 +108,7 @@ export BENCH_BACKWARD_ARGS=${BENCH_BACKWARD_ARGS:-} PROFILE_BACKWARD_ARGS=${PROF
 export NCU_BACKWARD_KERNELS=${NCU_BACKWARD_KERNELS:-"grads_kernel|records_kernel|keys_kernel"}
 export NCU_CHUNK_KERNELS=${NCU_CHUNK_KERNELS:-"chunk_prepare_kernel|chunk_state_kernel"}
 export NCU_CHUNK_CASE=${NCU_CHUNK_CASE:-kda_T8192_H64}
+export NCU_DECODE_CASE=${NCU_DECODE_CASE:-"N=256 HV=32 v_first"}
 export JOBS=${JOBS:-$(nproc)}
 export CUDA_ARCH=${CUDA_ARCH:-90a}
 export BUILD_TYPE=${BUILD_TYPE:-Release}
@@ -121,10 +127,10 @@ START=$SECONDS
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=240 [sanitize]=150
                 [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
-                [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [ncu-backward]=300 [ncu-chunk]=240 [overhead]=40 [pytest-all]=150)
+                [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [ncu-backward]=300 [ncu-chunk]=240 [ncu-decode-lines]=240 [overhead]=40 [pytest-all]=150)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
                 [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60
-                [profile-backward]=60 [kernel-bench]=10 [ncu-decode]=60 [ncu-backward]=60 [ncu-chunk]=60 [overhead]=15 [pytest-all]=0)
+                [profile-backward]=60 [kernel-bench]=10 [ncu-decode]=60 [ncu-backward]=60 [ncu-chunk]=60 [ncu-decode-lines]=60 [overhead]=15 [pytest-all]=0)
 
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
@@ -351,6 +357,23 @@ stage_ncu-chunk() {
   "$ncu" -i /tmp/ncu-chunk.ncu-rep --page source --csv --print-source cuda,sass \
     >/tmp/ncu-chunk.csv || return 1
   python3 bench/device/ncu_hotspots.py /tmp/ncu-chunk.csv --top 40 | tee "$OUT/ncu_chunk.txt"
+}
+
+stage_ncu-decode-lines() {
+  # Where the decode kernel's warps wait, by source line (needs a -lineinfo build): one
+  # launch (after five) in NCU_DECODE_CASE of the C++ decode bench.
+  local ncu bin
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  bin=$(find "$BUILD" -name flashdelta_cuda_decode_bench -type f -perm -u+x | head -1)
+  [ -n "$bin" ] || { echo "flashdelta_cuda_decode_bench is not built (BUILD_TARGETS)"; return 1; }
+  "$ncu" --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+    --section Occupancy --section MemoryWorkloadAnalysis --import-source yes \
+    -k 'regex:recurrent_(warp_)?kernel' --launch-skip 5 -c 1 -f -o /tmp/ncu-decode \
+    "$bin" --only "$NCU_DECODE_CASE" >/dev/null || return 1
+  "$ncu" -i /tmp/ncu-decode.ncu-rep --page details >"$OUT/ncu_decode_details.txt" || return 1
+  "$ncu" -i /tmp/ncu-decode.ncu-rep --page source --csv --print-source cuda,sass \
+    >/tmp/ncu-decode.csv || return 1
+  python3 bench/device/ncu_hotspots.py /tmp/ncu-decode.csv --top 40 | tee "$OUT/ncu_decode_lines.txt"
 }
 
 stage_overhead() {
