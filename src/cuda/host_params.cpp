@@ -57,7 +57,8 @@ cuda::RecurrentParams problem_params(const Problem& p) {
   r.T = p.T;
   r.HV = p.HV;
   r.group = p.group;
-  if (p.group <= INT32_MAX) r.group_divisor = cuda::make_fast_divisor(static_cast<uint32_t>(p.group));
+  if (p.group <= INT32_MAX)
+    r.group_divisor = cuda::make_fast_divisor(static_cast<uint32_t>(p.group));
   r.K = p.K;
   r.V = p.V;
   r.gate = p.gate == GateKind::vector   ? cuda::GateForm::vector

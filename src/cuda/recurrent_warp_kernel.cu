@@ -251,8 +251,9 @@ __device__ __forceinline__ void load_state_run(const __nv_bfloat16* p, float (&x
 template <class W, class T, class S>
 __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w) {
   constexpr int RK = W::RK, CPL = W::kColumns, kChunks = RK / 4 * CPL;
-  const int64_t n = w.n, hv = w.hv,
-                h = p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(w.hv), p.group_divisor) : hv / p.group;
+  const int64_t n = w.n, hv = w.hv;
+  const int64_t h = p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(hv), p.group_divisor)
+                                       : hv / p.group;
   const Sequence seq = sequence_of(p, n);
   const RowOffsets row = row_offsets(p, seq, h, hv);
   const int col = w.j0 + tile.column;
@@ -340,7 +341,7 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
   }
 }
 
-// Blocks of one warp (a grid-stride loop only past 2^31 - 1 tasks).
+// Blocks of one warp: the task grid, else a grid-stride loop (only past 2^31 - 1 tasks).
 template <int KB, int RK, class T, class S>
 __global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
     recurrent_warp_kernel(const __grid_constant__ RecurrentParams p) {
