@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
     run_warp_task<W, T, S>(p, tile, task_of<W::CW>(p, blk, tasks), DirectState<W, S>{p, tile});
 }
 
-// The pipelined form (FLASHDELTA_RECURRENT_WARP_FETCH=shared, cuda_recurrent_warp_fetch): a
+// The pipelined form (FLASHDELTA_RECURRENT_WARP_FETCH=shared, cuda_recurrent_warp_pipelined): a
 // grid of as many one-warp blocks as fit the SMs at once, each walking task numbers
 // blockIdx.x, + gridDim.x, ... While a task computes, the next task's state is already in
 // flight into a shared-memory stage by cp.async (no registers held for it), and the slot
