@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -248,6 +249,25 @@ TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
           }
 }
 
+// Decode case d (bfloat16 output) once under each value of the environment variable `name`:
+// every run matches the reference, and all are bitwise equal (outputs and pools).
+void expect_settings_agree_bitwise(const DecodeCase& d, const std::string& what, const char* name,
+                                   std::initializer_list<const char*> values) {
+  HostTensor first_pool, first_o;
+  for (const char* value : values) {
+    const ScopedEnv env(name, value);
+    expect_decode_matches_reference(d, what + " " + value, decode_on_device, DType::bf16);
+    HostTensor pool = d.pool, o = d.c.make_output(DType::bf16);
+    decode_on_device(d.args(o, pool), d.c.options);
+    if (first_o.bytes.empty()) {
+      first_pool = pool, first_o = o;
+      continue;
+    }
+    EXPECT_EQ(o.bytes, first_o.bytes) << what << " " << value;
+    EXPECT_EQ(pool.bytes, first_pool.bytes) << what << " " << value;
+  }
+}
+
 // The warp kernel's two grids: (value tiles, HV, N) with the task in the block index, and
 // the grid-stride loop over task numbers that problems past 65,535 sequences or heads run
 // (FLASHDELTA_RECURRENT_WARP_GRID=loop). Bitwise equal, and equal to the reference, with
@@ -265,17 +285,9 @@ TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
       cfg.dtype = DType::bf16;
       cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
       const DecodeCase d = make_decode_case(cfg, 5, DType::f32, {{3}, {-1}, {0}});
-      const std::string what = "group " + std::to_string(group) + " T=" + std::to_string(T);
-      HostTensor pools[2], outputs[2];
-      const char* kForms[2] = {"auto", "loop"};
-      for (int f = 0; f < 2; ++f) {
-        const ScopedEnv env("FLASHDELTA_RECURRENT_WARP_GRID", kForms[f]);
-        expect_decode_matches_reference(d, what + " " + kForms[f], decode_on_device, DType::bf16);
-        pools[f] = d.pool, outputs[f] = d.c.make_output(DType::bf16);
-        decode_on_device(d.args(outputs[f], pools[f]), d.c.options);
-      }
-      EXPECT_EQ(outputs[0].bytes, outputs[1].bytes) << what;
-      EXPECT_EQ(pools[0].bytes, pools[1].bytes) << what;
+      expect_settings_agree_bitwise(
+          d, "group " + std::to_string(group) + " T=" + std::to_string(T),
+          "FLASHDELTA_RECURRENT_WARP_GRID", {"auto", "loop"});
     }
 }
 
@@ -331,17 +343,9 @@ TEST(CudaDecode, WarpKernelPipelinedFormAgreesBitwise) {
         if (T == 2) slots.back().push_back(2 * n + 1);
       }
       const DecodeCase d = make_decode_case(cfg, 130, pool, slots);
-      const std::string what = std::string("pool ") + dtype_name(pool) + " T=" + std::to_string(T);
-      HostTensor pools[2], outputs[2];
-      const char* kForms[2] = {"registers", "shared"};
-      for (int f = 0; f < 2; ++f) {
-        const ScopedEnv env("FLASHDELTA_RECURRENT_WARP_FETCH", kForms[f]);
-        expect_decode_matches_reference(d, what + " " + kForms[f], decode_on_device, DType::bf16);
-        pools[f] = d.pool, outputs[f] = d.c.make_output(DType::bf16);
-        decode_on_device(d.args(outputs[f], pools[f]), d.c.options);
-      }
-      EXPECT_EQ(outputs[0].bytes, outputs[1].bytes) << what;
-      EXPECT_EQ(pools[0].bytes, pools[1].bytes) << what;
+      expect_settings_agree_bitwise(d, std::string("pool ") + dtype_name(pool) + " T=" +
+                                           std::to_string(T),
+                                    "FLASHDELTA_RECURRENT_WARP_FETCH", {"registers", "shared"});
     }
 }
 
