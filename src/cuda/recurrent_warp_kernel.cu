@@ -248,6 +248,15 @@ __device__ __forceinline__ void load_state_run(const __nv_bfloat16* p, float (&x
   x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 
+// A state tile of zeros (no initial state).
+template <int kChunks>
+__device__ __forceinline__ void zero_state(float (&x)[kChunks][4]) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) x[c][m] = 0.f;
+}
+
 // The lane's state chunks of one task, loaded from global memory (zeros without an initial
 // state): run_warp_task's state source in the kernel's direct form.
 template <class W, class S>
@@ -262,10 +271,7 @@ struct DirectState {
       for (int c = 0; c < kChunks; ++c)
         load_state_run(src + chunk_offset(p.state_in, tile, col, c), x[c]);
     } else {
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-        for (int m = 0; m < 4; ++m) x[c][m] = 0.f;
+      zero_state(x);
     }
   }
 };
@@ -426,15 +432,11 @@ struct StagedState {
   __device__ void operator()(const Task&, int, float (&x)[W::RK / 4 * W::kColumns][4]) const {
     constexpr int kChunks = W::RK / 4 * W::kColumns;
     wait_async<1>();
+    if (!p.state_in.data) return zero_state(x);
     const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      if (p.state_in.data)
-        load_state_run(reinterpret_cast<const S*>(&stage[c][lane]), x[c]);
-      else
-#pragma unroll
-        for (int m = 0; m < 4; ++m) x[c][m] = 0.f;
-    }
+    for (int c = 0; c < kChunks; ++c)
+      load_state_run(reinterpret_cast<const S*>(&stage[c][lane]), x[c]);
   }
 };
 

@@ -452,6 +452,22 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
   expect_decode_matches_reference(w, "70,400 blocks", decode_on_device);
 }
 
+// Under the environment variable `name` set to `value`, `call` throws
+// Error(invalid_argument) naming the variable and the value.
+template <class Call>
+void expect_setting_rejected(const char* name, const char* value, const Call& call) {
+  const ScopedEnv env(name, value);
+  try {
+    call();
+    ADD_FAILURE() << name << ": accepted '" << value << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'" + std::string(value) + "'"), std::string::npos)
+        << e.what();
+  }
+}
+
 // The kernel choice (host only): under `auto` the warp kernel wherever it takes the
 // problem, else the narrow tile below one wide block per SM; `warp` the same.
 TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
@@ -476,15 +492,7 @@ TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
       const ScopedEnv env(kTile, "narrow");
       EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks), RecurrentKernel::narrow);
     }
-  const ScopedEnv env(kTile, "Narrow");
-  try {
-    cuda_recurrent_kernel(64, 132, 0);
-    ADD_FAILURE() << "accepted 'Narrow'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find(kTile), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("'Narrow'"), std::string::npos) << e.what();
-  }
+  expect_setting_rejected(kTile, "Narrow", [] { cuda_recurrent_kernel(64, 132, 0); });
 }
 
 // The multiply-shift division the kernels use for the key head of a value head (host
@@ -528,14 +536,7 @@ TEST(CudaRecurrentTile, WarpGridFollowsTheEnvironmentVariable) {
     const ScopedEnv env(kGrid, "loop");
     EXPECT_FALSE(cuda_recurrent_warp_task_grid(256, 32));
   }
-  const ScopedEnv env(kGrid, "grid");
-  try {
-    cuda_recurrent_warp_task_grid(256, 32);
-    ADD_FAILURE() << "accepted 'grid'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find(kGrid), std::string::npos) << e.what();
-  }
+  expect_setting_rejected(kGrid, "grid", [] { cuda_recurrent_warp_task_grid(256, 32); });
 }
 
 // The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 for bfloat16 states
@@ -565,14 +566,7 @@ TEST(CudaRecurrentTile, WarpKeysFollowTheEnvironmentVariable) {
     EXPECT_EQ(cuda_recurrent_warp_keys(64, 64, 1, false, 132), 4);
     EXPECT_EQ(cuda_recurrent_warp_keys(32, 32, 1, true, 132), 4);
   }
-  const ScopedEnv env(kKeys, "16");
-  try {
-    cuda_recurrent_warp_keys(128, 128, 1, false, 132);
-    ADD_FAILURE() << "accepted '16'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find(kKeys), std::string::npos) << e.what();
-  }
+  expect_setting_rejected(kKeys, "16", [] { cuda_recurrent_warp_keys(128, 128, 1, false, 132); });
 }
 
 // The warp kernel's form (host only): direct unless FLASHDELTA_RECURRENT_WARP_FETCH=shared,
@@ -590,14 +584,7 @@ TEST(CudaRecurrentTile, WarpFetchFollowsTheEnvironmentVariable) {
     EXPECT_TRUE(cuda_recurrent_warp_pipelined(INT32_MAX));
     EXPECT_FALSE(cuda_recurrent_warp_pipelined(int64_t{INT32_MAX} + 1));
   }
-  const ScopedEnv env(kFetch, "smem");
-  try {
-    cuda_recurrent_warp_pipelined(1);
-    ADD_FAILURE() << "accepted 'smem'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find(kFetch), std::string::npos) << e.what();
-  }
+  expect_setting_rejected(kFetch, "smem", [] { cuda_recurrent_warp_pipelined(1); });
 }
 
 TEST(CudaErrors, ClearMessagesAndNothingWritten) {
