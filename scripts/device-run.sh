@@ -47,7 +47,8 @@
 #                  ncu-chunk       the same for the chunk forward's kernels (NCU_CHUNK_KERNELS,
 #                                  default prepare and state, one launch each) in one case of
 #                                  the C++ bench (NCU_CHUNK_CASE, default kda_T8192_H64;
-#                                  -> ncu_chunk.txt, ncu_chunk_details.txt); builds need
+#                                  -> ncu_chunk.txt, ncu_chunk_details.txt, NCU_TOP lines
+#                                  per kernel, default 40); builds need
 #                                  flashdelta_cuda_chunk_bench and -lineinfo as above
 #                  ncu-decode-lines  the same for the decode kernel: one launch in one case of
 #                                  the C++ decode bench (NCU_DECODE_CASE, default
@@ -356,7 +357,7 @@ stage_ncu-chunk() {
   "$ncu" -i /tmp/ncu-chunk.ncu-rep --page details >"$OUT/ncu_chunk_details.txt" || return 1
   "$ncu" -i /tmp/ncu-chunk.ncu-rep --page source --csv --print-source cuda,sass \
     >/tmp/ncu-chunk.csv || return 1
-  python3 bench/device/ncu_hotspots.py /tmp/ncu-chunk.csv --top 40 | tee "$OUT/ncu_chunk.txt"
+  python3 bench/device/ncu_hotspots.py /tmp/ncu-chunk.csv --top "${NCU_TOP:-40}" | tee "$OUT/ncu_chunk.txt"
 }
 
 stage_ncu-decode-lines() {

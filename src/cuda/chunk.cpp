@@ -28,6 +28,10 @@ constexpr const char* kStateProductsSetting = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
 // `1` or `2` fixes the wgmma state kernel's record stages (ChunkParams::state_stages): for
 // tests and A/B timing.
 constexpr const char* kStateStagesSetting = "FLASHDELTA_CHUNK_STATE_STAGES";
+// `distance` makes the prepare kernel invert T off the diagonal by distances on the CUDA
+// cores instead of by column blocks on the tensor cores (ChunkParams::inverse_by_columns):
+// for tests and A/B timing.
+constexpr const char* kInverseSetting = "FLASHDELTA_CHUNK_INVERSE";
 // A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
 // records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter
 // and B=1 T=32768 H=32 runs faster whole than in two segments (3.536 against 3.577 ms,
@@ -73,6 +77,7 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
                    bf16_dense_runs(r.v, p.V) &&
                    (r.gate != cuda::GateForm::vector || bf16_dense_runs(r.g, p.K));
   c.dense_output = bf16_dense_runs(c.p.o, p.V);
+  c.inverse_by_columns = env_setting(kInverseSetting, {"auto", "distance"}) != "distance";
   c.state_wgmma = env_setting(kStateProductsSetting, {"auto", "mma_sync"}) != "mma_sync" &&
                   c.KP <= 128;
   const std::string stages = env_setting(kStateStagesSetting, {"auto", "1", "2"});

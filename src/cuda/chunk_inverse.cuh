@@ -1,34 +1,40 @@
 // T = (I + A)^-1 for the strictly lower kChunk x kChunk matrix A of a chunk (float32, shared
 // memory), used by the forward (cuda/chunk_prepare.cu) and by the backward's recomputation
 // (cuda/backward_chunk.cu): the diagonal 16 x 16 blocks by forward substitution (a warp each,
-// a lane per column), then T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ in order of I - J. The
-// sequential part is 16 steps; a row-by-row substitution over the chunk takes 64 (in the
-// backward's records it was 15% of the kernel's samples, with the barrier after it).
+// a lane per column), then T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ. The sequential part is
+// 16 steps; a row-by-row substitution over the chunk takes 64 (in the backward's records it
+// was 15% of the kernel's samples, with the barrier after it). Two orders for the blocks
+// off the diagonal:
+// - by distance I - J (invert_unit_lower): every thread takes a share of each distance, on
+//   the CUDA cores, with two block barriers per distance;
+// - by column block (invert_unit_lower_by_columns): warp J walks column block J down, its
+//   sums on the tensor cores in three tf32 products (hi x hi + hi x lo + lo x hi: float32
+//   to ~2^-21), with no block barrier between the diagonal blocks and the end.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "cuda/chunk_params.h"
+#include "cuda/mma.cuh"
 
 namespace flashdelta::detail::cuda {
 namespace {
 
 constexpr int kInverseBlocks = kChunk / kSubChunk;
 
-// The products sum_M A_IM T_MJ of one distance I - J, before T_II multiplies them.
+// The products sum_M A_IM T_MJ before T_II multiplies them: of one distance I - J, or of
+// warp J's column block.
 struct InverseScratch {
   alignas(16) float x[kInverseBlocks - 1][kSubChunk][kSubChunk + 4];
 };
 
-// Writes all of t (zeros above the diagonal), reading a's entries below the diagonal only.
-// t and its row stride ldt (floats) allow 16-byte accesses. Block-wide: kThreads threads,
-// at least kInverseBlocks warps; starts and ends with a barrier.
+// The blocks above the diagonal as zeros and the diagonal blocks T_II, between two block
+// barriers.
 template <int kThreads>
-__device__ void invert_unit_lower(const float* a, int lda, float* t, int ldt, InverseScratch& s) {
+__device__ void invert_diagonal_blocks(const float* a, int lda, float* t, int ldt) {
   static_assert(kThreads / 32 >= kInverseBlocks, "a warp per diagonal block");
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   __syncthreads();
-  // The blocks above the diagonal are zeros; the others are all written below.
   constexpr int kQuadsPerRow = kChunk / 4;
   for (int e = tid; e < kChunk * kQuadsPerRow; e += kThreads) {
     const int r = e / kQuadsPerRow, q = e % kQuadsPerRow;
@@ -48,6 +54,15 @@ __device__ void invert_unit_lower(const float* a, int lda, float* t, int ldt, In
     }
   }
   __syncthreads();
+}
+
+// Writes all of t (zeros above the diagonal), reading a's entries below the diagonal only.
+// t and its row stride ldt (floats) allow 16-byte accesses. Block-wide: kThreads threads,
+// at least kInverseBlocks warps; starts and ends with a barrier.
+template <int kThreads>
+__device__ void invert_unit_lower(const float* a, int lda, float* t, int ldt, InverseScratch& s) {
+  const int tid = threadIdx.x;
+  invert_diagonal_blocks<kThreads>(a, lda, t, ldt);
   // Off the diagonal, by distance d = I - J; a thread computes 4 adjacent columns of a row.
   constexpr int kQuads = kSubChunk * kSubChunk / 4;
   for (int d = 1; d < kInverseBlocks; ++d) {
@@ -77,6 +92,73 @@ __device__ void invert_unit_lower(const float* a, int lda, float* t, int ldt, In
     }
     __syncthreads();
   }
+}
+
+// x as tf32 hi + lo parts, x - hi - lo within ~2^-21 |x|.
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(x - __uint_as_float(hi));
+}
+
+// The same contract as invert_unit_lower (ldt a multiple of 4 floats). Warp J < 3 computes
+// T_IJ for I = J + 1 .. 3 in order: X = sum_{J <= M < I} A_IM T_MJ by m16n8k8 tf32 products
+// (its T_MJ are the diagonal block and its own earlier results), X to the warp's scratch,
+// then T_IJ = -T_II X in float32, a lane per row half. Warp 0's three blocks are the longest
+// path: 72 mma and three 16 x 16 triangular products.
+template <int kThreads>
+__device__ void invert_unit_lower_by_columns(const float* a, int lda, float* t, int ldt,
+                                             InverseScratch& s) {
+  invert_diagonal_blocks<kThreads>(a, lda, t, ldt);
+  const int J = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  if (J < kInverseBlocks - 1) {
+    float (&x)[kSubChunk][kSubChunk + 4] = s.x[J];
+    const int j0 = kSubChunk * J;
+    for (int I = J + 1; I < kInverseBlocks; ++I) {
+      const int i0 = kSubChunk * I;
+      Acc acc[2];
+      for (int k0 = j0; k0 < i0; k0 += 8) {
+        const float* ar = a + (i0 + g) * lda + k0 + c;
+        uint32_t ah[4], al[4];
+        split_tf32(ar[0], ah[0], al[0]);
+        split_tf32(ar[8 * lda], ah[1], al[1]);
+        split_tf32(ar[4], ah[2], al[2]);
+        split_tf32(ar[8 * lda + 4], ah[3], al[3]);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const float* br = t + (k0 + c) * ldt + j0 + 8 * nt + g;
+          uint32_t bh0, bl0, bh1, bl1;
+          split_tf32(br[0], bh0, bl0);
+          split_tf32(br[4 * ldt], bh1, bl1);
+          mma_tf32(acc[nt], ah, bh0, bh1);
+          mma_tf32(acc[nt], ah, bl0, bl1);
+          mma_tf32(acc[nt], al, bh0, bh1);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[acc_row(e)][8 * nt + acc_col(e)] = acc[nt].d[e];
+      __syncwarp();
+      // Row i, columns c0 .. c0 + 7 of T_IJ = -T_II X; T_II's entries right of its diagonal
+      // are zeros, so every lane runs all 16 terms (no divergence).
+      const int i = lane / 2, c0 = 8 * (lane % 2);
+      const float* tii = t + (i0 + i) * ldt + i0;
+      float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+#pragma unroll
+      for (int m = 0; m < kSubChunk; ++m) {
+        const float tm = tii[m];
+        const float4 x0 = *reinterpret_cast<const float4*>(&x[m][c0]);
+        const float4 x1 = *reinterpret_cast<const float4*>(&x[m][c0 + 4]);
+        lo.x -= tm * x0.x, lo.y -= tm * x0.y, lo.z -= tm * x0.z, lo.w -= tm * x0.w;
+        hi.x -= tm * x1.x, hi.y -= tm * x1.y, hi.z -= tm * x1.z, hi.w -= tm * x1.w;
+      }
+      float* out = t + (i0 + i) * ldt + j0 + c0;
+      *reinterpret_cast<float4*>(out) = lo;
+      *reinterpret_cast<float4*>(out + 4) = hi;
+      __syncwarp();  // x is rewritten and T_IJ read as an operand by the next I
+    }
+  }
+  __syncthreads();
 }
 
 }  // namespace

@@ -57,6 +57,9 @@ struct ChunkParams {
   // q, k, v and a vector gate all bf16_dense_runs (host_params.h): the prepare kernel reads
   // them by TokenRuns<true> (cuda/device_io.cuh).
   bool dense_tokens = false;
+  // The prepare kernel's T = (I + A_kk)^-1 by column blocks on tf32 tensor cores rather
+  // than by distances on the CUDA cores (cuda/chunk_inverse.cuh).
+  bool inverse_by_columns = true;
   // The state kernel's products on wgmma (K <= 128; compiled for sm_90a, mma.sync elsewhere)
   // rather than mma.sync.
   bool state_wgmma = false;

@@ -219,17 +219,20 @@ __device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, con
   if constexpr (G == GateForm::vector) {
     // Cumulative sums down each channel: every thread scans one segment of tokens, then
     // adds the totals of the segments before it.
+    // The segment's sums stay in registers; its total goes through s.ref, free until the
+    // reference points below are written after the last barrier.
     constexpr int kSegments = kThreads / kSlice, kLen = kChunk / kSegments;
+    static_assert(kSegments == kChunk / kSubChunk, "a segment's total fits s.ref's row");
     const int ch = tid % kSlice, seg = tid / kSlice, t0 = seg * kLen;
-    float run = 0.f;
+    float run[kLen], total = 0.f;
 #pragma unroll
-    for (int t = t0; t < t0 + kLen; ++t) s.gamma[t][ch] = run += s.gamma[t][ch];
+    for (int x = 0; x < kLen; ++x) run[x] = total += s.gamma[t0 + x][ch];
+    s.ref[seg][ch] = total;
     __syncthreads();
     float before = 0.f;
-    for (int x = 0; x < seg; ++x) before += s.gamma[x * kLen + kLen - 1][ch];
-    __syncthreads();
+    for (int x = 0; x < seg; ++x) before += s.ref[x][ch];
 #pragma unroll
-    for (int t = t0; t < t0 + kLen; ++t) s.gamma[t][ch] += before;
+    for (int x = 0; x < kLen; ++x) s.gamma[t0 + x][ch] = run[x] + before;
     __syncthreads();
     // The reference point of row block I = seg for channel ch (see the file comment): the
     // middle of the block, or the start of the block where the channel decays too fast.
@@ -453,14 +456,18 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
     }
 }
 
-// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh), left in bfloat16 twice, each rounded once
+// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order), left in bfloat16 twice, each rounded once
 // from float32: T diag(n_k) in tb (w's operand: w = T diag(n_k) (beta k 2^Gamma)), T in tu
 // (u's).
 template <int KP>
-__device__ void solve(PrepareShared<KP>& sh) {
+__device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
   auto& v = sh.u.v;
   const int tid = threadIdx.x;
-  invert_unit_lower<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4, v.inverse);
+  if (c.inverse_by_columns)
+    invert_unit_lower_by_columns<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4,
+                                           v.inverse);
+  else
+    invert_unit_lower<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4, v.inverse);
   bf16* tb = sh.tb();  // A_kk is dead: T in bfloat16 takes its place, four entries a thread
   constexpr int kQuadsPerRow = kChunk / 4;
   for (int e = tid; e < kChunk * kQuadsPerRow; e += kThreads) {
@@ -577,7 +584,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
     __syncthreads();  // the next slice overwrites the slice buffers; finish_a reads the norms
   }
   finish_a<G>(p, sh, rec, acc_q, acc_k);
-  if (p.delta) solve(sh);
+  if (p.delta) solve(c, sh);
 
   // w = T diag(n_k) (beta k 2^Gamma); u = T (beta v), or v for the linear write.
   if (p.delta)

@@ -477,13 +477,32 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
   }
 }
 
+// One-warp blocks of the pipelined form an SM holds at once. Its grid is exactly that many
+// per SM, since every block walks the same number of tasks: a block that is not resident
+// runs its share after the others, as a tail. The default carveout can leave shared memory
+// for fewer blocks than registers allow (8 KB stages and 1 KB per block reserved), so the
+// kernel asks for the largest; the occupancy calculator then counts what fits.
+template <class Kernel>
+int resident_pipelined_blocks(Kernel kernel) {
+  static const int blocks = [&] {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                         cudaSharedmemCarveoutMaxShared);
+    int n = 0;
+    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 32, 0);
+    cudaGetLastError();  // a failed query must not read as the launch's error
+    return err == cudaSuccess && n > 0 ? n : 1;
+  }();
+  return blocks;
+}
+
 template <int KB, int RK, class T, class S>
 void launch_kernel(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   if (p.warp_pipelined) {
-    const int64_t resident = int64_t{warp_min_blocks<RK, T>()} * p.sm_count;
+    const auto kernel = recurrent_warp_pipelined_kernel<KB, RK, T, S>;
+    const int64_t resident = int64_t{resident_pipelined_blocks(kernel)} * p.sm_count;
     const unsigned grid = static_cast<unsigned>(tasks < resident ? tasks : resident);
-    return recurrent_warp_pipelined_kernel<KB, RK, T, S><<<grid, 32, 0, stream>>>(p);
+    return kernel<<<grid, 32, 0, stream>>>(p);
   }
   const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
                                        static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))

@@ -176,6 +176,7 @@ TEST(CudaChunk, DeterministicBitwise) {
 constexpr const char* kTokenRuns = "FLASHDELTA_CHUNK_TOKEN_RUNS";
 constexpr const char* kStateProducts = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
 constexpr const char* kStateStages = "FLASHDELTA_CHUNK_STATE_STAGES";
+constexpr const char* kInverse = "FLASHDELTA_CHUNK_INVERSE";
 
 // The prepare kernel's dense bfloat16 reads (TokenRuns<true>: contiguous bf16 q, k, v and
 // vector gate with K and V multiples of 8, as these cases are) and its general ones
@@ -263,8 +264,8 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
 
 // Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general,
 // FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync, FLASHDELTA_CHUNK_STATE_STAGES auto, 1 or
-// 2; anything else fails the call (here its size query, before any device access) naming the
-// variable.
+// 2, FLASHDELTA_CHUNK_INVERSE auto or distance; anything else fails the call (here its size
+// query, before any device access) naming the variable.
 TEST(CudaChunkSettings, RejectUnknownValues) {
   const Case c = make_case({.T = 100, .K = 64, .V = 64, .dtype = DType::bf16});
   HostTensor o = c.make_output(DType::f32), s = c.make_state();
@@ -276,7 +277,8 @@ TEST(CudaChunkSettings, RejectUnknownValues) {
   };
   const Setting settings[] = {{kTokenRuns, {"", "auto", "general"}, "dense"},
                               {kStateProducts, {"", "auto", "mma_sync"}, "wgmma"},
-                              {kStateStages, {"", "auto", "1", "2"}, "3"}};
+                              {kStateStages, {"", "auto", "1", "2"}, "3"},
+                              {kInverse, {"", "auto", "distance"}, "columns"}};
   for (const Setting& setting : settings) {
     for (const char* fine : setting.fine) {
       const ScopedEnv set(setting.name, fine);
@@ -667,6 +669,48 @@ TEST(CudaChunk, WgmmaAndMmaSyncStateProductsAgree) {
     EXPECT_LT(rel_error(wgmma.state, mma_sync.state), kTol) << what << ": final states";
     EXPECT_LT(rel_error(wgmma.chunks, mma_sync.chunks), kTol) << what << ": chunk states";
     expect_forward_matches_reference(c, what, kChunk);
+  }
+}
+
+// The prepare kernel's two orders of T's blocks off the diagonal (cuda/chunk_inverse.cuh): by
+// column blocks on tf32 tensor cores in three products (the default) and by distances on the
+// CUDA cores (FLASHDELTA_CHUNK_INVERSE=distance). Both are float32 to a few ulp, but their
+// T rounds to bfloat16 here and there differently, so outputs and states agree to far below
+// the reference's tolerance, not bitwise; a misread fragment would be an error of order 1.
+// Both gate forms and no gate, weak gates with beta one (A_kk entries near their bound, T's
+// largest), K = 64, 128 and 256, varlen with partial chunks. Each form is checked against the
+// reference.
+TEST(CudaChunk, InverseOrdersAgree) {
+  FLASHDELTA_REQUIRE_GPU();
+  std::vector<std::pair<std::string, CaseConfig>> cases = {
+      {"kda, fused transforms, lower bound", gate_form_case(Mechanism::kda, 1, 150, 5900)},
+      {"kda, weak gates, beta one", {.T = 200, .HV = 2, .K = 128, .V = 64, .dtype = DType::f32,
+                                     .qk_l2norm = true, .gate_min = -0.01, .beta_value = 1.0,
+                                     .seed = 5901}},
+      {"gated deltanet, K = V = 64, varlen", {.mechanism = Mechanism::gated_deltanet, .T = 267,
+                                              .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16,
+                                              .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 5902}},
+      {"deltanet, K = 256, V = 120", {.mechanism = Mechanism::deltanet, .T = 130, .K = 256,
+                                      .V = 120, .dtype = DType::bf16, .qk_l2norm = true,
+                                      .seed = 5903}},
+  };
+  for (const auto& [what, cfg] : cases) {
+    const Case c = make_case(cfg);
+    ChunkStatesRun columns, distance;
+    {
+      const ScopedEnv automatic(kInverse, nullptr);
+      columns = run_with_chunk_states(c, DType::f32, kChunk);
+      expect_forward_matches_reference(c, what + ", by columns", kChunk);
+    }
+    {
+      const ScopedEnv forced(kInverse, "distance");
+      distance = run_with_chunk_states(c, DType::f32, kChunk);
+      expect_forward_matches_reference(c, what + ", by distance", kChunk);
+    }
+    constexpr double kTol = 1e-3;
+    EXPECT_LT(rel_error(columns.o, distance.o), kTol) << what << ": outputs";
+    EXPECT_LT(rel_error(columns.state, distance.state), kTol) << what << ": final states";
+    EXPECT_LT(rel_error(columns.chunks, distance.chunks), kTol) << what << ": chunk states";
   }
 }
 
