@@ -283,7 +283,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   __syncthreads();
 
   // T = (I + A_kk)^-1.
-  invert_unit_lower<kBackwardThreads>(&sh.akk[0][0], kLd, &sh.tm[0][0], kTmLd, sh.inverse);
+  invert_unit_lower_by_columns<kBackwardThreads>(&sh.akk[0][0], kLd, &sh.tm[0][0], kTmLd,
+                                                 sh.inverse);
   float* tm = b.ws.tm + rec * kC * kC;
   for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) tm[idx] = sh.tm[idx / kC][idx % kC];
 

@@ -7,9 +7,9 @@
 // off the diagonal:
 // - by distance I - J (invert_unit_lower): every thread takes a share of each distance, on
 //   the CUDA cores, with two block barriers per distance;
-// - by column block (invert_unit_lower_by_columns): warp J walks column block J down, its
-//   sums on the tensor cores in three tf32 products (hi x hi + hi x lo + lo x hi: float32
-//   to ~2^-21), with no block barrier between the diagonal blocks and the end.
+// - by column block (invert_unit_lower_by_columns): each warp walks halves of column blocks
+//   down, its sums on the tensor cores in three tf32 products (hi x hi + hi x lo + lo x hi:
+//   float32 to ~2^-21), with no block barrier between the diagonal blocks and the end.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,7 +23,7 @@ namespace {
 constexpr int kInverseBlocks = kChunk / kSubChunk;
 
 // The products sum_M A_IM T_MJ before T_II multiplies them: of one distance I - J, or of
-// warp J's column block.
+// each warp's current column half.
 struct InverseScratch {
   alignas(16) float x[kInverseBlocks - 1][kSubChunk][kSubChunk + 4];
 };
@@ -100,61 +100,59 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
   lo = to_tf32(x - __uint_as_float(hi));
 }
 
-// The same contract as invert_unit_lower (ldt a multiple of 4 floats). Warp J < 3 computes
-// T_IJ for I = J + 1 .. 3 in order: X = sum_{J <= M < I} A_IM T_MJ by m16n8k8 tf32 products
-// (its T_MJ are the diagonal block and its own earlier results), X to the warp's scratch,
-// then T_IJ = -T_II X in float32, a lane per row half. Warp 0's three blocks are the longest
-// path: 72 mma and three 16 x 16 triangular products.
+// The same contract as invert_unit_lower (ldt a multiple of 4 floats; warps past the fourth
+// wait at the barriers). The columns of T
+// below the diagonal blocks split into six independent items, a column block J < 3 and a
+// half h of its 16 columns each: warps 0 and 1 take block 0's halves (three blocks down,
+// 12 k-steps), warps 2 and 3 blocks 1 and 2 of their half (2 + 1 blocks, 8 k-steps). An item
+// computes T_IJ for I = J + 1 .. 3 in order: X = sum_{J <= M < I} A_IM T_MJ by m16n8k8 tf32
+// products (its T_MJ are the diagonal block and its own earlier results), X to the warp's
+// scratch, then T_IJ = -T_II X in float32, four columns of a row per lane.
 template <int kThreads>
 __device__ void invert_unit_lower_by_columns(const float* a, int lda, float* t, int ldt,
                                              InverseScratch& s) {
+  static_assert(kThreads / 32 >= kInverseBlocks, "four warps share the six column halves");
+  constexpr int kLdx = 12;  // a warp's X: 16 rows x 8 columns, rows 48 bytes apart
+  static_assert(sizeof(InverseScratch) >= sizeof(float) * kInverseBlocks * kSubChunk * kLdx);
   invert_diagonal_blocks<kThreads>(a, lda, t, ldt);
-  const int J = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  if (J < kInverseBlocks - 1) {
-    float (&x)[kSubChunk][kSubChunk + 4] = s.x[J];
-    const int j0 = kSubChunk * J;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  float* x = &s.x[0][0][0] + warp * kSubChunk * kLdx;
+  const int half = 8 * (warp % 2);
+  for (int J = warp / 2; warp < kInverseBlocks && J <= (warp < 2 ? 0 : 2); ++J) {
+    const int j0 = kSubChunk * J + half;  // the item's 8 columns
     for (int I = J + 1; I < kInverseBlocks; ++I) {
       const int i0 = kSubChunk * I;
-      Acc acc[2];
-      for (int k0 = j0; k0 < i0; k0 += 8) {
+      Acc acc;
+      for (int k0 = kSubChunk * J; k0 < i0; k0 += 8) {
         const float* ar = a + (i0 + g) * lda + k0 + c;
         uint32_t ah[4], al[4];
         split_tf32(ar[0], ah[0], al[0]);
         split_tf32(ar[8 * lda], ah[1], al[1]);
         split_tf32(ar[4], ah[2], al[2]);
         split_tf32(ar[8 * lda + 4], ah[3], al[3]);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const float* br = t + (k0 + c) * ldt + j0 + 8 * nt + g;
-          uint32_t bh0, bl0, bh1, bl1;
-          split_tf32(br[0], bh0, bl0);
-          split_tf32(br[4 * ldt], bh1, bl1);
-          mma_tf32(acc[nt], ah, bh0, bh1);
-          mma_tf32(acc[nt], ah, bl0, bl1);
-          mma_tf32(acc[nt], al, bh0, bh1);
-        }
+        const float* br = t + (k0 + c) * ldt + j0 + g;
+        uint32_t bh0, bl0, bh1, bl1;
+        split_tf32(br[0], bh0, bl0);
+        split_tf32(br[4 * ldt], bh1, bl1);
+        mma_tf32(acc, ah, bh0, bh1);
+        mma_tf32(acc, ah, bl0, bl1);
+        mma_tf32(acc, al, bh0, bh1);
       }
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[acc_row(e)][8 * nt + acc_col(e)] = acc[nt].d[e];
+      for (int e = 0; e < 4; ++e) x[acc_row(e) * kLdx + acc_col(e)] = acc.d[e];
       __syncwarp();
-      // Row i, columns c0 .. c0 + 7 of T_IJ = -T_II X; T_II's entries right of its diagonal
+      // Row i, columns c0 .. c0 + 3 of T_IJ = -T_II X; T_II's entries right of its diagonal
       // are zeros, so every lane runs all 16 terms (no divergence).
-      const int i = lane / 2, c0 = 8 * (lane % 2);
+      const int i = lane / 2, c0 = 4 * (lane % 2);
       const float* tii = t + (i0 + i) * ldt + i0;
-      float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+      float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int m = 0; m < kSubChunk; ++m) {
         const float tm = tii[m];
-        const float4 x0 = *reinterpret_cast<const float4*>(&x[m][c0]);
-        const float4 x1 = *reinterpret_cast<const float4*>(&x[m][c0 + 4]);
-        lo.x -= tm * x0.x, lo.y -= tm * x0.y, lo.z -= tm * x0.z, lo.w -= tm * x0.w;
-        hi.x -= tm * x1.x, hi.y -= tm * x1.y, hi.z -= tm * x1.z, hi.w -= tm * x1.w;
+        const float4 xm = *reinterpret_cast<const float4*>(x + m * kLdx + c0);
+        r.x -= tm * xm.x, r.y -= tm * xm.y, r.z -= tm * xm.z, r.w -= tm * xm.w;
       }
-      float* out = t + (i0 + i) * ldt + j0 + c0;
-      *reinterpret_cast<float4*>(out) = lo;
-      *reinterpret_cast<float4*>(out + 4) = hi;
+      *reinterpret_cast<float4*>(t + (i0 + i) * ldt + j0 + c0) = r;
       __syncwarp();  // x is rewritten and T_IJ read as an operand by the next I
     }
   }
