@@ -101,13 +101,13 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
 }
 
 // The same contract as invert_unit_lower (ldt a multiple of 4 floats; warps past the fourth
-// wait at the barriers). The columns of T
-// below the diagonal blocks split into six independent items, a column block J < 3 and a
-// half h of its 16 columns each: warps 0 and 1 take block 0's halves (three blocks down,
-// 12 k-steps), warps 2 and 3 blocks 1 and 2 of their half (2 + 1 blocks, 8 k-steps). An item
-// computes T_IJ for I = J + 1 .. 3 in order: X = sum_{J <= M < I} A_IM T_MJ by m16n8k8 tf32
-// products (its T_MJ are the diagonal block and its own earlier results), X to the warp's
-// scratch, then T_IJ = -T_II X in float32, four columns of a row per lane.
+// wait at the barriers). The columns of T below the diagonal blocks split into six
+// independent items, a column block J < 3 and a half of its 16 columns each: warps 0 and 1
+// take block 0's halves (three blocks down, 12 k-steps), warps 2 and 3 blocks 1 and 2 of
+// their half (2 + 1 blocks, 8 k-steps). An item computes T_IJ for I = J + 1 .. 3 in order:
+// X = sum_{J <= M < I} A_IM T_MJ by m16n8k8 tf32 products (its T_MJ are the diagonal block
+// and its own earlier results), X to the warp's scratch, then T_IJ = -T_II X in float32,
+// four columns of a row per lane.
 template <int kThreads>
 __device__ void invert_unit_lower_by_columns(const float* a, int lda, float* t, int ldt,
                                              InverseScratch& s) {

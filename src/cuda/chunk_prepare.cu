@@ -217,10 +217,9 @@ __device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, con
   }
   __syncthreads();
   if constexpr (G == GateForm::vector) {
-    // Cumulative sums down each channel: every thread scans one segment of tokens, then
-    // adds the totals of the segments before it.
-    // The segment's sums stay in registers; its total goes through s.ref, free until the
-    // reference points below are written after the last barrier.
+    // Cumulative sums down each channel: every thread scans one segment of tokens in
+    // registers, then adds the totals of the segments before it, which pass through s.ref
+    // (free until the reference points below are written after the last barrier).
     constexpr int kSegments = kThreads / kSlice, kLen = kChunk / kSegments;
     static_assert(kSegments == kChunk / kSubChunk, "a segment's total fits s.ref's row");
     const int ch = tid % kSlice, seg = tid / kSlice, t0 = seg * kLen;
@@ -456,9 +455,9 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
     }
 }
 
-// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order), left in bfloat16 twice, each rounded once
-// from float32: T diag(n_k) in tb (w's operand: w = T diag(n_k) (beta k 2^Gamma)), T in tu
-// (u's).
+// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order), left in bfloat16 twice, each
+// rounded once from float32: T diag(n_k) in tb (w's operand: w = T diag(n_k) (beta k
+// 2^Gamma)), T in tu (u's).
 template <int KP>
 __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
   auto& v = sh.u.v;
