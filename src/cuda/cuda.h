@@ -41,13 +41,6 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV);
 // as described. Any other value throws Error(invalid_argument) naming the variable.
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms);
 inline constexpr int64_t kWarpWavesForEightKeys = 8;
-// Whether the warp kernel runs its pipelined form (cuda/recurrent_warp_kernel.cu: resident
-// warps walking tasks, the next task's state copied into shared memory while one computes)
-// for `tasks` warp tasks: FLASHDELTA_RECURRENT_WARP_FETCH=shared, where tasks < 2^31;
-// `registers`, unset or `auto`: the direct form (each task loads its state into registers).
-// The same sums: bitwise equal. Not yet measured on a GPU (bench/NOTES.md (ak)), so `auto`
-// is the direct form. Any other value throws Error(invalid_argument) naming the variable.
-bool cuda_recurrent_warp_pipelined(int64_t tasks);
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it
 // allocates in stream order.

@@ -75,12 +75,6 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
     case RecurrentKernel::warp:
       r.value_tiles = r.V / warp_columns;
       r.task_grid = cuda_recurrent_warp_task_grid(r.N, r.HV);
-      r.warp_pipelined = cuda_recurrent_warp_pipelined(warp_tasks);
-      if (r.warp_pipelined) {
-        r.sm_count = sms > 0 ? sms : 1;
-        r.tiles_divisor = cuda::make_fast_divisor(static_cast<uint32_t>(r.value_tiles));
-        r.heads_divisor = cuda::make_fast_divisor(static_cast<uint32_t>(r.HV));
-      }
       return cuda::launch_recurrent_warp(r, state_dtype, stream);
     case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
     case RecurrentKernel::wide: r.tile = cuda::RecurrentTile::wide; break;
@@ -104,12 +98,6 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {
   const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_GRID", {"auto", "loop"});
   constexpr int64_t kGridYZ = 65535;
   return setting != "loop" && N <= kGridYZ && HV <= kGridYZ;  // unset reads as ""
-}
-
-bool cuda_recurrent_warp_pipelined(int64_t tasks) {
-  const std::string setting =
-      env_setting("FLASHDELTA_RECURRENT_WARP_FETCH", {"auto", "registers", "shared"});
-  return setting == "shared" && tasks <= INT32_MAX;
 }
 
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms) {

@@ -75,11 +75,6 @@ struct RecurrentParams {
   // division), else a grid-stride loop over task numbers (cuda_recurrent_warp_task_grid).
   bool task_grid = false;
   int warp_keys = 4;  // warp kernel: keys per lane, 4 or 8 (cuda_recurrent_warp_keys)
-  // Warp kernel, pipelined form (cuda_recurrent_warp_pipelined): sm_count SMs, and the task
-  // number's divisors (value tiles, HV); tasks < 2^31.
-  bool warp_pipelined = false;
-  int sm_count = 1;
-  FastDivisor tiles_divisor, heads_divisor;
 
   // The recurrence.
   GateForm gate = GateForm::none;

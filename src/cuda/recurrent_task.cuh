@@ -13,23 +13,14 @@
 namespace flashdelta::detail::cuda {
 namespace {
 
-// Slot the row starts from; -1 = padding row (also for out-of-range device indices). In
-// two halves, so that a caller can issue the index load early and wait on it late:
-// start_index loads the row's start index (unchecked; per-token rows with accepted counts
-// load the count first), checked_start maps it to a slot or -1.
-__device__ __forceinline__ int64_t start_index(const RecurrentParams& p, int64_t n) {
+// Slot the row starts from; -1 = padding row (also for out-of-range device indices).
+__device__ int64_t start_slot(const RecurrentParams& p, int64_t n) {
   if (!p.serving) return n;
   const int64_t col =
       p.per_token_slots && p.num_accepted.data ? load_index(p.num_accepted, n, 0) - 1 : 0;
   if (col < 0 || col >= p.state_indices.cols) return -1;
-  return load_index(p.state_indices, n, col);
-}
-__device__ __forceinline__ int64_t checked_start(const RecurrentParams& p, int64_t index) {
-  if (!p.serving) return index;
-  return index >= 0 && index < p.pool_slots ? index : -1;
-}
-__device__ int64_t start_slot(const RecurrentParams& p, int64_t n) {
-  return checked_start(p, start_index(p, n));
+  const int64_t s = load_index(p.state_indices, n, col);
+  return s >= 0 && s < p.pool_slots ? s : -1;
 }
 
 // Slot written after local token t of a row of `len` tokens (-1 = none).

@@ -248,39 +248,10 @@ __device__ __forceinline__ void load_state_run(const __nv_bfloat16* p, float (&x
   x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 
-// A state tile of zeros (no initial state).
-template <int kChunks>
-__device__ __forceinline__ void zero_state(float (&x)[kChunks][4]) {
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-    for (int m = 0; m < 4; ++m) x[c][m] = 0.f;
-}
-
-// The lane's state chunks of one task, loaded from global memory (zeros without an initial
-// state): run_warp_task's state source in the kernel's direct form.
-template <class W, class S>
-struct DirectState {
-  const RecurrentParams& p;
-  const W& tile;
-  __device__ void operator()(const Task& w, int col, float (&x)[W::RK / 4 * W::kColumns][4]) const {
-    constexpr int kChunks = W::RK / 4 * W::kColumns;
-    if (p.state_in.data) {
-      const S* src = tile_base<const S>(p.state_in, w.start, w.hv);
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        load_state_run(src + chunk_offset(p.state_in, tile, col, c), x[c]);
-    } else {
-      zero_state(x);
-    }
-  }
-};
-
-// One task: its token inputs, the state from `load_state` (a DirectState, or the pipelined
-// form's shared-memory stage), the steps, the stores.
-template <class W, class T, class S, class StateSource>
-__device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w,
-                              const StateSource& load_state) {
+// One task: its token inputs, its state (zeros without an initial state), the steps, the
+// stores.
+template <class W, class T, class S>
+__device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w) {
   constexpr int RK = W::RK, CPL = W::kColumns, kChunks = RK / 4 * CPL;
   const int64_t n = w.n, hv = w.hv;
   const int64_t h = p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(hv), p.group_divisor)
@@ -306,7 +277,17 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
   if (p.serving && !p.per_token_slots && seq.len == 0) return;  // nothing to update
 
   float x[kChunks][4];
-  load_state(w, col, x);
+  if (p.state_in.data) {
+    const S* src = tile_base<const S>(p.state_in, w.start, hv);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      load_state_run(src + chunk_offset(p.state_in, tile, col, c), x[c]);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+      for (int m = 0; m < 4; ++m) x[c][m] = 0.f;
+  }
   LaneInputs<RK> in;
   if (seq.len > 0) transform_lane_token<W, T>(p, raw, a, in);
 
@@ -374,136 +355,16 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
     w.hv = static_cast<int>(blockIdx.y);
     w.n = blockIdx.z;
     w.start = start_slot(p, w.n);
-    return run_warp_task<W, T, S>(p, tile, w, DirectState<W, S>{p, tile});
+    return run_warp_task<W, T, S>(p, tile, w);
   }
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   for (int64_t blk = blockIdx.x; blk < tasks; blk += gridDim.x)
-    run_warp_task<W, T, S>(p, tile, task_of<W::CW>(p, blk, tasks), DirectState<W, S>{p, tile});
-}
-
-// The pipelined form (FLASHDELTA_RECURRENT_WARP_FETCH=shared, cuda_recurrent_warp_pipelined): a
-// grid of as many one-warp blocks as fit the SMs at once, each walking task numbers
-// blockIdx.x, + gridDim.x, ... While a task computes, the next task's state is already in
-// flight into a shared-memory stage by cp.async (no registers held for it), and the slot
-// index of the one after that too, so a warp keeps 4-8 KB of state loads in flight through
-// its arithmetic. Each lane copies and then reads only its own chunks: no barrier.
-template <class S>
-struct StateChunk;  // one lane's 4 state values, as copied
-template <>
-struct StateChunk<float> {
-  using type = float4;
-};
-template <>
-struct StateChunk<__nv_bfloat16> {
-  using type = uint2;
-};
-
-// Task number t of the grid's (value tile, HV, N) order by multiply-shift divisions.
-template <int CW>
-__device__ __forceinline__ Task pipelined_task(const RecurrentParams& p, uint32_t t) {
-  Task w;
-  const uint32_t head = fast_divide(t, p.tiles_divisor), n = fast_divide(head, p.heads_divisor);
-  w.j0 = static_cast<int>(t - head * p.tiles_divisor.d) * CW;
-  w.hv = static_cast<int>(head - n * p.heads_divisor.d);
-  w.n = n;
-  return w;
-}
-
-template <class W, class S>
-__device__ __forceinline__ void prefetch_state(const RecurrentParams& p, const W& tile,
-                                               const Task& w,
-                                               typename StateChunk<S>::type (*stage)[32]) {
-  constexpr int kChunks = W::RK / 4 * W::kColumns;
-  if (w.start < 0 || !p.state_in.data) return;
-  const S* src = tile_base<const S>(p.state_in, w.start, w.hv);
-  const int lane = threadIdx.x % 32, col = w.j0 + tile.column;
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c)
-    copy_async<4 * sizeof(S)>(&stage[c][lane], src + chunk_offset(p.state_in, tile, col, c),
-                              4 * sizeof(S));
-}
-
-// run_warp_task's state source in the pipelined form: waits for the stage's copies (all but
-// the newest group) and reads the lane's chunks.
-template <class W, class S>
-struct StagedState {
-  const RecurrentParams& p;
-  const typename StateChunk<S>::type (*stage)[32];
-  __device__ void operator()(const Task&, int, float (&x)[W::RK / 4 * W::kColumns][4]) const {
-    constexpr int kChunks = W::RK / 4 * W::kColumns;
-    wait_async<1>();
-    if (!p.state_in.data) return zero_state(x);
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c)
-      load_state_run(reinterpret_cast<const S*>(&stage[c][lane]), x[c]);
-  }
-};
-
-template <int KB, int RK, class T, class S>
-__global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
-    recurrent_warp_pipelined_kernel(const __grid_constant__ RecurrentParams p) {
-  using W = WarpTile<KB, RK>;
-  using Chunk = typename StateChunk<S>::type;
-  constexpr int kChunks = RK / 4 * W::kColumns;
-  __shared__ Chunk stage[2][kChunks][32];
-  const W tile;
-  const uint32_t tasks = static_cast<uint32_t>(p.N * p.HV * p.value_tiles), step = gridDim.x;
-  uint32_t t = blockIdx.x;
-  if (t >= tasks) return;
-  Task w = pipelined_task<W::CW>(p, t);
-  w.start = start_slot(p, w.n);
-  prefetch_state<W, S>(p, tile, w, stage[0]);
-  commit_async();
-  // The start index of the task after next is loaded a task ahead of its copies and
-  // checked only then, so that its latency passes behind a task's arithmetic.
-  int64_t index_next =
-      t + step < tasks ? start_index(p, pipelined_task<W::CW>(p, t + step).n) : -1;
-  for (int s = 0;; s ^= 1) {
-    const uint32_t next = t + step;
-    Task wn;
-    if (next < tasks) {
-      wn = pipelined_task<W::CW>(p, next);
-      wn.start = checked_start(p, index_next);
-      prefetch_state<W, S>(p, tile, wn, stage[s ^ 1]);
-      if (next + step < tasks)
-        index_next = start_index(p, pipelined_task<W::CW>(p, next + step).n);
-    }
-    commit_async();  // possibly empty: one group per task keeps wait_async<1> right
-    run_warp_task<W, T, S>(p, tile, w, StagedState<W, S>{p, stage[s]});
-    if (next >= tasks) return;
-    t = next;
-    w = wn;
-  }
-}
-
-// One-warp blocks of the pipelined form an SM holds at once. Its grid is exactly that many
-// per SM, since every block walks the same number of tasks: a block that is not resident
-// runs its share after the others, as a tail. The default carveout can leave shared memory
-// for fewer blocks than registers allow (8 KB stages and 1 KB per block reserved), so the
-// kernel asks for the largest; the occupancy calculator then counts what fits.
-template <class Kernel>
-int resident_pipelined_blocks(Kernel kernel) {
-  static const int blocks = [&] {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                         cudaSharedmemCarveoutMaxShared);
-    int n = 0;
-    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 32, 0);
-    cudaGetLastError();  // a failed query must not read as the launch's error
-    return err == cudaSuccess && n > 0 ? n : 1;
-  }();
-  return blocks;
+    run_warp_task<W, T, S>(p, tile, task_of<W::CW>(p, blk, tasks));
 }
 
 template <int KB, int RK, class T, class S>
 void launch_kernel(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t tasks = p.N * p.HV * p.value_tiles;
-  if (p.warp_pipelined) {
-    const auto kernel = recurrent_warp_pipelined_kernel<KB, RK, T, S>;
-    const int64_t resident = int64_t{resident_pipelined_blocks(kernel)} * p.sm_count;
-    const unsigned grid = static_cast<unsigned>(tasks < resident ? tasks : resident);
-    return kernel<<<grid, 32, 0, stream>>>(p);
-  }
   const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
                                        static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
                                 : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));

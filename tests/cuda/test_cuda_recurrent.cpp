@@ -320,35 +320,6 @@ TEST(CudaDecode, WarpKernelEightKeysPerLane) {
           }
 }
 
-// The warp kernel's pipelined form (FLASHDELTA_RECURRENT_WARP_FETCH=shared) against the
-// direct form, bitwise, and the reference, with more tasks than a GPU holds warps (64 rows x
-// 8 heads x 16 tasks: each resident warp walks several, its next task's state copied while
-// one computes): padding rows among them, float32 and bfloat16 pools, one-token steps and
-// 2-token per-token-slot steps.
-TEST(CudaDecode, WarpKernelPipelinedFormAgreesBitwise) {
-  FLASHDELTA_REQUIRE_GPU();
-  uint64_t seed = 980;
-  for (const DType pool : {DType::f32, DType::bf16})
-    for (const int64_t T : {1, 2}) {
-      CaseConfig cfg = decode_config(Mechanism::kda, 64, T, 128, 128, seed++);
-      cfg.H = 4;
-      cfg.HV = 8;
-      cfg.layout = StateLayout::v_first;
-      cfg.dtype = DType::bf16;
-      cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
-      std::vector<std::vector<int64_t>> slots;
-      for (int64_t n = 0; n < 64; ++n) {
-        const int64_t first = n % 7 == 3 ? -1 : 2 * n;  // every seventh row a padding row
-        slots.push_back({first});
-        if (T == 2) slots.back().push_back(2 * n + 1);
-      }
-      const DecodeCase d = make_decode_case(cfg, 130, pool, slots);
-      expect_settings_agree_bitwise(d, std::string("pool ") + dtype_name(pool) + " T=" +
-                                           std::to_string(T),
-                                    "FLASHDELTA_RECURRENT_WARP_FETCH", {"registers", "shared"});
-    }
-}
-
 TEST(CudaDecode, DeterministicBitwise) {
   FLASHDELTA_REQUIRE_GPU();
   const CaseConfig cfg = decode_config(Mechanism::kda, 4, 2, 128, 128, 7);
@@ -567,24 +538,6 @@ TEST(CudaRecurrentTile, WarpKeysFollowTheEnvironmentVariable) {
     EXPECT_EQ(cuda_recurrent_warp_keys(32, 32, 1, true, 132), 4);
   }
   expect_setting_rejected(kKeys, "16", [] { cuda_recurrent_warp_keys(128, 128, 1, false, 132); });
-}
-
-// The warp kernel's form (host only): direct unless FLASHDELTA_RECURRENT_WARP_FETCH=shared,
-// and direct past 2^31 - 1 tasks.
-TEST(CudaRecurrentTile, WarpFetchFollowsTheEnvironmentVariable) {
-  using detail::cuda_recurrent_warp_pipelined;
-  constexpr const char* kFetch = "FLASHDELTA_RECURRENT_WARP_FETCH";
-  for (const char* direct : {static_cast<const char*>(nullptr), "", "auto", "registers"}) {
-    const ScopedEnv env(kFetch, direct);
-    EXPECT_FALSE(cuda_recurrent_warp_pipelined(1 << 20));
-  }
-  {
-    const ScopedEnv env(kFetch, "shared");
-    EXPECT_TRUE(cuda_recurrent_warp_pipelined(1));
-    EXPECT_TRUE(cuda_recurrent_warp_pipelined(INT32_MAX));
-    EXPECT_FALSE(cuda_recurrent_warp_pipelined(int64_t{INT32_MAX} + 1));
-  }
-  expect_setting_rejected(kFetch, "smem", [] { cuda_recurrent_warp_pipelined(1); });
 }
 
 TEST(CudaErrors, ClearMessagesAndNothingWritten) {
