@@ -1,10 +1,15 @@
 // An environment variable set (or unset, value nullptr) for one scope and restored after:
-// how tests run the kernels' forms that environment variables select.
+// how tests run the kernels' forms that environment variables select; and the check that a
+// setting's unknown value is refused.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <optional>
 #include <string>
+
+#include "flashdelta/types.h"
 
 namespace flashdelta::testing {
 
@@ -22,5 +27,21 @@ class ScopedEnv {
   const char* name_;
   std::optional<std::string> old_;
 };
+
+// Under the environment variable `name` set to `value`, `call` throws
+// Error(invalid_argument) naming the variable and the value.
+template <class Call>
+void expect_setting_rejected(const char* name, const char* value, const Call& call) {
+  const ScopedEnv env(name, value);
+  try {
+    call();
+    ADD_FAILURE() << name << ": accepted '" << value << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'" + std::string(value) + "'"), std::string::npos)
+        << e.what();
+  }
+}
 
 }  // namespace flashdelta::testing

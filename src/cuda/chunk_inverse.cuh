@@ -116,44 +116,46 @@ __device__ void invert_unit_lower_by_columns(const float* a, int lda, float* t, 
   static_assert(sizeof(InverseScratch) >= sizeof(float) * kInverseBlocks * kSubChunk * kLdx);
   invert_diagonal_blocks<kThreads>(a, lda, t, ldt);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  float* x = &s.x[0][0][0] + warp * kSubChunk * kLdx;
-  const int half = 8 * (warp % 2);
-  for (int J = warp / 2; warp < kInverseBlocks && J <= (warp < 2 ? 0 : 2); ++J) {
-    const int j0 = kSubChunk * J + half;  // the item's 8 columns
-    for (int I = J + 1; I < kInverseBlocks; ++I) {
-      const int i0 = kSubChunk * I;
-      Acc acc;
-      for (int k0 = kSubChunk * J; k0 < i0; k0 += 8) {
-        const float* ar = a + (i0 + g) * lda + k0 + c;
-        uint32_t ah[4], al[4];
-        split_tf32(ar[0], ah[0], al[0]);
-        split_tf32(ar[8 * lda], ah[1], al[1]);
-        split_tf32(ar[4], ah[2], al[2]);
-        split_tf32(ar[8 * lda + 4], ah[3], al[3]);
-        const float* br = t + (k0 + c) * ldt + j0 + g;
-        uint32_t bh0, bl0, bh1, bl1;
-        split_tf32(br[0], bh0, bl0);
-        split_tf32(br[4 * ldt], bh1, bl1);
-        mma_tf32(acc, ah, bh0, bh1);
-        mma_tf32(acc, ah, bl0, bl1);
-        mma_tf32(acc, al, bh0, bh1);
-      }
+  if (warp < kInverseBlocks) {
+    float* x = &s.x[0][0][0] + warp * kSubChunk * kLdx;
+    const int half = 8 * (warp % 2);
+    for (int J = warp / 2; J <= (warp < 2 ? 0 : 2); ++J) {
+      const int j0 = kSubChunk * J + half;  // the item's 8 columns
+      for (int I = J + 1; I < kInverseBlocks; ++I) {
+        const int i0 = kSubChunk * I;
+        Acc acc;
+        for (int k0 = kSubChunk * J; k0 < i0; k0 += 8) {
+          const float* ar = a + (i0 + g) * lda + k0 + c;
+          uint32_t ah[4], al[4];
+          split_tf32(ar[0], ah[0], al[0]);
+          split_tf32(ar[8 * lda], ah[1], al[1]);
+          split_tf32(ar[4], ah[2], al[2]);
+          split_tf32(ar[8 * lda + 4], ah[3], al[3]);
+          const float* br = t + (k0 + c) * ldt + j0 + g;
+          uint32_t bh0, bl0, bh1, bl1;
+          split_tf32(br[0], bh0, bl0);
+          split_tf32(br[4 * ldt], bh1, bl1);
+          mma_tf32(acc, ah, bh0, bh1);
+          mma_tf32(acc, ah, bl0, bl1);
+          mma_tf32(acc, al, bh0, bh1);
+        }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) x[acc_row(e) * kLdx + acc_col(e)] = acc.d[e];
-      __syncwarp();
-      // Row i, columns c0 .. c0 + 3 of T_IJ = -T_II X; T_II's entries right of its diagonal
-      // are zeros, so every lane runs all 16 terms (no divergence).
-      const int i = lane / 2, c0 = 4 * (lane % 2);
-      const float* tii = t + (i0 + i) * ldt + i0;
-      float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int e = 0; e < 4; ++e) x[acc_row(e) * kLdx + acc_col(e)] = acc.d[e];
+        __syncwarp();
+        // Row i, columns c0 .. c0 + 3 of T_IJ = -T_II X; T_II's entries right of its diagonal
+        // are zeros, so every lane runs all 16 terms (no divergence).
+        const int i = lane / 2, c0 = 4 * (lane % 2);
+        const float* tii = t + (i0 + i) * ldt + i0;
+        float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int m = 0; m < kSubChunk; ++m) {
-        const float tm = tii[m];
-        const float4 xm = *reinterpret_cast<const float4*>(x + m * kLdx + c0);
-        r.x -= tm * xm.x, r.y -= tm * xm.y, r.z -= tm * xm.z, r.w -= tm * xm.w;
+        for (int m = 0; m < kSubChunk; ++m) {
+          const float tm = tii[m];
+          const float4 xm = *reinterpret_cast<const float4*>(x + m * kLdx + c0);
+          r.x -= tm * xm.x, r.y -= tm * xm.y, r.z -= tm * xm.z, r.w -= tm * xm.w;
+        }
+        *reinterpret_cast<float4*>(t + (i0 + i) * ldt + j0 + c0) = r;
+        __syncwarp();  // x is rewritten and T_IJ read as an operand by the next I
       }
-      *reinterpret_cast<float4*>(t + (i0 + i) * ldt + j0 + c0) = r;
-      __syncwarp();  // x is rewritten and T_IJ read as an operand by the next I
     }
   }
   __syncthreads();

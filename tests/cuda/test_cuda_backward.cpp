@@ -367,22 +367,6 @@ constexpr const char* kScanColumns = "FLASHDELTA_BACKWARD_SCAN_COLUMNS";
 constexpr const char* kScans = "FLASHDELTA_BACKWARD_SCANS";
 constexpr const char* kScanSegments = "FLASHDELTA_BACKWARD_SCAN_SEGMENTS";
 
-// With environment variable `name` set to `bad`, call() throws Error(invalid_argument) whose
-// message names the variable and the value.
-template <class F>
-void expect_rejected(const char* name, const char* bad, const F& call) {
-  const ScopedEnv wrong(name, bad);
-  try {
-    call();
-    ADD_FAILURE() << name << ": accepted '" << bad << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find(std::string("'") + bad + "'"), std::string::npos)
-        << e.what();
-  }
-}
-
 // Host arithmetic only (runs without a GPU): the scans' tile width by the environment.
 TEST(CudaBackwardScanColumns, FollowsTheEnvironmentVariable) {
   // Unset, empty or `auto`: the widest tile whose scans * ceil(V / width) blocks give each of
@@ -403,7 +387,8 @@ TEST(CudaBackwardScanColumns, FollowsTheEnvironmentVariable) {
     EXPECT_EQ(detail::cuda_backward_scan_columns(1000, 128, 132), std::stoi(width));
   }
   for (const char* bad : {"4", "64", "Auto", "16 ", "x"})
-    expect_rejected(kScanColumns, bad, [] { detail::cuda_backward_scan_columns(1, 128, 132); });
+    expect_setting_rejected(kScanColumns, bad,
+                            [] { detail::cuda_backward_scan_columns(1, 128, 132); });
 }
 
 // The tile scans at every width: the same gradients, bit for bit, as the widest (each output
@@ -452,7 +437,7 @@ TEST(CudaBackwardScansMma, FollowsTheEnvironmentVariable) {
     EXPECT_FALSE(detail::cuda_backward_scans_mma(128));
   }
   for (const char* bad : {"MMA", "pipelined"})  // `pipelined`: a form since removed
-    expect_rejected(kScans, bad, [] { detail::cuda_backward_scans_mma(128); });
+    expect_setting_rejected(kScans, bad, [] { detail::cuda_backward_scans_mma(128); });
 }
 
 // Host only: how many segments the scans in registers split each sequence into.
@@ -478,8 +463,8 @@ TEST(CudaBackwardScanSegments, FollowsTheEnvironmentVariable) {
     EXPECT_EQ(detail::cuda_backward_scan_segments(1, 129, 128, 512), 1);
   }
   for (const char* bad : {"0", "5", "auto ", "x"})
-    expect_rejected(kScanSegments, bad,
-                    [] { detail::cuda_backward_scan_segments(1, 128, 128, 64); });
+    expect_setting_rejected(kScanSegments, bad,
+                            [] { detail::cuda_backward_scan_segments(1, 128, 128, 64); });
 }
 
 // Sequences split into segments (the segments' maps, then every segment from its carried

@@ -423,22 +423,6 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
   expect_decode_matches_reference(w, "70,400 blocks", decode_on_device);
 }
 
-// Under the environment variable `name` set to `value`, `call` throws
-// Error(invalid_argument) naming the variable and the value.
-template <class Call>
-void expect_setting_rejected(const char* name, const char* value, const Call& call) {
-  const ScopedEnv env(name, value);
-  try {
-    call();
-    ADD_FAILURE() << name << ": accepted '" << value << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("'" + std::string(value) + "'"), std::string::npos)
-        << e.what();
-  }
-}
-
 // The kernel choice (host only): under `auto` the warp kernel wherever it takes the
 // problem, else the narrow tile below one wide block per SM; `warp` the same.
 TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
