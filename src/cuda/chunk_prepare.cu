@@ -23,6 +23,10 @@
 // slices, and no value is rounded to bfloat16 twice.
 //
 // Keys are processed in slices of kSlice channels so the block fits three times per SM.
+// Without a vector gate and with dense bfloat16 inputs, A's operands are the bfloat16 rows
+// of q and k as given: the whole 64 x K tiles are copied to shared memory at once
+// (cp.async), A is taken over all K with no slices, and w's operand is k itself, its row
+// scale beta 2^Gamma moved onto T's columns with n_k (the key tiles).
 // Shared arrays read or written 16 bytes at a time are declared alignas(16), so that a new
 // member or padding cannot misalign them silently.
 #include <cuda_runtime.h>
@@ -82,14 +86,20 @@ struct PrepareShared {
     InverseScratch inverse;
     alignas(16) bf16 tu[kChunk][kChunkLd];  // T in bfloat16 (u's operand)
   };
+  // The key tiles' q (their k lies in wsrc), until finish_a.
+  struct QTile {
+    alignas(16) bf16 q[kChunk][KP + 8];
+  };
   union {
     Slice s;
     Solve v;
+    QTile qt;
   } u;
-  alignas(16) bf16 wsrc[kChunk][KP + 8];  // beta k 2^Gamma
+  alignas(16) bf16 wsrc[kChunk][KP + 8];  // beta k 2^Gamma (slices), k as given (key tiles)
   float fix_qk[4][kSubChunk][kSubChunk], fix_kk[4][kSubChunk][kSubChunk];
   float beta[kChunk], gs[kChunk];  // beta; scalar gate: Gamma after each token
   alignas(16) float inv_k[kChunk];  // 1 / |k| per token (finish_norms)
+  alignas(16) float w_cols[kChunk];  // key tiles: T's column scale for w, n_k beta 2^Gamma
   alignas(16) float bias[KP];  // vector gate in the kernel: dt_bias per key (zeros past K)
 
   __device__ bf16* tb() { return reinterpret_cast<bf16*>(&u.v.a[0][0]); }  // [C][kChunkLd]
@@ -98,6 +108,8 @@ struct PrepareShared {
 // With T's second bfloat16 copy the solve's buffers still fit in the slice's: the union, and
 // so the blocks per SM, stay as they were.
 static_assert(sizeof(PrepareShared<64>::Solve) <= sizeof(PrepareShared<64>::Slice));
+// The key tiles' q fits there too at every key width.
+static_assert(sizeof(PrepareShared<256>::QTile) <= sizeof(PrepareShared<256>::Slice));
 static_assert(sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * (kChunk + 1) &&
                   sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * (kChunk + 1),
               "T and beta v in bfloat16 fit in the places of A_kk and T in float32");
@@ -286,6 +298,32 @@ __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>&
   }
 }
 
+// acc_q += xq kbar^T and acc_k += xk kbar^T over key channels [0, Width) for warp I's row
+// block I: column tiles 0 .. 2I+1 (tile pairs np <= I). xq and xk point at the warp's 16
+// rows, kbar at token 0's; rows are ld elements apart.
+template <int Width>
+__device__ __forceinline__ void accumulate_products(const bf16* xq, const bf16* xk,
+                                                    const bf16* kbar, int ld, Acc (&acc_q)[8],
+                                                    Acc (&acc_k)[8]) {
+  const int I = threadIdx.x / 32;
+#pragma unroll
+  for (int k0 = 0; k0 < Width; k0 += 16) {
+    uint32_t aq[4], ak[4];
+    load_a(aq, xq, ld, 0, k0);
+    load_a(ak, xk, ld, 0, k0);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (np > I) break;
+      uint32_t b[4];
+      load_b_pair_nk(b, kbar, ld, 16 * np, k0);
+      mma_bf16(acc_q[2 * np], aq, b[0], b[1]);
+      mma_bf16(acc_q[2 * np + 1], aq, b[2], b[3]);
+      mma_bf16(acc_k[2 * np], ak, b[0], b[1]);
+      mma_bf16(acc_k[2 * np + 1], ak, b[2], b[3]);
+    }
+  }
+}
+
 // A over one key slice: the factors of every row block (column factors shared out evenly
 // over the warps), then warp I's products for row block I into acc_q / acc_k, column tiles
 // 0 .. 2I+1 (tile pairs np <= I); see the file comment for the factorisation.
@@ -361,22 +399,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
   // factors too: one table of the chunk's 64 rows of k serves them all.
   const bf16* kbar = G == GateForm::vector ? &s.kbar[kbar_base(I)][0] : &s.kbar[0][0];
   const bf16* xk = G == GateForm::vector ? &s.xk[I][0][0] : &s.kbar[r0][0];
-#pragma unroll
-  for (int k0 = 0; k0 < kSlice; k0 += 16) {
-    uint32_t aq[4], ak[4];
-    load_a(aq, &s.xq[I][0][0], kSliceLd, 0, k0);
-    load_a(ak, xk, kSliceLd, 0, k0);
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      if (np > I) break;
-      uint32_t b[4];
-      load_b_pair_nk(b, kbar, kSliceLd, 16 * np, k0);
-      mma_bf16(acc_q[2 * np], aq, b[0], b[1]);
-      mma_bf16(acc_q[2 * np + 1], aq, b[2], b[3]);
-      mma_bf16(acc_k[2 * np], ak, b[0], b[1]);
-      mma_bf16(acc_k[2 * np + 1], ak, b[2], b[3]);
-    }
-  }
+  accumulate_products<kSlice>(&s.xq[I][0][0], xk, kbar, kSliceLd, acc_q, acc_k);
   if constexpr (G == GateForm::vector) {
     const unsigned inexact = __ballot_sync(0xffffffffu, !exact);
     for (int e = lane; inexact && e < kSubChunk * kSubChunk; e += 32) {
@@ -391,6 +414,70 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
       }
       sh.fix_qk[I][i][j] += fq;
       sh.fix_kk[I][i][j] += fk;
+    }
+  }
+}
+
+// The key tiles (see the file comment): q to u.qt and k to wsrc, zeros past the chunk's last
+// token and past K; the caller waits (wait_async) and publishes them with a block barrier.
+template <int KP>
+__device__ void fetch_key_tiles(const RecurrentParams& p, PrepareShared<KP>& sh,
+                                const ChunkRef& ref, int64_t h) {
+  constexpr int kRuns = KP / 8;  // 16-byte runs per row
+  const auto* q = static_cast<const unsigned short*>(p.q.data) + token_offset(p.q, ref.seq, h) +
+                  ref.t * p.q.stride[1];
+  const auto* k = static_cast<const unsigned short*>(p.k.data) + token_offset(p.k, ref.seq, h) +
+                  ref.t * p.k.stride[1];
+  for (int e = threadIdx.x; e < kChunk * kRuns; e += kThreads) {
+    const int t = e / kRuns, c8 = 8 * (e % kRuns);
+    const bool live = t < ref.len && c8 < p.K;
+    // A zero fill reads nothing; its address stays the chunk's first run all the same.
+    const int64_t row = live ? t : 0, col = live ? c8 : 0;
+    copy_async<16>(&sh.u.qt.q[t][c8], q + row * p.q.stride[1] + col, live ? 16 : 0);
+    copy_async<16>(&sh.wsrc[t][c8], k + row * p.k.stride[1] + col, live ? 16 : 0);
+  }
+  commit_async();
+}
+
+// From the key tiles: qg, kg and decay to the record, the inverse lengths (as finish_norms
+// does) and T's column scale for w, w_cols = n_k beta 2^Gamma. KP / 8 threads per token, 8
+// channels each.
+template <GateForm G, int KP>
+__device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& sh,
+                                   const Record& rec, const ChunkRef& ref) {
+  constexpr int kLanes = KP / 8, kTokensPerPass = kThreads / kLanes;
+  static_assert(32 % kLanes == 0, "a token's threads are adjacent lanes of one warp");
+  const int tid = threadIdx.x, c8 = 8 * (tid % kLanes);
+  const float gend = G == GateForm::scalar ? sh.gs[ref.len - 1] : 0.f;
+  for (int c = tid; c < KP; c += kThreads) rec.decay[c] = exp2_approx(gend);
+#pragma unroll 4
+  for (int t0 = 0; t0 < kChunk; t0 += kTokensPerPass) {
+    const int t = t0 + tid / kLanes;
+    const float gam = G == GateForm::scalar ? sh.gs[t] : 0.f;
+    const float up = exp2_approx(gam), down = exp2_approx(gend - gam);
+    const uint4 rq = *reinterpret_cast<const uint4*>(&sh.u.qt.q[t][c8]);
+    const uint4 rk = *reinterpret_cast<const uint4*>(&sh.wsrc[t][c8]);
+    const uint32_t wq[4] = {rq.x, rq.y, rq.z, rq.w}, wk[4] = {rk.x, rk.y, rk.z, rk.w};
+    float q[8], k[8], qg[8], kg[8], sq = 0.f, sk = 0.f;
+    bf16_pairs_to_float<8>(wq, q);
+    bf16_pairs_to_float<8>(wk, k);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      sq += q[e] * q[e];
+      sk += k[e] * k[e];
+      qg[e] = p.scale * q[e] * up;
+      kg[e] = k[e] * down;
+    }
+    store_bf16x8(rec.qg + record_index(t, c8), qg);
+    store_bf16x8(rec.kg + record_index(t, c8), kg);
+    sq = lane_sum<1, kLanes / 2>(sq);
+    sk = lane_sum<1, kLanes / 2>(sk);
+    if (tid % kLanes == 0) {
+      const bool norm = p.qk_l2norm, live = t < ref.len;
+      const float nk = !live ? 0.f : norm ? rsqrtf(sk + kL2NormEps) : 1.f;
+      rec.inv_q[t] = !live ? 0.f : norm ? rsqrtf(sq + kL2NormEps) : 1.f;
+      sh.inv_k[t] = rec.inv_k[t] = nk;
+      sh.w_cols[t] = nk * sh.beta[t] * up;
     }
   }
 }
@@ -456,10 +543,11 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
 }
 
 // T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order), left in bfloat16 twice, each
-// rounded once from float32: T diag(n_k) in tb (w's operand: w = T diag(n_k) (beta k
-// 2^Gamma)), T in tu (u's).
+// rounded once from float32: T diag(w_cols) in tb (w's operand: w = T diag(n_k) (beta k
+// 2^Gamma), w_cols = n_k with wsrc's slices, n_k beta 2^Gamma with the key tiles), T in tu
+// (u's).
 template <int KP>
-__device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
+__device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* w_cols) {
   auto& v = sh.u.v;
   const int tid = threadIdx.x;
   if (c.inverse_by_columns)
@@ -472,7 +560,7 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
   for (int e = tid; e < kChunk * kQuadsPerRow; e += kThreads) {
     const int r = e / kQuadsPerRow, q = 4 * (e % kQuadsPerRow);
     const float4 x = *reinterpret_cast<const float4*>(&v.t[r][q]);
-    const float4 n = *reinterpret_cast<const float4*>(&sh.inv_k[q]);
+    const float4 n = *reinterpret_cast<const float4*>(&w_cols[q]);
     *reinterpret_cast<uint2*>(tb + r * kChunkLd + q) =
         make_uint2(pack_bf16(x.x * n.x, x.y * n.y), pack_bf16(x.z * n.z, x.w * n.w));
     *reinterpret_cast<uint2*>(&v.tu[r][q]) = make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
@@ -555,37 +643,54 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
   // q and k are read a slice at a time, the gate with them and v well after the start: the
   // later slices' and v's DRAM latency is then not waited on.
   const int64_t h = hv / p.group;
-  prefetch_token_rows(p.q, token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1], ref.len,
-                      static_cast<int>(p.K));
-  prefetch_token_rows(p.k, token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1], ref.len,
-                      static_cast<int>(p.K));
+  constexpr bool kKeyTiles = Dense && G != GateForm::vector;
+  if constexpr (kKeyTiles) {
+    fetch_key_tiles(p, sh, ref, h);
+  } else {
+    prefetch_token_rows(p.q, token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1], ref.len,
+                        static_cast<int>(p.K));
+    prefetch_token_rows(p.k, token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1], ref.len,
+                        static_cast<int>(p.K));
+  }
   if (G == GateForm::vector)
     prefetch_token_rows(p.g, token_offset(p.g, ref.seq, hv) + ref.t * p.g.stride[1], ref.len,
                         static_cast<int>(p.K));
   prefetch_token_rows(p.v, token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1], ref.len,
                       static_cast<int>(p.V));
   const int tid = threadIdx.x;
-  for (int e = tid; e < 4 * kSubChunk * kSubChunk; e += kThreads) {
-    (&sh.fix_qk[0][0][0])[e] = 0.f;
-    (&sh.fix_kk[0][0][0])[e] = 0.f;
-  }
+  if (G == GateForm::vector)
+    for (int e = tid; e < 4 * kSubChunk * kSubChunk; e += kThreads) {
+      (&sh.fix_qk[0][0][0])[e] = 0.f;
+      (&sh.fix_kk[0][0][0])[e] = 0.f;
+    }
   load_token_scalars<G>(p, sh, ref, hv, a_gate);
 
   Acc acc_q[8], acc_k[8];
-  float sq[kPasses] = {}, sk[kPasses] = {};  // the L2 norms' sums (unused without the norm)
-  SliceRuns runs = fetch_slice<G, Dense>(p, ref, hv, 0);
-  for (int c0 = 0; c0 < KP; c0 += kSlice) {
-    stage_slice<G, KP, Dense>(p, sh, ref, runs, a_gate, c0, sq, sk);
-    write_slice_factors<G>(p, sh, rec, ref, c0);
-    if (c0 + kSlice < KP) runs = fetch_slice<G, Dense>(p, ref, hv, c0 + kSlice);
-    accumulate_slice<G>(sh, acc_q, acc_k);
-    if (c0 + kSlice == KP) finish_norms(p, sh, rec, ref, sq, sk);  // the sums are complete
-    __syncthreads();  // the next slice overwrites the slice buffers; finish_a reads the norms
+  if constexpr (kKeyTiles) {
+    wait_async<0>();
+    __syncthreads();  // the tiles; beta and the scalar gate's Gamma (load_token_scalars)
+    write_tile_factors<G>(p, sh, rec, ref);
+    const int r0 = kSubChunk * (tid / 32);
+    accumulate_products<KP>(&sh.u.qt.q[r0][0], &sh.wsrc[r0][0], &sh.wsrc[0][0], KP + 8, acc_q,
+                            acc_k);
+    __syncthreads();  // finish_a overwrites the q tile and reads the norms
+  } else {
+    float sq[kPasses] = {}, sk[kPasses] = {};  // the L2 norms' sums (unused without the norm)
+    SliceRuns runs = fetch_slice<G, Dense>(p, ref, hv, 0);
+    for (int c0 = 0; c0 < KP; c0 += kSlice) {
+      stage_slice<G, KP, Dense>(p, sh, ref, runs, a_gate, c0, sq, sk);
+      write_slice_factors<G>(p, sh, rec, ref, c0);
+      if (c0 + kSlice < KP) runs = fetch_slice<G, Dense>(p, ref, hv, c0 + kSlice);
+      accumulate_slice<G>(sh, acc_q, acc_k);
+      if (c0 + kSlice == KP) finish_norms(p, sh, rec, ref, sq, sk);  // the sums are complete
+      __syncthreads();  // the next slice overwrites the slice buffers; finish_a reads the norms
+    }
   }
   finish_a<G>(p, sh, rec, acc_q, acc_k);
-  if (p.delta) solve(c, sh);
+  if (p.delta) solve(c, sh, kKeyTiles ? sh.w_cols : sh.inv_k);
 
-  // w = T diag(n_k) (beta k 2^Gamma); u = T (beta v), or v for the linear write.
+  // w = T diag(w_cols) wsrc = T diag(n_k) (beta k 2^Gamma); u = T (beta v), or v for the
+  // linear write.
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
       lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w);

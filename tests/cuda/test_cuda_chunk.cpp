@@ -180,17 +180,16 @@ constexpr const char* kInverse = "FLASHDELTA_CHUNK_INVERSE";
 
 // The prepare kernel's dense bfloat16 reads (TokenRuns<true>: contiguous bf16 q, k, v and
 // vector gate with K and V multiples of 8, as these cases are) and its general ones
-// (FLASHDELTA_CHUNK_TOKEN_RUNS=general) read the same values, so outputs and final states are
-// bitwise equal: every gate form and key width, the fused transforms, and a varlen batch whose
-// partial chunks the dense loads must skip. The grid checks both against the reference.
+// (FLASHDELTA_CHUNK_TOKEN_RUNS=general) read the same values, so with a vector gate outputs and
+// final states are bitwise equal: both vector-gate mechanisms, the fused transforms, and a
+// varlen batch whose partial chunks the dense loads must skip. The grid checks both against the
+// reference. (Without a vector gate dense inputs take the key tiles: KeyTilesAndSlicesAgree.)
 TEST(CudaChunk, DenseAndGeneralTokenRunsAgreeBitwise) {
   FLASHDELTA_REQUIRE_GPU();
   std::vector<std::pair<std::string, CaseConfig>> cases = {
       {"kda, fused transforms, lower bound", gate_form_case(Mechanism::kda, 1, 150, 5600)},
-      {"gated deltanet, K = V = 64", {.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 100,
-                                      .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16, .seed = 5601}},
-      {"deltanet, K = 256, V = 120", {.mechanism = Mechanism::deltanet, .T = 70, .K = 256,
-                                      .V = 120, .dtype = DType::bf16, .seed = 5602}},
+      {"kda, K = 256, V = 120", {.T = 70, .K = 256, .V = 120, .dtype = DType::bf16,
+                                 .seed = 5602}},
       {"gla, varlen", {.mechanism = Mechanism::gla, .T = 267, .HV = 4, .K = 128, .V = 128,
                        .dtype = DType::bf16, .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 5603}},
   };
@@ -705,6 +704,56 @@ TEST(CudaChunk, InverseOrdersAgree) {
     EXPECT_LT(rel_error(columns.o, distance.o), kTol) << what << ": outputs";
     EXPECT_LT(rel_error(columns.state, distance.state), kTol) << what << ": final states";
     EXPECT_LT(rel_error(columns.chunks, distance.chunks), kTol) << what << ": chunk states";
+  }
+}
+
+
+// Without a vector gate, dense bfloat16 q and k are A's operands as given: the prepare
+// kernel's key tiles (the default there) against its slices (FLASHDELTA_CHUNK_TOKEN_RUNS=general,
+// which every input layout takes). A is the same sum in the same order, but w's operands round
+// differently (k as given against beta k 2^Gamma; T's columns scaled by beta 2^Gamma too) and
+// the norms' sums run in another order, so the two agree to far below the reference's
+// tolerance, not bitwise. Each is checked against the reference: both gate forms without
+// channels and no gate, with and without the delta rule, K = 64, 128, 256 and K = 40 (tiles
+// padded past K), fused transforms, gates down to -1000 per step, varlen with partial chunks.
+TEST(CudaChunk, KeyTilesAndSlicesAgree) {
+  FLASHDELTA_REQUIRE_GPU();
+  std::vector<std::pair<std::string, CaseConfig>> cases = {
+      {"gated deltanet, fused transforms, lower bound",
+       gate_form_case(Mechanism::gated_deltanet, 1, 150, 6000)},
+      {"gated deltanet, K = V = 64, varlen", {.mechanism = Mechanism::gated_deltanet, .T = 267,
+                                              .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16,
+                                              .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 6001}},
+      {"deltanet, K = 256, V = 120", {.mechanism = Mechanism::deltanet, .T = 130, .K = 256,
+                                      .V = 120, .dtype = DType::bf16, .qk_l2norm = true,
+                                      .seed = 6002}},
+      {"simple gla, gates to -1000", {.mechanism = Mechanism::simple_gla, .T = 150, .K = 128,
+                                      .V = 64, .dtype = DType::bf16, .gate_min = -1000.0,
+                                      .seed = 6003}},
+      {"linear attention, K = 40", {.mechanism = Mechanism::linear_attention, .T = 100,
+                                    .HV = 2, .K = 40, .V = 64, .dtype = DType::bf16,
+                                    .seed = 6004}},
+      {"gated deltanet, K = 40, GVA", {.mechanism = Mechanism::gated_deltanet, .T = 200,
+                                       .H = 1, .HV = 2, .K = 40, .V = 96, .dtype = DType::bf16,
+                                       .qk_l2norm = true, .seed = 6005}},
+  };
+  for (const auto& [what, cfg] : cases) {
+    const Case c = make_case(cfg);
+    ChunkStatesRun tiles, slices;
+    {
+      const ScopedEnv automatic(kTokenRuns, nullptr);
+      tiles = run_with_chunk_states(c, DType::f32, kChunk);
+      expect_forward_matches_reference(c, what + ", key tiles", kChunk);
+    }
+    {
+      const ScopedEnv general(kTokenRuns, "general");
+      slices = run_with_chunk_states(c, DType::f32, kChunk);
+      expect_forward_matches_reference(c, what + ", slices", kChunk);
+    }
+    constexpr double kTol = 1e-3;
+    EXPECT_LT(rel_error(tiles.o, slices.o), kTol) << what << ": outputs";
+    EXPECT_LT(rel_error(tiles.state, slices.state), kTol) << what << ": final states";
+    EXPECT_LT(rel_error(tiles.chunks, slices.chunks), kTol) << what << ": chunk states";
   }
 }
 
