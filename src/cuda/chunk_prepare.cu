@@ -97,13 +97,16 @@ struct PrepareShared {
   } u;
   alignas(16) bf16 wsrc[kChunk][KP + 8];  // beta k 2^Gamma (slices), k as given (key tiles)
   float fix_qk[4][kSubChunk][kSubChunk], fix_kk[4][kSubChunk][kSubChunk];
-  float beta[kChunk], gs[kChunk];  // beta; scalar gate: Gamma after each token
+  alignas(16) float beta[kChunk];
+  float gs[kChunk];  // scalar gate: Gamma after each token
   alignas(16) float inv_k[kChunk];  // 1 / |k| per token (finish_norms)
   alignas(16) float w_cols[kChunk];  // key tiles: T's column scale for w, n_k beta 2^Gamma
   alignas(16) float bias[KP];  // vector gate in the kernel: dt_bias per key (zeros past K)
 
   __device__ bf16* tb() { return reinterpret_cast<bf16*>(&u.v.a[0][0]); }  // [C][kChunkLd]
   __device__ bf16* vb() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }  // [C][kValueLd]
+  // Or v's tiles as given (fetch_value_tiles), in the record layout.
+  __device__ bf16* vt() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }
 };
 // With T's second bfloat16 copy the solve's buffers still fit in the slice's: the union, and
 // so the blocks per SM, stay as they were.
@@ -544,9 +547,9 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
 
 // T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order), left in bfloat16 twice, each
 // rounded once from float32: T diag(w_cols) in tb (w's operand: w = T diag(n_k) (beta k
-// 2^Gamma), w_cols = n_k with wsrc's slices, n_k beta 2^Gamma with the key tiles), T in tu
-// (u's).
-template <int KP>
+// 2^Gamma), w_cols = n_k with wsrc's slices, n_k beta 2^Gamma with the key tiles), and in tu
+// u's: T diag(beta) where v enters as given (ValueTiles), else T.
+template <bool ValueTiles, int KP>
 __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* w_cols) {
   auto& v = sh.u.v;
   const int tid = threadIdx.x;
@@ -561,16 +564,21 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* 
     const int r = e / kQuadsPerRow, q = 4 * (e % kQuadsPerRow);
     const float4 x = *reinterpret_cast<const float4*>(&v.t[r][q]);
     const float4 n = *reinterpret_cast<const float4*>(&w_cols[q]);
+    const float4 b = ValueTiles ? *reinterpret_cast<const float4*>(&sh.beta[q])
+                                : make_float4(1.f, 1.f, 1.f, 1.f);
     *reinterpret_cast<uint2*>(tb + r * kChunkLd + q) =
         make_uint2(pack_bf16(x.x * n.x, x.y * n.y), pack_bf16(x.z * n.z, x.w * n.w));
-    *reinterpret_cast<uint2*>(&v.tu[r][q]) = make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
+    *reinterpret_cast<uint2*>(&v.tu[r][q]) =
+        make_uint2(pack_bf16(x.x * b.x, x.y * b.y), pack_bf16(x.z * b.z, x.w * b.w));
   }
   __syncthreads();
 }
 
 // out[rows of block I][n0 .. n0 + 63] = t[block I rows] . src[tokens][n0 ..], in bfloat16,
 // into a record matrix (cuda/chunk_records.cuh); t is one of solve's bfloat16
-// copies of T (rows kChunkLd wide).
+// copies of T (rows kChunkLd wide), src row-major (rows ld_src apart) or, RecordSrc, one
+// tile in the record layout (ld_src unused).
+template <bool RecordSrc = false>
 __device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, int n0, bf16* out) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
   Acc acc[8];
@@ -580,7 +588,10 @@ __device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, i
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t b[4];
-      load_b_pair_kn(b, src, ld_src, n0 + 16 * np, k0);
+      if constexpr (RecordSrc)
+        load_record_b_pair_kn(b, src, n0 + 16 * np, k0);
+      else
+        load_b_pair_kn(b, src, ld_src, n0 + 16 * np, k0);
       mma_bf16(acc[2 * np], a, b[0], b[1]);
       mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
     }
@@ -594,7 +605,8 @@ __device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, i
 }
 
 // Value columns [v0, v0 + kValueTile) of the record's u: T (beta v) for the delta rule
-// (after solve), v itself for the linear write; 8 columns of one token per thread and load.
+// (after solve; dense inputs take write_values_from_tiles instead), v itself for the linear
+// write; 8 columns of one token per thread and load.
 template <int KP, bool Dense>
 __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const Record& rec,
                              const ChunkRef& ref, int64_t hv, int64_t v0) {
@@ -626,6 +638,49 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
   if (!p.delta) return;
   __syncthreads();
   lower_product_rows(&sh.u.v.tu[0][0], sh.vb(), kValueLd, 0, rec.u + record_index(0, v0));
+}
+
+// Dense v with the delta rule: v's tiles of 64 columns as given, by cp.async into solve's
+// dead float32 T (kValueTilesInT at a time, in the record layout), beta on tu's columns
+// instead (solve); the first batch is issued before w's product, which hides its latency.
+constexpr int kValueTilesInT = 2;
+static_assert(kValueTilesInT * kChunk * 64 * sizeof(bf16) <= sizeof(float) * kChunk * (kChunk + 4),
+              "the value tiles fit in T's float32 place");
+
+// Value columns [v0, v0 + 64 kValueTilesInT) of v into vt (zeros past the chunk's last token
+// and past V); committed, not waited on.
+template <int KP>
+__device__ void fetch_value_tiles(const RecurrentParams& p, PrepareShared<KP>& sh,
+                                  const ChunkRef& ref, int64_t hv, int64_t v0) {
+  constexpr int kRuns = kValueTilesInT * 64 / 8;  // 16-byte runs per token
+  const auto* v = static_cast<const unsigned short*>(p.v.data) + token_offset(p.v, ref.seq, hv) +
+                  ref.t * p.v.stride[1];
+  bf16* dst = sh.vt();
+  for (int e = threadIdx.x; e < kChunk * kRuns; e += kThreads) {
+    const int t = e / kRuns, x = 8 * (e % kRuns);
+    const bool live = t < ref.len && v0 + x < p.V;
+    copy_async<16>(dst + record_index(t, x), v + (live ? t * p.v.stride[1] + v0 + x : 0),
+                   live ? 16 : 0);
+  }
+  commit_async();
+}
+
+// u = (T diag(beta)) v over all value columns, the first batch of tiles already issued.
+template <int KP>
+__device__ void write_values_from_tiles(const ChunkParams& c, PrepareShared<KP>& sh,
+                                        const Record& rec, const ChunkRef& ref, int64_t hv) {
+  constexpr int kBatch = 64 * kValueTilesInT;
+  for (int64_t v0 = 0; v0 < c.VP; v0 += kBatch) {
+    if (v0 > 0) {
+      __syncthreads();  // the previous batch's products have read the tiles
+      fetch_value_tiles(c.p, sh, ref, hv, v0);
+    }
+    wait_async<0>();
+    __syncthreads();
+    for (int x = 0; x < kValueTilesInT && v0 + 64 * x < c.VP; ++x)
+      lower_product_rows<true>(&sh.u.v.tu[0][0], sh.vt() + x * kChunk * 64, 0, 0,
+                               rec.u + record_index(0, v0 + 64 * x));
+  }
 }
 
 template <GateForm G, int KP, bool Dense>
@@ -687,15 +742,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_ker
     }
   }
   finish_a<G>(p, sh, rec, acc_q, acc_k);
-  if (p.delta) solve(c, sh, kKeyTiles ? sh.w_cols : sh.inv_k);
+  if (p.delta) {
+    solve<Dense>(c, sh, kKeyTiles ? sh.w_cols : sh.inv_k);
+    if constexpr (Dense) fetch_value_tiles(p, sh, ref, hv, 0);
+  }
 
   // w = T diag(w_cols) wsrc = T diag(n_k) (beta k 2^Gamma); u = T (beta v), or v for the
   // linear write.
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
       lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w);
-  for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile)
-    write_values<KP, Dense>(c, sh, rec, ref, hv, v0);
+  if (Dense && p.delta)
+    write_values_from_tiles(c, sh, rec, ref, hv);
+  else
+    for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile)
+      write_values<KP, Dense>(c, sh, rec, ref, hv, v0);
 }
 
 template <GateForm G, int KP>

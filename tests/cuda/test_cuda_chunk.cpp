@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -177,38 +178,6 @@ constexpr const char* kTokenRuns = "FLASHDELTA_CHUNK_TOKEN_RUNS";
 constexpr const char* kStateProducts = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
 constexpr const char* kStateStages = "FLASHDELTA_CHUNK_STATE_STAGES";
 constexpr const char* kInverse = "FLASHDELTA_CHUNK_INVERSE";
-
-// The prepare kernel's dense bfloat16 reads (TokenRuns<true>: contiguous bf16 q, k, v and
-// vector gate with K and V multiples of 8, as these cases are) and its general ones
-// (FLASHDELTA_CHUNK_TOKEN_RUNS=general) read the same values, so with a vector gate outputs and
-// final states are bitwise equal: both vector-gate mechanisms, the fused transforms, and a
-// varlen batch whose partial chunks the dense loads must skip. The grid checks both against the
-// reference. (Without a vector gate dense inputs take the key tiles: KeyTilesAndSlicesAgree.)
-TEST(CudaChunk, DenseAndGeneralTokenRunsAgreeBitwise) {
-  FLASHDELTA_REQUIRE_GPU();
-  std::vector<std::pair<std::string, CaseConfig>> cases = {
-      {"kda, fused transforms, lower bound", gate_form_case(Mechanism::kda, 1, 150, 5600)},
-      {"kda, K = 256, V = 120", {.T = 70, .K = 256, .V = 120, .dtype = DType::bf16,
-                                 .seed = 5602}},
-      {"gla, varlen", {.mechanism = Mechanism::gla, .T = 267, .HV = 4, .K = 128, .V = 128,
-                       .dtype = DType::bf16, .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 5603}},
-  };
-  for (const auto& [what, cfg] : cases) {
-    const Case c = make_case(cfg);
-    HostTensor o_dense = c.make_output(DType::bf16), s_dense = c.make_state();
-    HostTensor o_general = c.make_output(DType::bf16), s_general = c.make_state();
-    {
-      const ScopedEnv automatic(kTokenRuns, nullptr);
-      forward_on_device(c.args(o_dense, &s_dense), c.options, kChunk);
-    }
-    {
-      const ScopedEnv general(kTokenRuns, "general");
-      forward_on_device(c.args(o_general, &s_general), c.options, kChunk);
-    }
-    EXPECT_EQ(o_dense.bytes, o_general.bytes) << what << ": outputs";
-    EXPECT_EQ(s_dense.bytes, s_general.bytes) << what << ": final states";
-  }
-}
 
 // Views of host arguments labelled as cuda: the size query and the workspace checks are
 // host arithmetic and run before any device access, so this needs no GPU.
@@ -707,53 +676,85 @@ TEST(CudaChunk, InverseOrdersAgree) {
   }
 }
 
-
-// Without a vector gate, dense bfloat16 q and k are A's operands as given: the prepare
-// kernel's key tiles (the default there) against its slices (FLASHDELTA_CHUNK_TOKEN_RUNS=general,
-// which every input layout takes). A is the same sum in the same order, but w's operands round
-// differently (k as given against beta k 2^Gamma; T's columns scaled by beta 2^Gamma too) and
-// the norms' sums run in another order, so the two agree to far below the reference's
-// tolerance, not bitwise. Each is checked against the reference: both gate forms without
-// channels and no gate, with and without the delta rule, K = 64, 128, 256 and K = 40 (tiles
-// padded past K), fused transforms, gates down to -1000 per step, varlen with partial chunks.
-TEST(CudaChunk, KeyTilesAndSlicesAgree) {
+// The prepare kernel's paths for dense bfloat16 inputs (contiguous q, k, v and vector gate, K and V
+// multiples of 8, as in every case here; a precomputed gate is float32 in these cases, so the
+// vector-gate ones compute theirs in the kernel) against its general ones, which every input layout
+// takes (FLASHDELTA_CHUNK_TOKEN_RUNS=general). Without the delta rule the two compute the same sums
+// in the same order, so outputs and states are bitwise equal where no L2 norm sums squares in
+// another order. With the delta rule the dense path rounds w's and u's operands differently (k and
+// v as given, exact, and T diag(n_k beta 2^Gamma) and T diag(beta) rounded once, against beta k
+// 2^Gamma, beta v, T diag(n_k) and T rounded once each); where v_new = u - w S cancels, that moves
+// outputs by ~2e-3 (measured, K = 256), so there the paths agree to 5e-3 (a misread fragment is an
+// error of order 1) and the dense path must be about as close to the fp64 reference as the general
+// one. Every gate form, K = 64, 128, 256 and K = 40 (tiles padded past K), V over one and two
+// batches of value tiles, fused transforms, gates down to -1000 per step, varlen with partial
+// chunks, GVA. Each path is checked against the reference.
+TEST(CudaChunk, DenseAndGeneralPathsAgree) {
   FLASHDELTA_REQUIRE_GPU();
-  std::vector<std::pair<std::string, CaseConfig>> cases = {
+  struct PathCase {
+    std::string what;
+    CaseConfig cfg;
+    bool bitwise;
+  };
+  const std::vector<PathCase> cases = {
+      {"kda, fused transforms, lower bound", gate_form_case(Mechanism::kda, 1, 150, 5600), false},
+      {"kda, K = 64, V = 200, varlen", {.T = 267, .HV = 2, .K = 64, .V = 200,
+                                        .dtype = DType::bf16, .seqlens = {0, 1, 130, 64, 65, 7},
+                                        .gate_in_kernel = true, .seed = 5601}, false},
+      {"gla, varlen", {.mechanism = Mechanism::gla, .T = 267, .HV = 4, .K = 128, .V = 128,
+                       .dtype = DType::bf16, .seqlens = {0, 1, 130, 64, 65, 7},
+                       .gate_in_kernel = true, .seed = 5602}, true},
+      {"gla, K = 256, V = 120", {.mechanism = Mechanism::gla, .T = 70, .K = 256, .V = 120,
+                                 .dtype = DType::bf16, .gate_in_kernel = true, .seed = 5603},
+       true},
       {"gated deltanet, fused transforms, lower bound",
-       gate_form_case(Mechanism::gated_deltanet, 1, 150, 6000)},
+       gate_form_case(Mechanism::gated_deltanet, 1, 150, 5604), false},
       {"gated deltanet, K = V = 64, varlen", {.mechanism = Mechanism::gated_deltanet, .T = 267,
                                               .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16,
-                                              .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 6001}},
+                                              .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 5605},
+       false},
+      {"gated deltanet, K = 40, V = 96, GVA", {.mechanism = Mechanism::gated_deltanet, .T = 200,
+                                               .H = 1, .HV = 2, .K = 40, .V = 96,
+                                               .dtype = DType::bf16, .qk_l2norm = true,
+                                               .seed = 5606}, false},
       {"deltanet, K = 256, V = 120", {.mechanism = Mechanism::deltanet, .T = 130, .K = 256,
                                       .V = 120, .dtype = DType::bf16, .qk_l2norm = true,
-                                      .seed = 6002}},
+                                      .seed = 5607}, false},
       {"simple gla, gates to -1000", {.mechanism = Mechanism::simple_gla, .T = 150, .K = 128,
                                       .V = 64, .dtype = DType::bf16, .gate_min = -1000.0,
-                                      .seed = 6003}},
+                                      .seed = 5608}, true},
       {"linear attention, K = 40", {.mechanism = Mechanism::linear_attention, .T = 100,
                                     .HV = 2, .K = 40, .V = 64, .dtype = DType::bf16,
-                                    .seed = 6004}},
-      {"gated deltanet, K = 40, GVA", {.mechanism = Mechanism::gated_deltanet, .T = 200,
-                                       .H = 1, .HV = 2, .K = 40, .V = 96, .dtype = DType::bf16,
-                                       .qk_l2norm = true, .seed = 6005}},
+                                    .seed = 5609}, true},
   };
-  for (const auto& [what, cfg] : cases) {
+  for (const auto& [what, cfg, bitwise] : cases) {
     const Case c = make_case(cfg);
-    ChunkStatesRun tiles, slices;
+    ChunkStatesRun dense, general;
     {
       const ScopedEnv automatic(kTokenRuns, nullptr);
-      tiles = run_with_chunk_states(c, DType::f32, kChunk);
-      expect_forward_matches_reference(c, what + ", key tiles", kChunk);
+      dense = run_with_chunk_states(c, DType::f32, kChunk);
+      expect_forward_matches_reference(c, what + ", dense", kChunk);
     }
     {
-      const ScopedEnv general(kTokenRuns, "general");
-      slices = run_with_chunk_states(c, DType::f32, kChunk);
-      expect_forward_matches_reference(c, what + ", slices", kChunk);
+      const ScopedEnv forced(kTokenRuns, "general");
+      general = run_with_chunk_states(c, DType::f32, kChunk);
+      expect_forward_matches_reference(c, what + ", general", kChunk);
     }
-    constexpr double kTol = 1e-3;
-    EXPECT_LT(rel_error(tiles.o, slices.o), kTol) << what << ": outputs";
-    EXPECT_LT(rel_error(tiles.state, slices.state), kTol) << what << ": final states";
-    EXPECT_LT(rel_error(tiles.chunks, slices.chunks), kTol) << what << ": chunk states";
+    if (bitwise) {
+      EXPECT_EQ(dense.o, general.o) << what << ": outputs";
+      EXPECT_EQ(dense.state, general.state) << what << ": final states";
+      EXPECT_EQ(dense.chunks, general.chunks) << what << ": chunk states";
+      continue;
+    }
+    constexpr double kTol = 5e-3;
+    EXPECT_LT(rel_error(dense.o, general.o), kTol) << what << ": outputs";
+    EXPECT_LT(rel_error(dense.state, general.state), kTol) << what << ": final states";
+    EXPECT_LT(rel_error(dense.chunks, general.chunks), kTol) << what << ": chunk states";
+    const ChunkStatesRun ref = run_with_chunk_states(c, DType::f64, Schedule::reference);
+    const double e_dense = rel_error(dense.o, ref.o), e_general = rel_error(general.o, ref.o);
+    std::printf("  %s: output error against fp64, dense %.2e, general %.2e\n", what.c_str(),
+                e_dense, e_general);
+    EXPECT_LT(e_dense, 1.25 * e_general + 1e-5) << what << ": the dense path is less accurate";
   }
 }
 
