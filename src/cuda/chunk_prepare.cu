@@ -31,6 +31,7 @@
 // member or padding cannot misalign them silently.
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda/chunk_inverse.cuh"
@@ -54,7 +55,6 @@ constexpr int kSliceLd = kSlice + 8;
 // Token-major passes over a slice: kGroups threads per token, 8 channels each.
 constexpr int kGroups = kSlice / 8, kTokensPerPass = kThreads / kGroups, kPasses = kChunk / kTokensPerPass;
 static_assert(kThreads / kSlice == 4, "one thread per (row block, channel) of a slice");
-constexpr int kChunkLd = kChunk + 8;
 constexpr int kValueTile = 64;  // value columns of u per pass
 constexpr int kValueLd = kValueTile + 8;
 static_assert(kThreads / 32 * kSubChunk == kChunk, "one warp per row block");
@@ -78,48 +78,61 @@ struct PrepareShared {
     alignas(16) float ref[4][kSlice];  // vector gate: reference point of each row block and channel
     bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
-  // After the slices (step 3 and the record). T diag(n_k) in bfloat16 (tb) takes the place
-  // of A_kk once the inverse is complete, and beta v (vb) the place of T in float32.
+  // After the slices (step 3 and the record). Once the inverse is complete, T's two bfloat16
+  // copies (tb, tu: record layout, cuda/chunk_records.cuh) take the place of A_kk, and beta v
+  // (vb) or v's tiles (vt) the place of T in float32.
   struct Solve {
     alignas(16) float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
     alignas(16) float t[kChunk][kChunk + 4];  // T = (I + A_kk)^-1 (lower, unit diagonal)
     InverseScratch inverse;
-    alignas(16) bf16 tu[kChunk][kChunkLd];  // T in bfloat16 (u's operand)
   };
   // The key tiles' q (their k lies in wsrc), until finish_a.
   struct QTile {
     alignas(16) bf16 q[kChunk][KP + 8];
   };
-  union {
-    Slice s;
-    Solve v;
-    QTile qt;
-  } u;
   alignas(16) bf16 wsrc[kChunk][KP + 8];  // beta k 2^Gamma (slices), k as given (key tiles)
-  float fix_qk[4][kSubChunk][kSubChunk], fix_kk[4][kSubChunk][kSubChunk];
   alignas(16) float beta[kChunk];
   float gs[kChunk];  // scalar gate: Gamma after each token
   alignas(16) float inv_k[kChunk];  // 1 / |k| per token (finish_norms)
   alignas(16) float w_cols[kChunk];  // key tiles: T's column scale for w, n_k beta 2^Gamma
+  // The key tiles' launch ends after the union's Solve (key_tiles_bytes): what follows it, the
+  // slices' part of the union and the vector gate's arrays, they never touch.
+  union {
+    Solve v;
+    QTile qt;
+    Slice s;
+  } u;
+  float fix_qk[4][kSubChunk][kSubChunk], fix_kk[4][kSubChunk][kSubChunk];  // vector gate
   alignas(16) float bias[KP];  // vector gate in the kernel: dt_bias per key (zeros past K)
 
-  __device__ bf16* tb() { return reinterpret_cast<bf16*>(&u.v.a[0][0]); }  // [C][kChunkLd]
+  __device__ bf16* tb() { return reinterpret_cast<bf16*>(&u.v.a[0][0]); }
+  __device__ bf16* tu() { return tb() + kChunk * 64; }
   __device__ bf16* vb() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }  // [C][kValueLd]
-  // Or v's tiles as given (fetch_value_tiles), in the record layout.
   __device__ bf16* vt() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }
 };
-// With T's second bfloat16 copy the solve's buffers still fit in the slice's: the union, and
-// so the blocks per SM, stay as they were.
-static_assert(sizeof(PrepareShared<64>::Solve) <= sizeof(PrepareShared<64>::Slice));
-// The key tiles' q fits there too at every key width.
-static_assert(sizeof(PrepareShared<256>::QTile) <= sizeof(PrepareShared<256>::Slice));
-static_assert(sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * (kChunk + 1) &&
+static_assert(sizeof(PrepareShared<64>::Solve) <= sizeof(PrepareShared<64>::Slice) &&
+                  sizeof(PrepareShared<256>::QTile) <= sizeof(PrepareShared<256>::Solve),
+              "the slices size the union; the key tiles' q fits in the solve's place");
+static_assert(2 * sizeof(bf16) * kChunk * 64 <= sizeof(float) * kChunk * (kChunk + 1) &&
                   sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * (kChunk + 1),
-              "T and beta v in bfloat16 fit in the places of A_kk and T in float32");
+              "T twice and beta v in bfloat16 fit in the places of A_kk and T in float32");
+
+// Shared memory of a launch: the key tiles' stops after the solve's buffers.
+template <int KP>
+constexpr int prepare_shared_bytes(bool key_tiles) {
+  using S = PrepareShared<KP>;
+  return key_tiles ? static_cast<int>(offsetof(S, u) + sizeof(typename S::Solve))
+                   : static_cast<int>(sizeof(S));
+}
 // Three blocks per SM at KP <= 128 (the kernel is latency-bound: more warps hide more); the
 // cap of 168 registers spills a few loop-invariant values with the vector gate (ptxas at
-// KP = 128: 40 bytes stored, 96 reloaded). Shared memory allows 3 at KP <= 128 only.
-constexpr int kMinBlocks(GateForm, int KP) { return KP <= 128 ? 3 : 2; }
+// KP = 128: 20 bytes). Shared memory allows 3 at KP <= 128 only, and with the key tiles 4
+// (55 KB a block at KP = 128; their 128 registers spill nothing).
+constexpr int kMinBlocks(int KP, bool key_tiles) {
+  return KP > 128 ? 2 : key_tiles ? 4 : 3;
+}
+static_assert(4 * (prepare_shared_bytes<128>(true) + 1024) <= 228 * 1024,
+              "four key-tile blocks fit an SM's shared memory (1 KB reserved per block)");
 
 __device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
@@ -566,9 +579,9 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* 
     const float4 n = *reinterpret_cast<const float4*>(&w_cols[q]);
     const float4 b = ValueTiles ? *reinterpret_cast<const float4*>(&sh.beta[q])
                                 : make_float4(1.f, 1.f, 1.f, 1.f);
-    *reinterpret_cast<uint2*>(tb + r * kChunkLd + q) =
+    *reinterpret_cast<uint2*>(tb + record_index(r, q)) =
         make_uint2(pack_bf16(x.x * n.x, x.y * n.y), pack_bf16(x.z * n.z, x.w * n.w));
-    *reinterpret_cast<uint2*>(&v.tu[r][q]) =
+    *reinterpret_cast<uint2*>(sh.tu() + record_index(r, q)) =
         make_uint2(pack_bf16(x.x * b.x, x.y * b.y), pack_bf16(x.z * b.z, x.w * b.w));
   }
   __syncthreads();
@@ -576,15 +589,15 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* 
 
 // out[rows of block I][n0 .. n0 + 63] = t[block I rows] . src[tokens][n0 ..], in bfloat16,
 // into a record matrix (cuda/chunk_records.cuh); t is one of solve's bfloat16
-// copies of T (rows kChunkLd wide), src row-major (rows ld_src apart) or, RecordSrc, one
-// tile in the record layout (ld_src unused).
+// copies of T (record layout), src row-major (rows ld_src apart) or, RecordSrc, one tile in
+// the record layout (ld_src unused).
 template <bool RecordSrc = false>
 __device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, int n0, bf16* out) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
   Acc acc[8];
   for (int k0 = 0; k0 <= r0; k0 += 16) {
     uint32_t a[4];
-    load_a(a, t, kChunkLd, r0, k0);
+    load_record_a(a, t, r0, k0);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t b[4];
@@ -637,7 +650,7 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
   }
   if (!p.delta) return;
   __syncthreads();
-  lower_product_rows(&sh.u.v.tu[0][0], sh.vb(), kValueLd, 0, rec.u + record_index(0, v0));
+  lower_product_rows(sh.tu(), sh.vb(), kValueLd, 0, rec.u + record_index(0, v0));
 }
 
 // Dense v with the delta rule: v's tiles of 64 columns as given, by cp.async into solve's
@@ -678,13 +691,14 @@ __device__ void write_values_from_tiles(const ChunkParams& c, PrepareShared<KP>&
     wait_async<0>();
     __syncthreads();
     for (int x = 0; x < kValueTilesInT && v0 + 64 * x < c.VP; ++x)
-      lower_product_rows<true>(&sh.u.v.tu[0][0], sh.vt() + x * kChunk * 64, 0, 0,
+      lower_product_rows<true>(sh.tu(), sh.vt() + x * kChunk * 64, 0, 0,
                                rec.u + record_index(0, v0 + 64 * x));
   }
 }
 
 template <GateForm G, int KP, bool Dense>
-__global__ void __launch_bounds__(kThreads, kMinBlocks(G, KP)) chunk_prepare_kernel(const ChunkParams c) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateForm::vector))
+    chunk_prepare_kernel(const ChunkParams c) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto& sh = *reinterpret_cast<PrepareShared<KP>*>(smem);
   const RecurrentParams& p = c.p;
@@ -763,8 +777,11 @@ template <GateForm G, int KP>
 void launch_prepare(const ChunkParams& c, cudaStream_t stream) {
   const auto kernel =
       c.dense_tokens ? chunk_prepare_kernel<G, KP, true> : chunk_prepare_kernel<G, KP, false>;
-  constexpr int smem = sizeof(PrepareShared<KP>);
+  const int smem = prepare_shared_bytes<KP>(c.dense_tokens && G != GateForm::vector);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  // The blocks per SM above need nearly all of its shared memory.
+  cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                       cudaSharedmemCarveoutMaxShared);
   kernel<<<static_cast<unsigned>(c.max_chunks * c.p.HV), kThreads, smem, stream>>>(c);
 }
 

@@ -56,8 +56,12 @@ __device__ __forceinline__ Record record_of(const ChunkParams& c, int64_t rec) {
           at(c.ws.aqk, rec * kChunk * kChunk), run, run + kInvQAt<KP>, run + kInvKAt<KP>};
 }
 
-// mma.cuh's load_b_pair_nk and load_b_pair_kn for a record matrix in shared memory, laid out
-// as in global memory (record_index).
+// mma.cuh's load_a, load_b_pair_nk and load_b_pair_kn for a record matrix in shared memory,
+// laid out as in global memory (record_index).
+__device__ __forceinline__ void load_record_a(uint32_t (&a)[4], const bf16* x, int m0, int k0) {
+  const int l = threadIdx.x % 32;
+  ldmatrix_x4<false>(a, x + record_index(m0 + l % 16, k0 + 8 * (l / 16)));
+}
 __device__ __forceinline__ void load_record_b_pair_nk(uint32_t (&b)[4], const bf16* x, int n0,
                                                       int k0) {
   const int l = threadIdx.x % 32;
