@@ -57,6 +57,7 @@ constexpr int kGroups = kSlice / 8, kTokensPerPass = kThreads / kGroups, kPasses
 static_assert(kThreads / kSlice == 4, "one thread per (row block, channel) of a slice");
 constexpr int kValueTile = 64;  // value columns of u per pass
 constexpr int kValueLd = kValueTile + 8;
+constexpr int kChunkLd = kChunk + 8;  // the slices' T in bfloat16
 static_assert(kThreads / 32 * kSubChunk == kChunk, "one warp per row block");
 
 // Rows of column factors per key slice: row block I factors columns 0 .. 16 (I + 1) - 1
@@ -79,12 +80,14 @@ struct PrepareShared {
     bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
   // After the slices (step 3 and the record). Once the inverse is complete, T's two bfloat16
-  // copies (tb, tu: record layout, cuda/chunk_records.cuh) take the place of A_kk, and beta v
-  // (vb) or v's tiles (vt) the place of T in float32.
+  // copies (tb, tu) are written, and beta v (vb) or v's tiles (vt) take the place of T in
+  // float32.
   struct Solve {
     alignas(16) float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
     alignas(16) float t[kChunk][kChunk + 4];  // T = (I + A_kk)^-1 (lower, unit diagonal)
     InverseScratch inverse;
+    // The slices' tu; the key tiles' launch ends before it (key_tiles_bytes).
+    alignas(16) bf16 tu[kChunk][kChunkLd];
   };
   // The key tiles' q (their k lies in wsrc), until finish_a.
   struct QTile {
@@ -105,25 +108,34 @@ struct PrepareShared {
   float fix_qk[4][kSubChunk][kSubChunk], fix_kk[4][kSubChunk][kSubChunk];  // vector gate
   alignas(16) float bias[KP];  // vector gate in the kernel: dt_bias per key (zeros past K)
 
+  // T's bfloat16 copies. With the slices tb takes A_kk's place and tu has its own rows, both
+  // kChunkLd wide; the key tiles put both in A_kk's place in the record layout
+  // (cuda/chunk_records.cuh, 8 KB each), which their launch's size needs (t_index).
+  template <bool KeyTiles>
   __device__ bf16* tb() { return reinterpret_cast<bf16*>(&u.v.a[0][0]); }
-  __device__ bf16* tu() { return tb() + kChunk * 64; }
+  template <bool KeyTiles>
+  __device__ bf16* tu() { return KeyTiles ? tb<true>() + kChunk * 64 : &u.v.tu[0][0]; }
+  template <bool KeyTiles>
+  __device__ static int t_index(int r, int c) {
+    return KeyTiles ? static_cast<int>(record_index(r, c)) : r * kChunkLd + c;
+  }
   __device__ bf16* vb() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }  // [C][kValueLd]
   __device__ bf16* vt() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }
 };
-static_assert(sizeof(PrepareShared<64>::Solve) <= sizeof(PrepareShared<64>::Slice) &&
-                  sizeof(PrepareShared<256>::QTile) <= sizeof(PrepareShared<256>::Solve),
-              "the slices size the union; the key tiles' q fits in the solve's place");
-static_assert(2 * sizeof(bf16) * kChunk * 64 <= sizeof(float) * kChunk * (kChunk + 1) &&
-                  sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * (kChunk + 1),
-              "T twice and beta v in bfloat16 fit in the places of A_kk and T in float32");
-
-// Shared memory of a launch: the key tiles' stops after the solve's buffers.
+// Shared memory of a launch: the key tiles' stops before the slices' tu.
 template <int KP>
 constexpr int prepare_shared_bytes(bool key_tiles) {
   using S = PrepareShared<KP>;
-  return key_tiles ? static_cast<int>(offsetof(S, u) + sizeof(typename S::Solve))
+  return key_tiles ? static_cast<int>(offsetof(S, u) + offsetof(typename S::Solve, tu))
                    : static_cast<int>(sizeof(S));
 }
+static_assert(sizeof(PrepareShared<64>::Solve) <= sizeof(PrepareShared<64>::Slice) &&
+                  sizeof(PrepareShared<256>::QTile) <= offsetof(PrepareShared<256>::Solve, tu),
+              "the slices size the union; the key tiles' q fits in the solve's place");
+static_assert(2 * sizeof(bf16) * kChunk * 64 <= sizeof(float) * kChunk * (kChunk + 1) &&
+                  sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * (kChunk + 1) &&
+                  sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * (kChunk + 1),
+              "T in bfloat16 and beta v fit in the places of A_kk and T in float32");
 // Three blocks per SM at KP <= 128 (the kernel is latency-bound: more warps hide more); the
 // cap of 168 registers spills a few loop-invariant values with the vector gate (ptxas at
 // KP = 128: 20 bytes). Shared memory allows 3 at KP <= 128 only, and with the key tiles 4
@@ -562,7 +574,7 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
 // rounded once from float32: T diag(w_cols) in tb (w's operand: w = T diag(n_k) (beta k
 // 2^Gamma), w_cols = n_k with wsrc's slices, n_k beta 2^Gamma with the key tiles), and in tu
 // u's: T diag(beta) where v enters as given (ValueTiles), else T.
-template <bool ValueTiles, int KP>
+template <bool KeyTiles, bool ValueTiles, int KP>
 __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* w_cols) {
   auto& v = sh.u.v;
   const int tid = threadIdx.x;
@@ -571,7 +583,9 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* 
                                            v.inverse);
   else
     invert_unit_lower<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4, v.inverse);
-  bf16* tb = sh.tb();  // A_kk is dead: T in bfloat16 takes its place, four entries a thread
+  // A_kk is dead: T in bfloat16 takes its place, four entries a thread.
+  bf16 *tb = sh.template tb<KeyTiles>(), *tu = sh.template tu<KeyTiles>();
+  const auto at = PrepareShared<KP>::template t_index<KeyTiles>;
   constexpr int kQuadsPerRow = kChunk / 4;
   for (int e = tid; e < kChunk * kQuadsPerRow; e += kThreads) {
     const int r = e / kQuadsPerRow, q = 4 * (e % kQuadsPerRow);
@@ -579,9 +593,9 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* 
     const float4 n = *reinterpret_cast<const float4*>(&w_cols[q]);
     const float4 b = ValueTiles ? *reinterpret_cast<const float4*>(&sh.beta[q])
                                 : make_float4(1.f, 1.f, 1.f, 1.f);
-    *reinterpret_cast<uint2*>(tb + record_index(r, q)) =
+    *reinterpret_cast<uint2*>(tb + at(r, q)) =
         make_uint2(pack_bf16(x.x * n.x, x.y * n.y), pack_bf16(x.z * n.z, x.w * n.w));
-    *reinterpret_cast<uint2*>(sh.tu() + record_index(r, q)) =
+    *reinterpret_cast<uint2*>(tu + at(r, q)) =
         make_uint2(pack_bf16(x.x * b.x, x.y * b.y), pack_bf16(x.z * b.z, x.w * b.w));
   }
   __syncthreads();
@@ -589,15 +603,18 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* 
 
 // out[rows of block I][n0 .. n0 + 63] = t[block I rows] . src[tokens][n0 ..], in bfloat16,
 // into a record matrix (cuda/chunk_records.cuh); t is one of solve's bfloat16
-// copies of T (record layout), src row-major (rows ld_src apart) or, RecordSrc, one tile in
-// the record layout (ld_src unused).
-template <bool RecordSrc = false>
+// copies of T (rows kChunkLd apart or, RecordT, in the record layout), src row-major (rows
+// ld_src apart) or, RecordSrc, one tile in the record layout (ld_src unused).
+template <bool RecordT, bool RecordSrc>
 __device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, int n0, bf16* out) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
   Acc acc[8];
   for (int k0 = 0; k0 <= r0; k0 += 16) {
     uint32_t a[4];
-    load_record_a(a, t, r0, k0);
+    if constexpr (RecordT)
+      load_record_a(a, t, r0, k0);
+    else
+      load_a(a, t, kChunkLd, r0, k0);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t b[4];
@@ -650,7 +667,9 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
   }
   if (!p.delta) return;
   __syncthreads();
-  lower_product_rows(sh.tu(), sh.vb(), kValueLd, 0, rec.u + record_index(0, v0));
+  // (Only the slices reach here with the delta rule: dense inputs take the value tiles.)
+  lower_product_rows<false, false>(sh.template tu<false>(), sh.vb(), kValueLd, 0,
+                                   rec.u + record_index(0, v0));
 }
 
 // Dense v with the delta rule: v's tiles of 64 columns as given, by cp.async into solve's
@@ -679,7 +698,7 @@ __device__ void fetch_value_tiles(const RecurrentParams& p, PrepareShared<KP>& s
 }
 
 // u = (T diag(beta)) v over all value columns, the first batch of tiles already issued.
-template <int KP>
+template <bool KeyTiles, int KP>
 __device__ void write_values_from_tiles(const ChunkParams& c, PrepareShared<KP>& sh,
                                         const Record& rec, const ChunkRef& ref, int64_t hv) {
   constexpr int kBatch = 64 * kValueTilesInT;
@@ -691,8 +710,8 @@ __device__ void write_values_from_tiles(const ChunkParams& c, PrepareShared<KP>&
     wait_async<0>();
     __syncthreads();
     for (int x = 0; x < kValueTilesInT && v0 + 64 * x < c.VP; ++x)
-      lower_product_rows<true>(sh.tu(), sh.vt() + x * kChunk * 64, 0, 0,
-                               rec.u + record_index(0, v0 + 64 * x));
+      lower_product_rows<KeyTiles, true>(sh.template tu<KeyTiles>(), sh.vt() + x * kChunk * 64,
+                                         0, 0, rec.u + record_index(0, v0 + 64 * x));
   }
 }
 
@@ -757,7 +776,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
   }
   finish_a<G>(p, sh, rec, acc_q, acc_k);
   if (p.delta) {
-    solve<Dense>(c, sh, kKeyTiles ? sh.w_cols : sh.inv_k);
+    solve<kKeyTiles, Dense>(c, sh, kKeyTiles ? sh.w_cols : sh.inv_k);
     if constexpr (Dense) fetch_value_tiles(p, sh, ref, hv, 0);
   }
 
@@ -765,9 +784,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
   // linear write.
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
-      lower_product_rows(sh.tb(), &sh.wsrc[0][0], KP + 8, n0, rec.w);
+      lower_product_rows<kKeyTiles, false>(sh.template tb<kKeyTiles>(), &sh.wsrc[0][0], KP + 8,
+                                           n0, rec.w);
   if (Dense && p.delta)
-    write_values_from_tiles(c, sh, rec, ref, hv);
+    write_values_from_tiles<kKeyTiles>(c, sh, rec, ref, hv);
   else
     for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile)
       write_values<KP, Dense>(c, sh, rec, ref, hv, v0);
