@@ -86,7 +86,7 @@ struct PrepareShared {
     alignas(16) float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
     alignas(16) float t[kChunk][kChunk + 4];  // T = (I + A_kk)^-1 (lower, unit diagonal)
     InverseScratch inverse;
-    // The slices' tu; the key tiles' launch ends before it (key_tiles_bytes).
+    // The slices' tu; the key tiles' launch ends before it (prepare_shared_bytes).
     alignas(16) bf16 tu[kChunk][kChunkLd];
   };
   // The key tiles' q (their k lies in wsrc), until finish_a.
@@ -98,7 +98,7 @@ struct PrepareShared {
   float gs[kChunk];  // scalar gate: Gamma after each token
   alignas(16) float inv_k[kChunk];  // 1 / |k| per token (finish_norms)
   alignas(16) float w_cols[kChunk];  // key tiles: T's column scale for w, n_k beta 2^Gamma
-  // The key tiles' launch ends after the union's Solve (key_tiles_bytes): what follows it, the
+  // The key tiles' launch ends at the solve's tu (prepare_shared_bytes): what follows, the
   // slices' part of the union and the vector gate's arrays, they never touch.
   union {
     Solve v;
@@ -728,8 +728,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
   const float a_gate = p.gate_in_kernel && p.A_log
                            ? expf(load_float(p.A_log, p.A_log_dtype, hv * p.A_log_stride))
                            : 1.f;
-  // q and k are read a slice at a time, the gate with them and v well after the start: the
-  // later slices' and v's DRAM latency is then not waited on.
+  // With the slices q and k are read a slice at a time, the gate with them and v well after
+  // the start: the later slices' and v's DRAM latency is then not waited on. The key tiles
+  // copy all of q and k at once.
   const int64_t h = hv / p.group;
   constexpr bool kKeyTiles = Dense && G != GateForm::vector;
   if constexpr (kKeyTiles) {
