@@ -150,11 +150,7 @@ __device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
 }
 
-// Per-token scalars: beta and the scalar gate's Gamma (the L2 norms' come after the slices),
-// left for the caller's next block barrier to publish; the vector gate's dt_bias, which
-// stage_slice reads at once, behind a barrier of its own. Gamma is warp 0's: two tokens a
-// lane, the pairs' running sums by a warp scan (a serial scan by one thread held the block
-// for 64 dependent shared-memory round trips).
+// Per-token scalars: beta and the scalar gate's Gamma (the L2 norms' come after the slices).
 template <GateForm G, int KP>
 __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& sh,
                                    const ChunkRef& ref, int64_t hv, float a_gate) {
@@ -166,39 +162,28 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
                                         : 0.f;
   if (tid < kChunk) {
     const int t = tid;
-    float b = 0.f;
-    if (p.delta && t < ref.len)
+    const bool live = t < ref.len;
+    float b = 0.f, gl = 0.f;
+    if (p.delta && live)
       b = activate_beta(p, load_float(p.beta.data, p.beta.dtype,
                                       token_offset(p.beta, ref.seq, hv) + (ref.t + t) * p.beta.stride[1]));
-    sh.beta[t] = b;
-  }
-  if (G == GateForm::scalar && tid < 32) {
-    static_assert(kChunk == 64, "two tokens per lane of one warp");
-    float gl[2] = {0.f, 0.f};
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const int t = 2 * tid + x;
-      if (t >= ref.len) continue;
+    if (G == GateForm::scalar && live) {
       float gx = load_float(p.g.data, p.g.dtype,
                             token_offset(p.g, ref.seq, hv) + (ref.t + t) * p.g.stride[1]);
       if (p.gate_in_kernel) {
         if (p.dt_bias) gx += load_float(p.dt_bias, p.dt_bias_dtype, hv * p.dt_bias_head_stride);
         gx = activate_gate(p, gx, a_gate);
       }
-      gl[x] = floor_gate(gx * kLog2e);
+      gl = floor_gate(gx * kLog2e);
     }
-    float run = gl[0] + gl[1];  // inclusive sums of the lanes' pairs
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const float y = __shfl_up_sync(0xffffffffu, run, off);
-      if (tid >= off) run += y;
-    }
-    float before = __shfl_up_sync(0xffffffffu, run, 1);
-    if (tid == 0) before = 0.f;
-    sh.gs[2 * tid] = before + gl[0];
-    sh.gs[2 * tid + 1] = before + gl[0] + gl[1];
+    sh.beta[t] = b;
+    sh.gs[t] = gl;
   }
-  if (G == GateForm::vector) __syncthreads();
+  __syncthreads();
+  if (G == GateForm::scalar && tid == 0) {
+    float run = 0.f;
+    for (int t = 0; t < kChunk; ++t) sh.gs[t] = run += sh.gs[t];
+  }
 }
 
 // The raw runs of key channels [c0, c0 + kSlice) of q, k and the vector gate that a thread
