@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda.h"
@@ -634,6 +635,25 @@ TEST(CudaChunk, WgmmaAndMmaSyncStateProductsAgree) {
   }
 }
 
+// c's outputs, final states and chunk states (float32) with `setting` unset and set to
+// `forced`, each run also checked against the reference (labelled what + ", " + the label).
+std::pair<ChunkStatesRun, ChunkStatesRun> run_default_and_forced(
+    const Case& c, const std::string& what, const char* setting,
+    const std::pair<const char*, const char*>& labels, const char* forced) {
+  std::pair<ChunkStatesRun, ChunkStatesRun> runs;
+  {
+    const ScopedEnv automatic(setting, nullptr);
+    runs.first = run_with_chunk_states(c, DType::f32, kChunk);
+    expect_forward_matches_reference(c, what + ", " + labels.first, kChunk);
+  }
+  {
+    const ScopedEnv set(setting, forced);
+    runs.second = run_with_chunk_states(c, DType::f32, kChunk);
+    expect_forward_matches_reference(c, what + ", " + labels.second, kChunk);
+  }
+  return runs;
+}
+
 // The prepare kernel's two orders of T's blocks off the diagonal (cuda/chunk_inverse.cuh): by
 // column blocks on tf32 tensor cores in three products (the default) and by distances on the
 // CUDA cores (FLASHDELTA_CHUNK_INVERSE=distance). Both are float32 to a few ulp, but their
@@ -657,18 +677,8 @@ TEST(CudaChunk, InverseOrdersAgree) {
                                       .seed = 5903}},
   };
   for (const auto& [what, cfg] : cases) {
-    const Case c = make_case(cfg);
-    ChunkStatesRun columns, distance;
-    {
-      const ScopedEnv automatic(kInverse, nullptr);
-      columns = run_with_chunk_states(c, DType::f32, kChunk);
-      expect_forward_matches_reference(c, what + ", by columns", kChunk);
-    }
-    {
-      const ScopedEnv forced(kInverse, "distance");
-      distance = run_with_chunk_states(c, DType::f32, kChunk);
-      expect_forward_matches_reference(c, what + ", by distance", kChunk);
-    }
+    const auto [columns, distance] = run_default_and_forced(
+        make_case(cfg), what, kInverse, {"by columns", "by distance"}, "distance");
     constexpr double kTol = 1e-3;
     EXPECT_LT(rel_error(columns.o, distance.o), kTol) << what << ": outputs";
     EXPECT_LT(rel_error(columns.state, distance.state), kTol) << what << ": final states";
@@ -729,17 +739,8 @@ TEST(CudaChunk, DenseAndGeneralPathsAgree) {
   };
   for (const auto& [what, cfg, bitwise] : cases) {
     const Case c = make_case(cfg);
-    ChunkStatesRun dense, general;
-    {
-      const ScopedEnv automatic(kTokenRuns, nullptr);
-      dense = run_with_chunk_states(c, DType::f32, kChunk);
-      expect_forward_matches_reference(c, what + ", dense", kChunk);
-    }
-    {
-      const ScopedEnv forced(kTokenRuns, "general");
-      general = run_with_chunk_states(c, DType::f32, kChunk);
-      expect_forward_matches_reference(c, what + ", general", kChunk);
-    }
+    const auto [dense, general] =
+        run_default_and_forced(c, what, kTokenRuns, {"dense", "general"}, "general");
     if (bitwise) {
       EXPECT_EQ(dense.o, general.o) << what << ": outputs";
       EXPECT_EQ(dense.state, general.state) << what << ": final states";
