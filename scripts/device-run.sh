@@ -55,6 +55,15 @@
 #                                  "N=256 HV=32 v_first"; -> ncu_decode_lines.txt,
 #                                  ncu_decode_details.txt); builds need
 #                                  flashdelta_cuda_decode_bench and -lineinfo
+#                  bench-chunk-baseline  another tree built and timed beside this one, in
+#                                  the same call: BASELINE_TAR names a tar of it, carried
+#                                  (e.g. `git archive <commit> -o .whl/base.tar`); it runs
+#                                  that tree's own device-run.sh with BASELINE_STAGES
+#                                  (default "configure build bench-chunk", its Python module
+#                                  only) and BASELINE_BENCH_CHUNK_ARGS (default
+#                                  BENCH_CHUNK_ARGS), FLASHDELTA_COMMIT=BASELINE_COMMIT; needs
+#                                  deps earlier in the run; -> baseline.tgz (its outputs) and
+#                                  its table in the log
 #                e.g. STAGES="deps configure build bench-backward" BUILD_TARGETS=_C
 #   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test
 #                binaries (SANITIZE_BINARIES); 0: skip
@@ -115,7 +124,8 @@ export CUDA_ARCH=${CUDA_ARCH:-90a}
 export BUILD_TYPE=${BUILD_TYPE:-Release}
 export BUILD=${BUILD_DIR:-$ROOT/build-device}
 export FD_CUDA=${FD_CUDA:-ON} CMAKE_ARGS=${CMAKE_ARGS:-}
-export PKG=/tmp/fd-python   # python/flashdelta plus the module built in $BUILD
+# python/flashdelta plus the module built in $BUILD (another for bench-chunk-baseline's tree)
+export PKG=${PKG_DIR:-/tmp/fd-python}
 export DEPS=/tmp/devdeps
 export PYTHONUNBUFFERED=1
 # Python: the package built here first, then the carried wheels.
@@ -128,10 +138,12 @@ START=$SECONDS
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=240 [sanitize]=150
                 [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
-                [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [ncu-backward]=300 [ncu-chunk]=240 [ncu-decode-lines]=240 [overhead]=40 [pytest-all]=150)
+                [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [ncu-backward]=300 [ncu-chunk]=240 [ncu-decode-lines]=240 [overhead]=40 [pytest-all]=150
+                [bench-chunk-baseline]=400)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
                 [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60
-                [profile-backward]=60 [kernel-bench]=10 [ncu-decode]=60 [ncu-backward]=60 [ncu-chunk]=60 [ncu-decode-lines]=60 [overhead]=15 [pytest-all]=0)
+                [profile-backward]=60 [kernel-bench]=10 [ncu-decode]=60 [ncu-backward]=60 [ncu-chunk]=60 [ncu-decode-lines]=60 [overhead]=15 [pytest-all]=0
+                [bench-chunk-baseline]=160)
 
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
@@ -265,6 +277,28 @@ stage_bench() {
 stage_bench-chunk() {
   # shellcheck disable=SC2086
   FLA_FLASH_KDA=0 python3 bench/device/bench_chunk.py --out "$OUT" $BENCH_CHUNK_ARGS
+}
+
+stage_bench-chunk-baseline() {
+  # Opt-in: see the header. The tree's own script, so its build matches its sources; its
+  # module goes to a folder of its own, so later stages here still import this tree's.
+  if [ ! -f "${BASELINE_TAR:-}" ]; then
+    echo "BASELINE_TAR is not a file: '${BASELINE_TAR:-}'"
+    return 1
+  fi
+  local dir=/tmp/fd-baseline rc
+  rm -rf "$dir" && mkdir -p "$dir" && tar xf "$BASELINE_TAR" -C "$dir" || return 1
+  ln -sfn "$ROOT/.whl" "$dir/.whl"
+  (cd "$dir" && OUT=$OUT/baseline PKG_DIR=/tmp/fd-python-baseline BUILD_DIR=$dir/build-device \
+    FLASHDELTA_COMMIT=${BASELINE_COMMIT:-baseline} BUILD_TARGETS=_C \
+    STAGES=${BASELINE_STAGES:-"configure build bench-chunk"} \
+    BENCH_CHUNK_ARGS=${BASELINE_BENCH_CHUNK_ARGS:-$BENCH_CHUNK_ARGS} \
+    BUDGET_S=$((STAGE_TIMEOUT - 10)) scripts/device-run.sh >/dev/null 2>&1)
+  rc=$?
+  grep -E '^(== |-- |  [a-z])' "$OUT/baseline/device-run.log"
+  cat "$OUT/baseline/bench_chunk.txt" 2>/dev/null
+  tar czf "$OUT/baseline.tgz" -C "$OUT" baseline && rm -rf "$OUT/baseline"
+  return $rc
 }
 
 stage_bench-backward() {
