@@ -111,16 +111,15 @@ struct PrepareShared {
   // T's bfloat16 copies. With the slices tb takes A_kk's place and tu has its own rows, both
   // kChunkLd wide; the key tiles put both in A_kk's place in the record layout
   // (cuda/chunk_records.cuh, 8 KB each), which their launch's size needs (t_index).
-  template <bool KeyTiles>
   __device__ bf16* tb() { return reinterpret_cast<bf16*>(&u.v.a[0][0]); }
   template <bool KeyTiles>
-  __device__ bf16* tu() { return KeyTiles ? tb<true>() + kChunk * 64 : &u.v.tu[0][0]; }
+  __device__ bf16* tu() { return KeyTiles ? tb() + kChunk * 64 : &u.v.tu[0][0]; }
   template <bool KeyTiles>
   __device__ static int t_index(int r, int c) {
     return KeyTiles ? static_cast<int>(record_index(r, c)) : r * kChunkLd + c;
   }
-  __device__ bf16* vb() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }  // [C][kValueLd]
-  __device__ bf16* vt() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }
+  // beta v ([C][kValueLd], write_values) or v's tiles (record layout, fetch_value_tiles).
+  __device__ bf16* vb() { return reinterpret_cast<bf16*>(&u.v.t[0][0]); }
 };
 // Shared memory of a launch: the key tiles' stops before the slices' tu.
 template <int KP>
@@ -571,11 +570,11 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
 }
 
 // T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order), left in bfloat16 twice, each
-// rounded once from float32: T diag(w_cols) in tb (w's operand: w = T diag(n_k) (beta k
-// 2^Gamma), w_cols = n_k with wsrc's slices, n_k beta 2^Gamma with the key tiles), and in tu
-// u's: T diag(beta) where v enters as given (ValueTiles), else T.
+// rounded once from float32: T diag(cols) in tb (w's operand: w = T diag(n_k) (beta k
+// 2^Gamma); cols = n_k with wsrc's slices, w_cols = n_k beta 2^Gamma with the key tiles), and
+// in tu u's: T diag(beta) where v enters as given (ValueTiles), else T.
 template <bool KeyTiles, bool ValueTiles, int KP>
-__device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* w_cols) {
+__device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
   auto& v = sh.u.v;
   const int tid = threadIdx.x;
   if (c.inverse_by_columns)
@@ -584,13 +583,14 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh, const float* 
   else
     invert_unit_lower<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4, v.inverse);
   // A_kk is dead: T in bfloat16 takes its place, four entries a thread.
-  bf16 *tb = sh.template tb<KeyTiles>(), *tu = sh.template tu<KeyTiles>();
+  bf16 *tb = sh.tb(), *tu = sh.template tu<KeyTiles>();
+  const float* cols = KeyTiles ? sh.w_cols : sh.inv_k;
   const auto at = PrepareShared<KP>::template t_index<KeyTiles>;
   constexpr int kQuadsPerRow = kChunk / 4;
   for (int e = tid; e < kChunk * kQuadsPerRow; e += kThreads) {
     const int r = e / kQuadsPerRow, q = 4 * (e % kQuadsPerRow);
     const float4 x = *reinterpret_cast<const float4*>(&v.t[r][q]);
-    const float4 n = *reinterpret_cast<const float4*>(&w_cols[q]);
+    const float4 n = *reinterpret_cast<const float4*>(&cols[q]);
     const float4 b = ValueTiles ? *reinterpret_cast<const float4*>(&sh.beta[q])
                                 : make_float4(1.f, 1.f, 1.f, 1.f);
     *reinterpret_cast<uint2*>(tb + at(r, q)) =
@@ -635,12 +635,13 @@ __device__ void lower_product_rows(const bf16* t, const bf16* src, int ld_src, i
 }
 
 // Value columns [v0, v0 + kValueTile) of the record's u: T (beta v) for the delta rule
-// (after solve; dense inputs take write_values_from_tiles instead), v itself for the linear
+// with general inputs (after solve; dense ones take write_values_from_tiles), v for the linear
 // write; 8 columns of one token per thread and load.
 template <int KP, bool Dense>
 __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const Record& rec,
                              const ChunkRef& ref, int64_t hv, int64_t v0) {
   const RecurrentParams& p = c.p;
+  const bool delta = !Dense && p.delta;  // dense inputs take write_values_from_tiles for it
   const int tid = threadIdx.x;
   constexpr int kLanes = kValueTile / 8, kLoads = kChunk * kLanes / kThreads;
   const int col = 8 * (tid % kLanes), valid_v = clamp_run(p.V - v0 - col);
@@ -657,7 +658,7 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
     const int t = tid / kLanes + x * (kThreads / kLanes);
     float val[8];
     TokenRuns<Dense>::to_float(raw[x], p.v, val);
-    if (p.delta) {
+    if (delta) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) val[e] *= sh.beta[t];
       store_bf16x8(sh.vb() + t * kValueLd + col, val);
@@ -665,9 +666,8 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
       store_bf16x8(rec.u + record_index(t, v0 + col), val);
     }
   }
-  if (!p.delta) return;
+  if (!delta) return;
   __syncthreads();
-  // (Only the slices reach here with the delta rule: dense inputs take the value tiles.)
   lower_product_rows<false, false>(sh.template tu<false>(), sh.vb(), kValueLd, 0,
                                    rec.u + record_index(0, v0));
 }
@@ -687,7 +687,7 @@ __device__ void fetch_value_tiles(const RecurrentParams& p, PrepareShared<KP>& s
   constexpr int kRuns = kValueTilesInT * 64 / 8;  // 16-byte runs per token
   const auto* v = static_cast<const unsigned short*>(p.v.data) + token_offset(p.v, ref.seq, hv) +
                   ref.t * p.v.stride[1];
-  bf16* dst = sh.vt();
+  bf16* dst = sh.vb();
   for (int e = threadIdx.x; e < kChunk * kRuns; e += kThreads) {
     const int t = e / kRuns, x = 8 * (e % kRuns);
     const bool live = t < ref.len && v0 + x < p.V;
@@ -710,7 +710,7 @@ __device__ void write_values_from_tiles(const ChunkParams& c, PrepareShared<KP>&
     wait_async<0>();
     __syncthreads();
     for (int x = 0; x < kValueTilesInT && v0 + 64 * x < c.VP; ++x)
-      lower_product_rows<KeyTiles, true>(sh.template tu<KeyTiles>(), sh.vt() + x * kChunk * 64,
+      lower_product_rows<KeyTiles, true>(sh.template tu<KeyTiles>(), sh.vb() + x * kChunk * 64,
                                          0, 0, rec.u + record_index(0, v0 + 64 * x));
   }
 }
@@ -777,7 +777,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
   }
   finish_a<G>(p, sh, rec, acc_q, acc_k);
   if (p.delta) {
-    solve<kKeyTiles, Dense>(c, sh, kKeyTiles ? sh.w_cols : sh.inv_k);
+    solve<kKeyTiles, Dense>(c, sh);
     if constexpr (Dense) fetch_value_tiles(p, sh, ref, hv, 0);
   }
 
@@ -785,7 +785,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
   // linear write.
   if (p.delta)
     for (int n0 = 0; n0 < KP; n0 += 64)
-      lower_product_rows<kKeyTiles, false>(sh.template tb<kKeyTiles>(), &sh.wsrc[0][0], KP + 8,
+      lower_product_rows<kKeyTiles, false>(sh.tb(), &sh.wsrc[0][0], KP + 8,
                                            n0, rec.w);
   if (Dense && p.delta)
     write_values_from_tiles<kKeyTiles>(c, sh, rec, ref, hv);
