@@ -1,11 +1,13 @@
 // The pairwise decay terms of a chunk, sum over channels c of x_i[c] y_j[c] e^(G_i[c] - G_j[c])
-// for j <= i (A_qk, A_kk and their gradients' A side), split by 16-row blocks. Gamma falls
-// along the chunk (gates <= 0), so with block I's reference point rho = Gamma[16 I] (its
-// largest Gamma) every pair j < 16 I <= i factors into two numbers no larger than 1:
+// for j <= i (A_qk, A_kk and their gradients' A side), split by 16-row blocks and taken on the
+// tensor cores as products of per-slice tables. Gamma falls along the chunk (gates <= 0), so
+// with block I's reference point rho = Gamma[16 I] (its largest Gamma) every pair
 //     e^(Gamma_i - Gamma_j) = e^(Gamma_i - rho) e^(rho - Gamma_j)
-// nothing overflows, and a factor that underflows belongs to a term that does too. Those
-// off-diagonal blocks are tensor-core products of per-slice tables; pairs inside one block
-// (a quarter of them) are summed exactly, one exp each, as before.
+// with j < 16 I <= i factors into two numbers no larger than 1: nothing overflows, and a
+// factor that underflows belongs to a term that does too. Inside block I (j >= 16 I) the
+// column factor is >= 1 and stays finite while Gamma stays near rho over the block
+// (kDiagonalNats); a channel that leaves that range fails the block, and its pairs inside
+// the block are summed one by one, exactly, by the caller instead.
 #pragma once
 
 #include "cuda/backward_common.cuh"
@@ -17,8 +19,6 @@ constexpr int kBlock = 16;
 constexpr int kBlocks = kC / kBlock;
 constexpr int kBlockPairs = kBlock * (kBlock + 1) / 2;  // j <= i inside one block
 constexpr int kDiagonalPairs = kBlocks * kBlockPairs;
-constexpr int kTableRows = kC - kBlock;                        // rows of blocks 1 .. 3
-constexpr int kColumnRows = kBlock * kBlocks * (kBlocks - 1) / 2;  // j < 16 I for I = 1 .. 3
 
 // Rows (i, j) of diagonal pair p: j <= i inside block p / kBlockPairs.
 __device__ __forceinline__ void diagonal_pair(int p, int& i, int& j) {
@@ -30,33 +30,64 @@ __device__ __forceinline__ void diagonal_pair(int p, int& i, int& j) {
   j = blk * kBlock + q - a * (a + 1) / 2;
 }
 
-// First row of block I's column table (rows j < 16 I, blocks 1, 2, 3 one after another).
-__device__ __forceinline__ int column_base(int I) { return kBlock * I * (I - 1) / 2; }
+// A channel fails block I when its Gamma leaves [rho_I - kDiagonalNats, rho_I + kDiagonalNats]
+// at some row of the block (or is NaN); its diagonal column entries are then 0 (bit cc of
+// fails[I]). kDiagonalNats bounds every factor by e^40 (about 2^58): a sum of 16 products of
+// such a column with dA overflows only for |dA k| beyond 1e21.
+constexpr float kDiagonalNats = 40.f;
+constexpr int kDiagonalColumnRows = kBlock * kBlocks * (kBlocks + 1) / 2;  // j < 16 (I + 1)
+
+// Whether Gamma at a row of block I keeps both of its factors within e^kDiagonalNats.
+__device__ __forceinline__ bool diagonal_factor_ok(float gamma, float rho) {
+  return fabsf(gamma - rho) <= kDiagonalNats;  // false for NaN
+}
+
+// First row of block I's column table: rows j < 16 (I + 1) for I = 0 .. 3, one after another.
+__device__ __forceinline__ int diagonal_column_base(int I) { return kBlock * I * (I + 1) / 2; }
 
 // Per key slice of kW channels (q, k, Gamma staged [row][channel], zeros at rows >= len):
-//   rows[x][r - 16][cc] = x[r][cc] e^(Gamma[r][cc] - rho_I)   x = q, k; r in block I >= 1
-//   cols[column_base(I) + j][cc] = k[j][cc] e^(rho_I - Gamma[j][cc])   j < 16 I
-// zero at rows >= len and for blocks past len. kLd: row length (bank pattern of the user).
+//   rows[x][r][cc] = x[r][cc] e^(Gamma[r][cc] - rho_I)     x = q, k; r in block I
+//   cols[diagonal_column_base(I) + j][cc] = k[j][cc] e^(rho_I - Gamma[j][cc])   j < 16 (I + 1)
+// zero at rows >= len and (cols, j in block I) for channels that fail block I; entries of
+// blocks past len are not read. kLd: row length (bank pattern of the user).
 template <int kW, int kLd>
-struct BlockTables {
-  float rows[2][kTableRows][kLd];
-  float cols[kColumnRows][kLd];
+struct DiagonalTables {
+  static_assert(kW <= 32, "a block's failing channels are the bits of one word");
+  float rows[2][kC][kLd];
+  float cols[kDiagonalColumnRows][kLd];
 };
 
-template <int kW, int kLd, class Slice>
-__device__ void fill_block_tables(const Slice& s, int len, BlockTables<kW, kLd>& t) {
-  for (int idx = threadIdx.x; idx < kTableRows * kW; idx += blockDim.x) {
-    const int r = kBlock + idx / kW, cc = idx % kW;
-    const float f = r < len ? __expf(s.g[r][cc] - s.g[r / kBlock * kBlock][cc]) : 0.f;
-    t.rows[0][r - kBlock][cc] = s.q[r][cc] * f;
-    t.rows[1][r - kBlock][cc] = s.k[r][cc] * f;
+// fails[I] |= bit cc for every block and channel of the slice that fails (rows < len); fails
+// must be zero before (and a barrier passed after).
+template <int kW, class Slice>
+__device__ void mark_failing_blocks(const Slice& s, int len, unsigned (&fails)[kBlocks]) {
+  for (int idx = threadIdx.x; idx < kBlocks * kW; idx += blockDim.x) {
+    const int I = idx / kW, cc = idx % kW, r0 = kBlock * I, end = min(r0 + kBlock, len);
+    bool ok = true;
+    for (int r = r0; r < end; ++r) ok &= diagonal_factor_ok(s.g[r][cc], s.g[r0][cc]);
+    if (!ok) atomicOr(&fails[I], 1u << cc);
   }
-  for (int idx = threadIdx.x; idx < kColumnRows * kW; idx += blockDim.x) {
+}
+
+// Fills the tables; fails must be marked (and a barrier passed) before.
+template <int kW, int kLd, class Slice>
+__device__ void fill_diagonal_tables(const Slice& s, int len, const unsigned (&fails)[kBlocks],
+                                     DiagonalTables<kW, kLd>& t) {
+  for (int idx = threadIdx.x; idx < kC * kW; idx += blockDim.x) {
+    const int r = idx / kW, cc = idx % kW;
+    const float f = r < len ? __expf(s.g[r][cc] - s.g[r / kBlock * kBlock][cc]) : 0.f;
+    t.rows[0][r][cc] = s.q[r][cc] * f;
+    t.rows[1][r][cc] = s.k[r][cc] * f;
+  }
+  for (int idx = threadIdx.x; idx < kDiagonalColumnRows * kW; idx += blockDim.x) {
     const int row = idx / kW, cc = idx % kW;
-    const int I = row < column_base(2) ? 1 : row < column_base(3) ? 2 : 3;
-    const int j = row - column_base(I);
-    t.cols[row][cc] =
-        kBlock * I < len ? s.k[j][cc] * __expf(s.g[kBlock * I][cc] - s.g[j][cc]) : 0.f;
+    const int I = row < diagonal_column_base(1)   ? 0
+                  : row < diagonal_column_base(2) ? 1
+                  : row < diagonal_column_base(3) ? 2
+                                                  : 3;
+    const int j = row - diagonal_column_base(I);
+    const bool ok = j < len && (j < kBlock * I || !(fails[I] >> cc & 1u));
+    t.cols[row][cc] = ok ? s.k[j][cc] * __expf(s.g[kBlock * I][cc] - s.g[j][cc]) : 0.f;
   }
 }
 
@@ -70,6 +101,29 @@ __device__ __forceinline__ void tile_product(Acc& acc, int steps, const FA& a, c
     const uint32_t af[4] = {to_tf32(a(g, k + c)), to_tf32(a(g + 8, k + c)),
                             to_tf32(a(g, k + c + 4)), to_tf32(a(g + 8, k + c + 4))};
     mma_tf32(acc, af, to_tf32(b(k + c, g)), to_tf32(b(k + c + 4, g)));
+  }
+}
+
+// tile_product to about float32's precision: each operand split into its tf32 rounding and the
+// tf32 rounding of what that leaves, three products (hi hi, hi lo, lo hi). For the pairs inside
+// a diagonal block: their terms of the gate gradient cancel in exact arithmetic (a pair adds
+// to dg_i and takes the same from dg_j), so a tf32 product's 2^-11 would be left over.
+template <class FA, class FB>
+__device__ __forceinline__ void tile_product_split(Acc& acc, int steps, const FA& a,
+                                                   const FB& b) {
+  const int g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+  for (int s = 0; s < steps; ++s) {
+    const int k = 8 * s;
+    const float av[4] = {a(g, k + c), a(g + 8, k + c), a(g, k + c + 4), a(g + 8, k + c + 4)};
+    const float bv[2] = {b(k + c, g), b(k + c + 4, g)};
+    uint32_t ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split_tf32(av[e], ah[e], al[e]);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) split_tf32(bv[e], bh[e], bl[e]);
+    mma_tf32(acc, al, bh[0], bh[1]);
+    mma_tf32(acc, ah, bl[0], bl[1]);
+    mma_tf32(acc, ah, bh[0], bh[1]);
   }
 }
 

@@ -68,13 +68,18 @@ __device__ void stage_beta(const ChunkRows& x, float* beta) {
   for (int i = threadIdx.x; i < kC; i += blockDim.x) beta[i] = i < x.len ? x.beta(i) : 0.f;
 }
 
-// Records' tables: the slice's channel is the products' summed index (row length 4 mod 32).
-using RecordTables = BlockTables<kRecordSlice, kRecordSlice + 4>;
+// Records' tables: the slice's channel is the products' summed index (row length 4 mod 32);
+// every block's diagonal included (cuda/backward_blocks.cuh).
+using RecordTables = DiagonalTables<kRecordSlice, kRecordSlice + 4>;
+// Records' key slices: rows of 4 mod 32 floats take 16-byte copies.
+using RecordSlice = KeySlice<kRecordSlice, kRecordSlice + 4>;
 
 constexpr int kTmLd = kC + 4;  // T's rows: 16-byte aligned (cuda/chunk_inverse.cuh)
 
 struct RecordsShared {
-  KeySlice<kRecordSlice> slice;
+  RecordSlice slice;
+  unsigned fails[kBlocks];  // the slice's channels whose diagonal pairs go one by one
+  unsigned any_fail;        // whether any slice had one
   float beta[kC];
   float akk[kC][kLd];
   alignas(16) float tm[kC][kTmLd];
@@ -86,9 +91,11 @@ struct RecordsShared {
 };
 
 // Gamma (the cumulative log gate) of one key slice, the gate factors of q and k, beta k e^Gamma
-// and the chunk's decay, written to the buffers; leaves q, k and Gamma of the slice staged.
+// and the chunk's decay, written to the buffers; leaves q, k and Gamma of the slice staged,
+// and the channels that fail each block's diagonal bound in fails (any_fail accumulates them).
 __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64_t rec, int c0,
-                              const float* beta, KeySlice<kRecordSlice>& s) {
+                              const float* beta, RecordSlice& s, unsigned (&fails)[kBlocks],
+                              unsigned& any_fail) {
   constexpr int kSlice = kRecordSlice;
   const int64_t K = b.p.K;
   const int len = x.len;
@@ -96,31 +103,40 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
   // load-then-store loop waits on every load (the compiler cannot move a global load above a
   // shared store through a generic pointer; ncu: 11% of records' samples), and holding the
   // loads in registers instead spilled. Landed for this thread, then for the block.
-  copy_slice_async<kSlice, kSlice + 1>(
-      x, c0, [&](int i) { return x.k_row(b.ws.gate, i); }, b.ws.gate, s.g);
-  copy_slice_async<kSlice, kSlice + 1>(
-      x, c0, [&](int i) { return x.key_head(b.ws.qn, i); }, b.ws.qn, s.q);
-  copy_slice_async<kSlice, kSlice + 1>(
-      x, c0, [&](int i) { return x.key_head(b.ws.kn, i); }, b.ws.kn, s.k);
+  copy_slice_async<kSlice>(x, c0, [&](int i) { return x.k_row(b.ws.gate, i); }, b.ws.gate, s.g);
+  copy_slice_async<kSlice>(x, c0, [&](int i) { return x.key_head(b.ws.qn, i); }, b.ws.qn, s.q);
+  copy_slice_async<kSlice>(x, c0, [&](int i) { return x.key_head(b.ws.kn, i); }, b.ws.kn, s.k);
   commit_async();
   wait_async<0>();
   __syncthreads();
   if (threadIdx.x < kSlice) {
     // The cumulative sum down a channel, 16 rows loaded at a time (the staged rows past len
     // are zeros): one shared-memory round trip per 16 rows instead of one per row, while the
-    // other warps wait at the barrier.
-    constexpr int kRun = 16;
+    // other warps wait at the barrier. A run is a diagonal block: its bound is checked on
+    // the way (one warp: the block's failing channels are a ballot).
+    constexpr int kRun = kBlock;
+    static_assert(kSlice == 32, "one warp, one channel per lane");
     float G = 0.f;
     for (int i0 = 0; i0 < len; i0 += kRun) {
       float col[kRun];
 #pragma unroll
       for (int u = 0; u < kRun; ++u) col[u] = s.g[i0 + u][threadIdx.x];
+      float rho = 0.f;
+      bool ok = true;
 #pragma unroll
       for (int u = 0; u < kRun; ++u) {
         G += col[u];
-        if (i0 + u < len) s.g[i0 + u][threadIdx.x] = G;
+        if (u == 0) rho = G;
+        if (i0 + u < len) {
+          s.g[i0 + u][threadIdx.x] = G;
+          ok &= diagonal_factor_ok(G, rho);
+        }
       }
+      const unsigned fail = __ballot_sync(0xffffffffu, !ok);
+      if (threadIdx.x == 0) fails[i0 / kRun] = fail, any_fail |= fail;
     }
+    if (threadIdx.x == 0)
+      for (int I = (len + kRun - 1) / kRun; I < kBlocks; ++I) fails[I] = 0u;
     if (c0 + static_cast<int>(threadIdx.x) < K) b.ws.decay[rec * K + c0 + threadIdx.x] = expf(G);
   }
   __syncthreads();
@@ -197,36 +213,39 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   }
 
   // Per key slice: the factors, then A_qk (diagonal included) and the unscaled A_kk products
-  // (cuda/backward_blocks.cuh): pairs inside a 16-row block one by one, the blocks below the
-  // diagonal on the tensor cores as (q or k rows) x (column table)^T, 12 tiles of 16 x 8
-  // each, three per warp, summed over the slices in registers.
+  // on the tensor cores (cuda/backward_blocks.cuh): row block I of q or k rows times its
+  // column table (j < 16 (I + 1), the diagonal block included)^T, 40 tiles of 16 x 8, five
+  // per warp, summed over the slices in registers. A channel that fails a block's diagonal
+  // bound adds that block's pairs one by one (aq, kd by pair slot; zero while none fails).
   constexpr int kDiagonalSlots = (kDiagonalPairs + kBackwardThreads - 1) / kBackwardThreads;
-  constexpr int kOffTiles = kColumnRows / 8, kOffJobs = 2 * kOffTiles;
-  constexpr int kJobsPerWarp = kOffJobs / kWarps;
+  constexpr int kTiles = kDiagonalColumnRows / 8, kJobsPerWarp = 2 * kTiles / kWarps;
+  static_assert(2 * kTiles % kWarps == 0, "every warp the same number of tiles");
   const int warp = threadIdx.x / 32;
   // Job e of this warp: rows of q (which 0: A_qk) or k (1: the A_kk products) in block I,
   // columns n0 .. n0 + 7.
   auto job = [&](int e, int& which, int& I, int& n0) {
-    const int idx = warp + kWarps * e, t = idx % kOffTiles;
-    which = idx / kOffTiles;
-    I = t < 2 ? 1 : t < 6 ? 2 : 3;
-    n0 = 8 * (t - column_base(I) / 8);
+    const int idx = warp + kWarps * e, t = idx % kTiles;
+    which = idx / kTiles;
+    I = t < 2 ? 0 : t < 6 ? 1 : t < 12 ? 2 : 3;
+    n0 = 8 * t - diagonal_column_base(I);
   };
   float aq[kDiagonalSlots] = {}, kd[kDiagonalSlots] = {};
-  Acc off[kJobsPerWarp];
+  Acc tiles[kJobsPerWarp];
+  if (threadIdx.x == 0) sh.any_fail = 0u;
   for (int c0 = 0; c0 < K; c0 += kRecordSlice) {
     __syncthreads();
-    slice_factors(b, x, rec, c0, sh.beta, sh.slice);
+    slice_factors(b, x, rec, c0, sh.beta, sh.slice, sh.fails, sh.any_fail);
     __syncthreads();
-    const KeySlice<kRecordSlice>& s = sh.slice;
-    fill_block_tables(s, len, sh.tables);
+    const RecordSlice& s = sh.slice;
+    fill_diagonal_tables(s, len, sh.fails, sh.tables);
 #pragma unroll
     for (int e = 0; e < kDiagonalSlots; ++e) {
       const int p = threadIdx.x + e * kBackwardThreads;
       int i = 0, j = 0;
       if (p < kDiagonalPairs) diagonal_pair(p, i, j);
       if (p >= kDiagonalPairs || i >= len) continue;
-      for (int cc = 0; cc < kRecordSlice; ++cc) {
+      for (unsigned m = sh.fails[i / kBlock]; m != 0u; m &= m - 1u) {
+        const int cc = __ffs(m) - 1;
         const float f = __expf(s.g[i][cc] - s.g[j][cc]) * s.k[j][cc];
         aq[e] = fmaf(s.q[i][cc], f, aq[e]);
         kd[e] = fmaf(s.k[i][cc], f, kd[e]);
@@ -239,46 +258,56 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
       int which, I, n0;
       job(e, which, I, n0);
       if (kBlock * I >= len) continue;
-      const int m0 = kBlock * (I - 1), c1 = column_base(I) + n0;
+      const int m0 = kBlock * I, c1 = diagonal_column_base(I) + n0;
       tile_product(
-          off[e], kRecordSlice / 8, [&](int m, int k) { return t.rows[which][m0 + m][k]; },
+          tiles[e], kRecordSlice / 8, [&](int m, int k) { return t.rows[which][m0 + m][k]; },
           [&](int k, int n) { return t.cols[c1 + n][k]; });
     }
   }
   float* aqk = b.ws.aqk + rec * kC * kC;
   float* kdot = b.ws.kdot + rec * kC * kC;
-  // Every entry once: the diagonal blocks' pairs, the tiles below them, zeros above.
+  // Every entry once: the tiles (j < 16 (I + 1)), zeros above them; then, where a channel
+  // failed, the diagonal pairs' exact sums added to what the tiles wrote.
   auto put = [&](int which, int i, int j, float v) {
-    const bool row = i < len, strict = j < i && row;
+    const bool row = i < len;
     if (which == 0) {
-      aqk[i * kC + j] = row ? v : 0.f;
+      aqk[i * kC + j] = row && j <= i ? v : 0.f;
     } else {
+      const bool strict = j < i && row;
       kdot[i * kC + j] = strict ? v : 0.f;
       sh.akk[i][j] = strict ? sh.beta[i] * v : 0.f;
     }
   };
 #pragma unroll
-  for (int e = 0; e < kDiagonalSlots; ++e) {
-    const int p = threadIdx.x + e * kBackwardThreads;
-    if (p >= kDiagonalPairs) continue;
-    int i, j;
-    diagonal_pair(p, i, j);
-    put(0, i, j, aq[e]);
-    put(1, i, j, kd[e]);
-  }
-#pragma unroll
   for (int e = 0; e < kJobsPerWarp; ++e) {
     int which, I, n0;
     job(e, which, I, n0);
 #pragma unroll
-    for (int r = 0; r < 4; ++r) put(which, kBlock * I + acc_row(r), n0 + acc_col(r), off[e].d[r]);
+    for (int r = 0; r < 4; ++r) put(which, kBlock * I + acc_row(r), n0 + acc_col(r), tiles[e].d[r]);
   }
   for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) {
     const int i = idx / kC, j = idx % kC;
-    if (j <= i) continue;
+    if (j < (i / kBlock + 1) * kBlock) continue;
     aqk[idx] = 0.f;
     kdot[idx] = 0.f;
     sh.akk[i][j] = 0.f;
+  }
+  if (sh.any_fail != 0u) {  // the same in every thread: written before the last barrier
+    __syncthreads();         // the tiles' entries written (the block reads its own writes)
+#pragma unroll
+    for (int e = 0; e < kDiagonalSlots; ++e) {
+      const int p = threadIdx.x + e * kBackwardThreads;
+      if (p >= kDiagonalPairs) continue;
+      int i, j;
+      diagonal_pair(p, i, j);
+      if (i >= len) continue;
+      aqk[i * kC + j] += aq[e];
+      if (j < i) {
+        const float v = kdot[i * kC + j] + kd[e];
+        kdot[i * kC + j] = v;
+        sh.akk[i][j] = sh.beta[i] * v;
+      }
+    }
   }
   __syncthreads();
 
@@ -302,8 +331,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   }
 }
 
-// Grads' tables: the slice's channel is the products' column index (row length 8 mod 32).
-using GradTables = BlockTables<kGradSlice, kGradSlice + 8>;
+// Grads' tables: the slice's channel is the products' column index (row length 8 mod 32);
+// every block's diagonal included (cuda/backward_blocks.cuh).
+using GradTables = DiagonalTables<kGradSlice, kGradSlice + 8>;
 
 // Row lengths of 8 mod 32 floats: a tf32 fragment's 32 elements in distinct banks.
 constexpr int kTLd = kC + 8, kDwLd = kGradSlice + 8;
@@ -315,13 +345,17 @@ using GradSlice = KeySlice<kGradSlice, kGradSliceLd>;
 // The pairwise sums of a key slice: sums of d A_qk k e^.. (p1) and d A_kk k e^.. (p2) over
 // j <= i, and of both column terms over r >= i (q12), per row and channel; with the delta
 // rule, p2 also takes d(beta k e^Gamma) = T^T dw's share (its factors, beta e^Gamma for dk
-// and k beta e^Gamma for dg, are p2's own: 1 and k), from T and the slice's dw.
+// and k beta e^Gamma for dg, are p2's own: 1 and k), from T and the slice's dw. The slice's
+// dw is dead once that share is taken, before the tables are filled: they share memory.
 struct PairScratch {
   GradSlice slice;
-  GradTables tables;
   float p1[kC][kGradSlice + 1], p2[kC][kGradSlice + 1], q12[kC][kGradSlice + 1];
   alignas(16) float tm[kC][kTLd];  // T (row-major), for T^T
-  float dw[kC][kDwLd];
+  unsigned fails[kBlocks];  // per block, the channels whose diagonal pairs go one by one
+  union {
+    float dw[kC][kDwLd];
+    GradTables tables;
+  };
 };
 
 // grads' first C x C products in one staged pass: out_0 = a_0 b_0^T (d A_qk, summed over V)
@@ -419,17 +453,13 @@ struct GradsShared {
   };
 };
 
-// The tile jobs of add_pair_terms: rows 0 .. 11 (which * 6 + (I - 1) * 2 + column tile) cost 2 I
-// k-steps; columns 12 .. 17 (12 + 2 J + tile), 4 (3 - J). Warp w's job of round r, or -1,
-// assigned longest first so that every warp runs 12 k-steps (in order of job number, the
-// heaviest warp ran 18): warps 0-3 the column jobs (12 | 12 | 8 + 4 | 8 + 4), warps 4-7 the
-// row jobs of one (which, tile), blocks 3, 2, 1 (6 + 4 + 2).
-__device__ __forceinline__ int pair_job(int warp, int round) {
-  static_assert(kWarps == 8 && kBlocks == 4 && kGradSlice == 16, "the assignment below");
-  if (warp < 4) return round == 0 ? 12 + warp : round == 1 && warp >= 2 ? 14 + warp : -1;
-  const int which = (warp - 4) / 2, tile = warp % 2;
-  return which * 6 + (2 - round) * 2 + tile;
-}
+// The tile jobs of add_pair_terms, every block's diagonal included. A row job (which, tile)
+// takes the row sums of blocks I = 0 .. 3 (2 I + 2 k-steps each: 20); a column job (J,
+// tile) the column sums of block J over blocks I >= J (4 k-steps per I: 16, 12, 8, 4 for
+// J = 0 .. 3). Every warp runs 20 k-steps: warps 4-7 one (which, tile) of row jobs each,
+// warps 0-3 the column jobs of one tile, blocks {0, 3} (warps 0, 1) or {1, 2} (warps 2, 3).
+constexpr int kColTiles = kGradSlice / 8;
+static_assert(kWarps == 8 && kBlocks == 4 && kColTiles == 2, "the assignment above");
 
 // T (C x C, row-major in global memory) into shared rows of kTLd floats, as 16-byte
 // asynchronous copies left uncommitted: the next commit_async / wait_async lands them.
@@ -462,12 +492,13 @@ __device__ void prefetch_pair_grads(const ChunkRows& x, int c0) {
 
 // Adds the pairwise terms of d A_qk and d A_kk (row-major [i][j] in shared memory, zero
 // outside j <= i < len) over key channels c0 .. c0 + kGradSlice - 1 to the chunk's rows of dq,
-// dk and dg (cuda/backward_blocks.cuh): row sums (their i side) and column sums (j side).
-// Pairs inside a 16-row block one by one; the blocks below the diagonal on the tensor cores,
-// each product's rows scaled back by their own e^(Gamma - rho) factor in its epilogue. Starts
-// with a barrier (the scratch's last use and the dA writes are behind it). With the delta
-// rule, T (pr.tm) must have landed with the first slice (stage_inverse_async before it) and
-// T^T dw's d beta share goes to dbeta's epilogue slots.
+// dk and dg (cuda/backward_blocks.cuh): row sums (their i side) and column sums (j side), on
+// the tensor cores block by block, each product's rows scaled back by their own e^(Gamma -
+// rho) factor in its epilogue; a (block, channel) that fails the diagonal bound adds its
+// diagonal pairs one by one, exactly, in the final epilogue. Starts with a barrier (the
+// scratch's last use and the dA writes are behind it). With the delta rule, T (pr.tm) must
+// have landed with the first slice (stage_inverse_async before it) and T^T dw's d beta share
+// goes to dbeta's epilogue slots.
 __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[kLd],
                                const float (*dakk)[kLd], const float* beta,
                                float (*dbeta)[kEpilogueSlots], PairScratch& pr) {
@@ -475,8 +506,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   const int K = static_cast<int>(x.b.p.K), len = x.len, warp = threadIdx.x / 32;
   const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
   constexpr int kRowGroups = kBackwardThreads / kGradSlice;
-  constexpr int kColTiles = kGradSlice / 8;
-  constexpr int kRowJobs = 2 * (kBlocks - 1) * kColTiles;
+  static_assert(kRowGroups == kBlock, "a thread's epilogue rows: one per block");
   const bool delta = x.b.p.delta;
   prefetch_pair_inputs(x, c0 + kGradSlice);
   prefetch_pair_grads(x, c0);
@@ -485,6 +515,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   const auto rec_row = [&](const float* a) {
     return [&x, a](int i) { return x.k_rec(const_cast<float*>(a), i); };
   };
+  if (threadIdx.x < kBlocks) pr.fails[threadIdx.x] = 0u;  // marked after the next barrier
   copy_slice_async<kGradSlice>(x, c0, head_row(ws.qn), ws.qn, pr.slice.q);
   copy_slice_async<kGradSlice>(x, c0, head_row(ws.kn), ws.kn, pr.slice.k);
   copy_slice_async<kGradSlice>(x, c0, rec_row(ws.gamma), ws.gamma, pr.slice.g);
@@ -493,7 +524,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   wait_async<0>();
   __syncthreads();
   const GradSlice& s = pr.slice;
-  fill_block_tables(s, len, pr.tables);
+  mark_failing_blocks<kGradSlice>(s, len, pr.fails);
   if (delta) {
     // p2 = beta e^Gamma (T^T dw) for the slice, a 16 x 8 tile per warp (rows 16 (w % 4) on,
     // columns 8 (w / 4) on); d beta's share, k e^Gamma (T^T dw), into the lane's slot.
@@ -518,82 +549,99 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
       }
       if (m < len) dbeta[m][slot] += share;
     }
-    __syncthreads();
   }
-  for (int i = rg; i < kC; i += kRowGroups) {
-    const int first = i / kBlock * kBlock, last = min(first + kBlock, len);
-    const float gi = s.g[i][cc];
-    float p1 = 0.f, p2 = 0.f, q12 = 0.f;
-    // One bound (none for rows past len), so that the loop unrolls like the one below:
-    // four iterations' shared loads go out together.
-    const int jlast = i < len ? i : first - 1;
-#pragma unroll 4
-    for (int j = first; j <= jlast; ++j) {
-      const float f = __expf(gi - s.g[j][cc]) * s.k[j][cc];
-      p1 = fmaf(daqk[i][j], f, p1);
-      p2 = fmaf(dakk[i][j], f, p2);
-    }
-    for (int r = i; r < last; ++r) {
-      const float t = daqk[r][i] * s.q[r][cc] + dakk[r][i] * s.k[r][cc];
-      q12 = fmaf(t, __expf(s.g[r][cc] - gi), q12);
-    }
-    pr.p1[i][cc] = p1;
-    pr.p2[i][cc] = delta ? pr.p2[i][cc] + p2 : p2;
-    pr.q12[i][cc] = q12;
-  }
+  __syncthreads();  // fails marked; dw read (the tables take its place)
+  fill_diagonal_tables(s, len, pr.fails, pr.tables);
   __syncthreads();
   const GradTables& t = pr.tables;
-  for (int round = 0; round < 3; ++round) {
-    const int job = pair_job(warp, round);
-    if (job < 0) break;
-    const int n0 = job % kColTiles * 8;
-    if (job < kRowJobs) {
-      // Rows of block I: sum over j < 16 I of dA[i][j] k~_I[j] (which: A_qk or A_kk).
-      const int which = job / kColTiles / (kBlocks - 1), I = 1 + job / kColTiles % (kBlocks - 1);
-      if (kBlock * I >= len) continue;
-      const float(*dA)[kLd] = which ? dakk : daqk;
+  if (warp >= 4) {
+    // Rows of every block I: sum over j < 16 (I + 1) of dA[i][j] k~_I[j] (which: A_qk or A_kk).
+    const int which = (warp - 4) / 2, n0 = warp % 2 * 8;
+    const float(*dA)[kLd] = which ? dakk : daqk;
+    float(*out)[kGradSlice + 1] = which ? pr.p2 : pr.p1;
+    const bool add = which == 1 && delta;  // p2 holds T^T dw's share
+    for (int I = 0; I < kBlocks && kBlock * I < len; ++I) {
+      // Columns before the block in tf32, the diagonal block's split (backward_blocks.cuh).
       Acc acc;
+      const int j0 = kBlock * I, base = diagonal_column_base(I);
       tile_product(
-          acc, 2 * I, [&](int m, int k) { return dA[kBlock * I + m][k]; },
-          [&](int k, int n) { return t.cols[column_base(I) + k][n0 + n]; });
-      float(*out)[kGradSlice + 1] = which ? pr.p2 : pr.p1;
+          acc, 2 * I, [&](int m, int k) { return dA[j0 + m][k]; },
+          [&](int k, int n) { return t.cols[base + k][n0 + n]; });
+      tile_product_split(
+          acc, 2, [&](int m, int k) { return dA[j0 + m][j0 + k]; },
+          [&](int k, int n) { return t.cols[base + j0 + k][n0 + n]; });
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = kBlock * I + acc_row(r), n = n0 + acc_col(r);
-        if (i < len) out[i][n] += acc.d[r] * __expf(s.g[i][n] - s.g[kBlock * I][n]);
+        if (i >= len) continue;
+        // Block 0's columns are all diagonal: none for a failing channel, whose factor
+        // need not be finite.
+        const float v = I == 0 && (pr.fails[0] >> n & 1u)
+                            ? 0.f
+                            : acc.d[r] * __expf(s.g[i][n] - s.g[kBlock * I][n]);
+        out[i][n] = add ? out[i][n] + v : v;
       }
-    } else {
-      // Rows j of block J: sum over blocks I > J of e^(rho_I - Gamma_j) times the sum over
-      // r in I of dA_qk[r][j] q^_I[r] + dA_kk[r][j] k^_I[r].
-      const int J = (job - kRowJobs) / kColTiles;
+    }
+  } else {
+    // Rows j of block J: sum over blocks I >= J of e^(rho_I - Gamma_j) times the sum over
+    // r in I of dA_qk[r][j] q^_I[r] + dA_kk[r][j] k^_I[r]; the diagonal block's only where
+    // its channel passes (a failing one adds it pairwise below).
+    const int n0 = warp % 2 * 8;
+    for (int pass = 0; pass < 2; ++pass) {
+      const int J = warp < 2 ? 3 * pass : 1 + pass;
+      if (kBlock * J >= len) continue;
       float total[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int I = J + 1; I < kBlocks && kBlock * I < len; ++I) {
+      for (int I = J; I < kBlocks && kBlock * I < len; ++I) {
         Acc acc;
-        const int r0 = kBlock * I, j0 = kBlock * J, t0 = r0 - kBlock;
-        tile_product(
-            acc, 2, [&](int m, int k) { return daqk[r0 + k][j0 + m]; },
-            [&](int k, int n) { return t.rows[0][t0 + k][n0 + n]; });
-        tile_product(
-            acc, 2, [&](int m, int k) { return dakk[r0 + k][j0 + m]; },
-            [&](int k, int n) { return t.rows[1][t0 + k][n0 + n]; });
+        const int r0 = kBlock * I, j0 = kBlock * J;
+        const auto aq = [&](int m, int k) { return daqk[r0 + k][j0 + m]; };
+        const auto ak = [&](int m, int k) { return dakk[r0 + k][j0 + m]; };
+        const auto bq = [&](int k, int n) { return t.rows[0][r0 + k][n0 + n]; };
+        const auto bk = [&](int k, int n) { return t.rows[1][r0 + k][n0 + n]; };
+        if (I > J) {
+          tile_product(acc, 2, aq, bq);
+          tile_product(acc, 2, ak, bk);
+        } else {  // the diagonal block split, as the row sums'
+          tile_product_split(acc, 2, aq, bq);
+          tile_product_split(acc, 2, ak, bk);
+        }
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int j = j0 + acc_row(r), n = n0 + acc_col(r);
-          total[r] += acc.d[r] * __expf(s.g[r0][n] - s.g[j][n]);
+          if (I > J || !(pr.fails[J] >> n & 1u)) total[r] += acc.d[r] * __expf(s.g[r0][n] - s.g[j][n]);
         }
       }
 #pragma unroll
-      for (int r = 0; r < 4; ++r) pr.q12[kBlock * J + acc_row(r)][n0 + acc_col(r)] += total[r];
+      for (int r = 0; r < 4; ++r) pr.q12[kBlock * J + acc_row(r)][n0 + acc_col(r)] = total[r];
     }
   }
   __syncthreads();
   const int c = c0 + cc;
   if (c >= K) return;
+  // Row i = rg + 16 u lies in block u. A failing block's diagonal pairs one by one, added to
+  // this thread's own entries (exponents <= 0 for j <= i: Gamma falls). Rare: not unrolled.
+#pragma unroll 1
+  for (int u = 0; u < kBlocks; ++u) {
+    const int i = rg + u * kRowGroups;
+    if (i >= len || !(pr.fails[u] >> cc & 1u)) continue;
+    const int first = u * kBlock, last = min(first + kBlock, len);
+    const float gi = s.g[i][cc];
+    float p1 = pr.p1[i][cc], p2 = pr.p2[i][cc], q12 = pr.q12[i][cc];
+    for (int j = first; j <= i; ++j) {
+      const float f = __expf(gi - s.g[j][cc]) * s.k[j][cc];
+      p1 = fmaf(daqk[i][j], f, p1);
+      p2 = fmaf(dakk[i][j], f, p2);
+    }
+    for (int r = i; r < last; ++r) {
+      const float e = daqk[r][i] * s.q[r][cc] + dakk[r][i] * s.k[r][cc];
+      q12 = fmaf(e, __expf(s.g[r][cc] - gi), q12);
+    }
+    pr.p1[i][cc] = p1, pr.p2[i][cc] = p2, pr.q12[i][cc] = q12;
+  }
   // Every row's dq, dk and dg loaded before any is stored: the loads in flight together.
-  constexpr int kRows = kC / kRowGroups;
-  float dq[kRows], dk[kRows], dg[kRows];
+  float dq[kBlocks], dk[kBlocks], dg[kBlocks];
 #pragma unroll
-  for (int u = 0; u < kRows; ++u) {
+  for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
     if (i >= len) continue;
     dq[u] = x.k_row(ws.dq, i)[c];
@@ -601,7 +649,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
     dg[u] = x.k_row(ws.dg, i)[c];
   }
 #pragma unroll
-  for (int u = 0; u < kRows; ++u) {
+  for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
     if (i >= len) continue;
     const float p1 = pr.p1[i][cc], p2 = pr.p2[i][cc], q12 = pr.q12[i][cc];

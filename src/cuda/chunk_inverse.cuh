@@ -94,12 +94,6 @@ __device__ void invert_unit_lower(const float* a, int lda, float* t, int ldt, In
   }
 }
 
-// x as tf32 hi + lo parts, x - hi - lo within ~2^-21 |x|.
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = to_tf32(x);
-  lo = to_tf32(x - __uint_as_float(hi));
-}
-
 // The same contract as invert_unit_lower (ldt a multiple of 4 floats; warps past the fourth
 // wait at the barriers). The columns of T below the diagonal blocks split into six
 // independent items, a column block J < 3 and a half of its 16 columns each: warps 0 and 1

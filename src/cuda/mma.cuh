@@ -56,6 +56,12 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   return r;
 }
 
+// x as tf32 hi + lo parts, x - hi - lo within ~2^-21 |x|.
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(x - __uint_as_float(hi));
+}
+
 // mma.sync m16n8k8 with tf32 operands (PTX ISA, "Matrix fragments for mma.m16n8k8", .tf32),
 // lane l, g = l / 4, c = l % 4:
 //   A 16x8: a[0] = (row g, col c), a[1] = row g + 8, a[2] = col c + 4, a[3] = both

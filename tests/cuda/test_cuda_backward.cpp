@@ -254,6 +254,15 @@ TEST(CudaBackward, StrongAndInfiniteGatesAndBetaZeroOne) {
       expect_gradients_match(make_backward_case(c), "gates to " + std::to_string(gate_min) +
                                                         " " + mechanism_name(m));
     }
+  // Gates to -5.5 per step: over a 16-row block Gamma moves by about 41 +- 6 nats, so about
+  // half of the (block, key channel) pairs keep their diagonal pairs on the tensor cores and
+  // the others sum them one by one (the 40-nat bound, cuda/backward_blocks.cuh).
+  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet}) {
+    const CaseConfig c{.mechanism = m, .T = 150, .K = 64, .V = 32, .gate_min = -5.5,
+                       .seed = 7400 + static_cast<uint64_t>(m)};
+    expect_gradients_match(make_backward_case(c),
+                           std::string("gates to -5.5 ") + mechanism_name(m));
+  }
   BackwardCase reset = make_backward_case({.T = 130, .K = 32, .V = 32, .seed = seed++});
   std::vector<double> g = reset.c.g.to_double();
   for (size_t i = 0; i < g.size(); i += 97) g[i] = -std::numeric_limits<double>::infinity();
