@@ -69,25 +69,25 @@ __device__ void mark_failing_blocks(const Slice& s, int len, unsigned (&fails)[k
   }
 }
 
-// Fills the tables; fails must be marked (and a barrier passed) before.
+// Fills the tables; fails must be marked (and a barrier passed) before. One (row r, channel)
+// per thread writes all of the row's entries: its row-table pair and its column entries in
+// block r / 16 (the diagonal one) and every later block, with q, k and Gamma read once.
 template <int kW, int kLd, class Slice>
 __device__ void fill_diagonal_tables(const Slice& s, int len, const unsigned (&fails)[kBlocks],
                                      DiagonalTables<kW, kLd>& t) {
   for (int idx = threadIdx.x; idx < kC * kW; idx += blockDim.x) {
-    const int r = idx / kW, cc = idx % kW;
-    const float f = r < len ? __expf(s.g[r][cc] - s.g[r / kBlock * kBlock][cc]) : 0.f;
+    const int r = idx / kW, cc = idx % kW, J = r / kBlock;
+    const bool row = r < len;
+    const float k = s.k[r][cc], g = s.g[r][cc], rho = s.g[kBlock * J][cc];
+    const float f = row ? __expf(g - rho) : 0.f;
     t.rows[0][r][cc] = s.q[r][cc] * f;
-    t.rows[1][r][cc] = s.k[r][cc] * f;
-  }
-  for (int idx = threadIdx.x; idx < kDiagonalColumnRows * kW; idx += blockDim.x) {
-    const int row = idx / kW, cc = idx % kW;
-    const int I = row < diagonal_column_base(1)   ? 0
-                  : row < diagonal_column_base(2) ? 1
-                  : row < diagonal_column_base(3) ? 2
-                                                  : 3;
-    const int j = row - diagonal_column_base(I);
-    const bool ok = j < len && (j < kBlock * I || !(fails[I] >> cc & 1u));
-    t.cols[row][cc] = ok ? s.k[j][cc] * __expf(s.g[kBlock * I][cc] - s.g[j][cc]) : 0.f;
+    t.rows[1][r][cc] = k * f;
+    const bool diagonal = row && !(fails[J] >> cc & 1u);
+    t.cols[diagonal_column_base(J) + r][cc] = diagonal ? k * __expf(rho - g) : 0.f;
+#pragma unroll
+    for (int I = 1; I < kBlocks; ++I)
+      if (I > J)
+        t.cols[diagonal_column_base(I) + r][cc] = row ? k * __expf(s.g[kBlock * I][cc] - g) : 0.f;
   }
 }
 

@@ -608,7 +608,8 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int j = j0 + acc_row(r), n = n0 + acc_col(r);
-          if (I > J || !(pr.fails[J] >> n & 1u)) total[r] += acc.d[r] * __expf(s.g[r0][n] - s.g[j][n]);
+          if (I > J || !(pr.fails[J] >> n & 1u))
+            total[r] += acc.d[r] * __expf(s.g[r0][n] - s.g[j][n]);
         }
       }
 #pragma unroll
