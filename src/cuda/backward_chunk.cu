@@ -24,40 +24,35 @@ constexpr int kWarps = kBackwardThreads / 32;
 constexpr int kRecordSlice = 32, kGradSlice = 16;
 
 // Channels [c0, c0 + kW) of the chunk's rows (zeros past len / K), rows kLd floats long.
-template <int kW, int kLd = kW + 1>
+template <int kW, int kLd>
 struct KeySlice {
   float q[kC][kLd], k[kC][kLd], g[kC][kLd];
 };
 
 // Issues asynchronous copies of a C x kW slice of float32 rows into shared memory, elements
 // (i, c0 + cc) for i < len and c0 + cc < K (0 elsewhere); `row(i)` is the start of row i.
-// Rows of a multiple of 4 floats take 16-byte copies where a run of 4 is in range and aligned
-// (a quarter of the copies and their index arithmetic), others 4-byte copies.
-// Commits nothing: the caller's commit_async / wait_async land it with its other copies.
+// A run of 4 channels takes one 16-byte copy where it is in range and aligned, else four
+// 4-byte copies. Commits nothing: the caller's commit_async / wait_async land it with its
+// other copies.
 template <int kW, int kLd, class Row>
 __device__ void copy_slice_async(const ChunkRows& x, int c0, const Row& row, const float* a,
                                  float (&dst)[kC][kLd]) {
+  static_assert(kW % 4 == 0 && kLd % 4 == 0, "16-byte runs and rows");
   const int64_t K = x.b.p.K;
-  constexpr int kRun = kLd % 4 == 0 ? 4 : 1, kRuns = kW / kRun;
-  static_assert(kW % kRun == 0, "whole runs");
+  constexpr int kRuns = kW / 4;
   for (int idx = threadIdx.x; idx < kC * kRuns; idx += blockDim.x) {
-    const int i = idx / kRuns, cc = idx % kRuns * kRun, c = c0 + cc;
+    const int i = idx / kRuns, cc = idx % kRuns * 4, c = c0 + cc;
     const bool row_ok = i < x.len;
-    if constexpr (kRun == 4) {
-      const float* src = row_ok ? row(i) + c : a;
-      if (c + 3 < K && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
-        copy_async<16>(&dst[i][cc], src, row_ok ? 16 : 0);
-        continue;
-      }
+    // 0 bytes: zero-filled, nothing read (the array start stands in for the address)
+    const float* src = row_ok ? row(i) + c : a;
+    if (c + 3 < K && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+      copy_async<16>(&dst[i][cc], src, row_ok ? 16 : 0);
+      continue;
+    }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool ok = row_ok && c + e < K;
-        copy_async<4>(&dst[i][cc + e], ok ? src + e : a, ok ? 4 : 0);
-      }
-    } else {
-      const bool ok = row_ok && c < K;
-      // 0 bytes: zero-filled, nothing read (the array start stands in for the address)
-      copy_async<4>(&dst[i][cc], ok ? row(i) + c : a, ok ? 4 : 0);
+    for (int e = 0; e < 4; ++e) {
+      const bool ok = row_ok && c + e < K;
+      copy_async<4>(&dst[i][cc + e], ok ? src + e : a, ok ? 4 : 0);
     }
   }
 }
