@@ -551,7 +551,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   const GradTables& t = pr.tables;
   if (warp >= 4) {
     // Rows of every block I: sum over j < 16 (I + 1) of dA[i][j] k~_I[j] (which: A_qk or A_kk).
-    const int which = (warp - 4) / 2, n0 = warp % 2 * 8;
+    const int which = (warp - 4) / kColTiles, n0 = warp % kColTiles * 8;
     const float(*dA)[kLd] = which ? dakk : daqk;
     float(*out)[kGradSlice + 1] = which ? pr.p2 : pr.p1;
     const bool add = which == 1 && delta;  // p2 holds T^T dw's share
@@ -581,7 +581,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
     // Rows j of block J: sum over blocks I >= J of e^(rho_I - Gamma_j) times the sum over
     // r in I of dA_qk[r][j] q^_I[r] + dA_kk[r][j] k^_I[r]; the diagonal block's only where
     // its channel passes (a failing one adds it pairwise below).
-    const int n0 = warp % 2 * 8;
+    const int n0 = warp % kColTiles * 8;
     for (int pass = 0; pass < 2; ++pass) {
       const int J = warp < 2 ? 3 * pass : 1 + pass;
       if (kBlock * J >= len) continue;
