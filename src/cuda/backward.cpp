@@ -31,6 +31,9 @@ constexpr size_t kTokenGradRegions = 4, kZeroedRegions = 6;
 
 // Forces the scans' split (split_scan).
 constexpr const char* kSegmentsSetting = "FLASHDELTA_BACKWARD_SCAN_SEGMENTS";
+// `f32` keeps the chunk states and their gradients in float32 for 16-bit inputs too
+// (backward_bf16_states).
+constexpr const char* kStatesSetting = "FLASHDELTA_BACKWARD_STATES";
 // A maps step against a scan step: counted alike here (measured 0.65-0.9 of one, bench/
 // NOTES.md (aa); the split counts were chosen and tested with this weight).
 constexpr double kMapsStep = 1.0;
@@ -60,8 +63,11 @@ Carver layout(cuda::BackwardParams& b, bool varlen) {
   for (float** p : {&w.aqk, &w.tm, &w.kdot}) c.add(*p, records * tile);
   c.add(w.decay, records * K);
   c.add(w.dgamma, records * K);
-  c.add(w.states, records * K * V);
-  c.add(w.dstates, records * K * V);
+  const int64_t slab = records * K * V;
+  c.add(w.states, b.bf16_states ? 0 : slab);
+  c.add(w.dstates, b.bf16_states ? 0 : slab);
+  c.add(w.states16, b.bf16_states ? slab : 0);
+  c.add(w.dstates16, b.bf16_states ? slab : 0);
   c.add(w.segment_maps, b.segments > 1 ? b.p.N * HV * b.segments * K * (K + V) : 0);
   return c;
 }
@@ -96,6 +102,7 @@ cuda::BackwardParams backward_params(const Problem& p, const BackwardArgs& a) {
   b.chunk_states = state_tensor(StateView{a.chunk_states, layout});
   b.chunk_states_dtype = a.chunk_states.dtype;
   b.chunk_states_count = a.chunk_states.present() ? a.chunk_states.shape[0] : 0;
+  b.bf16_states = backward_bf16_states(p, a.chunk_states.present());
   b.dq = token_tensor(a.dq);
   b.dk = token_tensor(a.dk);
   b.dv = token_tensor(a.dv);
@@ -208,11 +215,12 @@ std::pair<Problem, BackwardArgs> head_pass(const Problem& p, const BackwardArgs&
   return {ps, as};
 }
 
-int64_t workspace_bytes(const Problem& p, int64_t heads) {
+int64_t workspace_bytes(const Problem& p, int64_t heads, bool kept) {
   Problem ps = p;
   ps.H = heads;
   ps.HV = heads * p.group;
   cuda::BackwardParams b = backward_params(ps, BackwardArgs{});
+  b.bf16_states = backward_bf16_states(ps, kept);
   return layout(b, p.cu_seqlens.present()).total();
 }
 
@@ -228,8 +236,8 @@ int64_t input_bytes(const Problem& p) {
 // that for the same shape), down to one key-head group per pass, which can need more (about
 // 3.5 times at K = V = 64 with two value heads per key head). Fewer heads per pass means
 // fewer blocks in the sequential scans.
-int64_t heads_per_pass(const Problem& p) {
-  const int64_t budget = 3 * input_bytes(p), whole = workspace_bytes(p, p.H);
+int64_t heads_per_pass(const Problem& p, bool kept) {
+  const int64_t budget = 3 * input_bytes(p), whole = workspace_bytes(p, p.H, kept);
   if (p.H <= 1 || whole <= budget) return p.H;
   const int64_t fit = std::max<int64_t>(1, static_cast<int64_t>(
                                                 static_cast<double>(p.H) * budget / whole));
@@ -258,14 +266,21 @@ int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t
   return split_scan(kSegmentsSetting, scans, K, V, chunks, kMapsStep).segments;
 }
 
-int64_t cuda_chunk_backward_workspace_bytes(const Problem& p) {
-  return workspace_bytes(p, heads_per_pass(p));
+bool backward_bf16_states(const Problem& p, bool kept) {
+  const std::string setting = env_setting(kStatesSetting, {"auto", "f32"});
+  const auto sixteen = [](const TensorView& t) { return t.dtype == DType::bf16 || t.dtype == DType::f16; };
+  return setting != "f32" && !kept && sixteen(p.in.q) && sixteen(p.in.k) && sixteen(p.in.v);
+}
+
+int64_t cuda_chunk_backward_workspace_bytes(const Problem& p, bool kept) {
+  return workspace_bytes(p, heads_per_pass(p, kept), kept);
 }
 
 void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   const bool varlen = p.cu_seqlens.present();
-  const int64_t pass_heads = heads_per_pass(p);
-  const int64_t bytes = workspace_bytes(p, pass_heads);
+  const bool kept = a.chunk_states.present();
+  const int64_t pass_heads = heads_per_pass(p, kept);
+  const int64_t bytes = workspace_bytes(p, pass_heads, kept);
   // The caller's workspace is checked before anything else (no GPU is needed to fail here).
   if (a.workspace != nullptr || a.workspace_bytes > 0)
     check_caller_workspace(a.workspace, a.workspace_bytes, bytes);

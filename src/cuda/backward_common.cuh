@@ -70,6 +70,27 @@ __device__ inline void prefetch_rows(const float* p, int64_t stride, int rows, i
   prefetch_row_lines(p, stride, rows, row_floats);
 }
 
+// Record rec's K x V slab (K-first) of the workspace's states or state gradients, in
+// bfloat16 where the workspace has them so (BackwardParams::bf16_states), else float32.
+struct StateSlab {
+  float* f32;
+  uint16_t* b16;
+  __device__ StateSlab(float* f, uint16_t* h, int64_t rec, int64_t KV)
+      : f32(f ? f + rec * KV : nullptr), b16(h ? h + rec * KV : nullptr) {}
+  __device__ void store(int64_t idx, float x) const {
+    if (b16)
+      b16[idx] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    else
+      f32[idx] = x;
+  }
+};
+__device__ inline StateSlab states_slab(const BackwardParams& b, int64_t rec) {
+  return {b.ws.states, b.ws.states16, rec, b.p.K * b.p.V};
+}
+__device__ inline StateSlab dstates_slab(const BackwardParams& b, int64_t rec) {
+  return {b.ws.dstates, b.ws.dstates16, rec, b.p.K * b.p.V};
+}
+
 // Operands of staged_product: element (i, j) of a float32 matrix in global or shared memory.
 // Rows: row-major with row stride ld (contiguous in j); Cols: its transpose (contiguous in i).
 struct Rows {

@@ -9,7 +9,8 @@
 // the last from the same staged slices; grads_kernel adds the rest of these gradients'
 // terms. (grads_kernel once ran these products one after another, each its own round of
 // staged slices and its own read-modify-write epilogue: slower, bench/NOTES.md (t).)
-// Products are m16n8k8 tf32 with float32 sums.
+// Products are m16n8k8 tf32 with float32 sums; S and dS' come in bfloat16 where the scans
+// stored them so (BackwardParams::bf16_states), a bfloat16 value being exact in tf32.
 #include <cuda_runtime.h>
 
 #include "cuda/backward_common.cuh"
@@ -29,10 +30,52 @@ static_assert(kKeysThreads == 2 * kKeysTile, "two threads per key sum dS S (dss 
 
 __host__ __device__ inline int64_t key_tiles(int64_t K) { return (K + kKeysTile - 1) / kKeysTile; }
 
-struct alignas(16) KeysStage {
-  float a[3][kC][kSliceLd];        // dO, v_new, dv_new: [token][v]
-  float b[2][kKeysTile][kSliceLd];  // S, dS: [key][v]
+// S and dS' as the workspace holds them: float32, or bfloat16 bits. Rows of 12 mod 32
+// 32-bit words for bfloat16 (a fragment's 8 keys in distinct banks, lanes 2c and 2c + 1
+// sharing a word) and 16-byte aligned for the copies.
+template <bool kBf16>
+struct StateOperand {
+  using T = float;
+  static constexpr int kLd = kSliceLd;
+  __device__ static const float* slab(const float* f32, const uint16_t*) { return f32; }
+  __device__ static uint32_t tf32(float x) { return to_tf32(x); }
+  __device__ static float value(float x) { return x; }
 };
+template <>
+struct StateOperand<true> {
+  using T = uint16_t;
+  static constexpr int kLd = kVSlice + 8;
+  __device__ static const uint16_t* slab(const float*, const uint16_t* b16) { return b16; }
+  __device__ static uint32_t tf32(uint16_t x) { return static_cast<uint32_t>(x) << 16; }
+  __device__ static float value(uint16_t x) { return __uint_as_float(static_cast<uint32_t>(x) << 16); }
+};
+
+template <bool kBf16>
+struct alignas(16) KeysStage {
+  using Op = StateOperand<kBf16>;
+  float a[3][kC][kSliceLd];                           // dO, v_new, dv_new: [token][v]
+  alignas(16) typename Op::T b[2][kKeysTile][Op::kLd];  // S, dS: [key][v]
+};
+
+// Queues values [l0, l0 + kVSlice) of keys [0, keys) of a bfloat16 [key][V] slab into dst
+// (zeros past keys or V): 16-byte copies where V is a multiple of 8, else element by element.
+__device__ void stage_bf16_keys(const uint16_t* src, int keys, int V, int l0,
+                                uint16_t (*dst)[StateOperand<true>::kLd]) {
+  constexpr int kRuns = kVSlice / 8;
+  const bool runs = V % 8 == 0;
+  for (int idx = threadIdx.x; idx < kKeysTile * kRuns; idx += blockDim.x) {
+    const int n = idx / kRuns, l = l0 + idx % kRuns * 8;
+    uint16_t* d = &dst[n][idx % kRuns * 8];
+    const uint16_t* from = src + static_cast<int64_t>(n) * V + l;
+    if (runs) {
+      const bool ok = n < keys && l < V;
+      copy_async<16>(d, ok ? from : src, ok ? 16 : 0);
+      continue;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) d[e] = n < keys && l + e < V ? from[e] : uint16_t{0};
+  }
+}
 
 // The epilogue's factors of the tile, Gamma, qg and kg [token][key], staged once the products
 // are done (one round trip instead of one per output tile). Rows of 8 mod 32 floats: a
@@ -42,15 +85,18 @@ struct KeysFactors {
   float gamma[kC][kFactorLd], qg[kC][kFactorLd], kg[kC][kFactorLd];
 };
 
+template <bool kBf16>
 struct KeysShared {
   union {
-    KeysStage stage[2];
+    KeysStage<kBf16> stage[2];
     KeysFactors factors;
   };
   float colsum[kKeysWarps][kKeysTile];  // per warp: its rows' sum of A2 kg per key
 };
 
+template <bool kBf16>
 __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams b) {
+  using Op = StateOperand<kBf16>;
   const int64_t tiles = key_tiles(b.p.K);
   const int64_t rec = blockIdx.x / tiles, hv = rec % b.p.HV;
   const int k0 = static_cast<int>(blockIdx.x % tiles) * kKeysTile;
@@ -62,17 +108,18 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   const int Vi = static_cast<int>(V);
   const BackwardWorkspace& ws = b.ws;
   extern __shared__ __align__(16) unsigned char smem[];
-  KeysShared& sh = *reinterpret_cast<KeysShared*>(smem);
+  KeysShared<kBf16>& sh = *reinterpret_cast<KeysShared<kBf16>*>(smem);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int m0 = 16 * warp;
 
   const float* dout = ws.dout + (r0 * HV + hv) * V;  // token rows, stride HV V
   const float* vn = ws.vn + rec * kC * V;            // record rows, stride V
   const float* dvn = ws.dvn + rec * kC * V;
-  const float* S = ws.states + rec * K * V + k0 * V;  // the tile's keys, stride V
-  const float* dS = ws.dstates + rec * K * V + k0 * V;
+  // The tile's keys, stride V.
+  const typename Op::T* S = Op::slab(ws.states, ws.states16) + rec * K * V + k0 * V;
+  const typename Op::T* dS = Op::slab(ws.dstates, ws.dstates16) + rec * K * V + k0 * V;
   auto stage = [&](int s) {
-    KeysStage& st = sh.stage[s & 1];
+    KeysStage<kBf16>& st = sh.stage[s & 1];
     const int l0 = s * kVSlice;
     stage_operand<kVSlice, true>([&](int m, int l) { return dout + m * HV * V + l; }, len, kC,
                                  Vi, l0, false, &st.a[0][0][0], kSliceLd);
@@ -81,10 +128,15 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
     if (b.p.delta)
       stage_operand<kVSlice, true>([&](int m, int l) { return dvn + m * V + l; }, len, kC, Vi,
                                    l0, false, &st.a[2][0][0], kSliceLd);
-    stage_operand<kVSlice, true>([&](int n, int l) { return S + n * V + l; }, keys, kKeysTile,
-                                 Vi, l0, false, &st.b[0][0][0], kSliceLd);
-    stage_operand<kVSlice, true>([&](int n, int l) { return dS + n * V + l; }, keys, kKeysTile,
-                                 Vi, l0, false, &st.b[1][0][0], kSliceLd);
+    if constexpr (kBf16) {
+      stage_bf16_keys(S, keys, Vi, l0, st.b[0]);
+      stage_bf16_keys(dS, keys, Vi, l0, st.b[1]);
+    } else {
+      stage_operand<kVSlice, true>([&](int n, int l) { return S + n * V + l; }, keys,
+                                   kKeysTile, Vi, l0, false, &st.b[0][0][0], kSliceLd);
+      stage_operand<kVSlice, true>([&](int n, int l) { return dS + n * V + l; }, keys,
+                                   kKeysTile, Vi, l0, false, &st.b[1][0][0], kSliceLd);
+    }
   };
 
   Acc a1[kKeyTiles8], a2[kKeyTiles8], a3[kKeyTiles8];
@@ -94,7 +146,7 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   const int slices = (Vi + kVSlice - 1) / kVSlice;
   const int operands = b.p.delta ? 3 : 2;  // dv_new is staged for the delta rule only
   over_double_buffered_slices(slices, stage, [&](int s) {
-    const KeysStage& st = sh.stage[s & 1];
+    const KeysStage<kBf16>& st = sh.stage[s & 1];
     auto ea = [&](int which, int m, int k) { return to_tf32(st.a[which][m][k]); };
 #pragma unroll
     for (int kk = 0; kk < kVSlice; kk += 8) {
@@ -110,8 +162,8 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
 #pragma unroll
       for (int nt = 0; nt < kKeyTiles8; ++nt) {
         const int n = 8 * nt + g;
-        const uint32_t s0 = to_tf32(st.b[0][n][kk + c]), s1 = to_tf32(st.b[0][n][kk + c + 4]);
-        const uint32_t d0 = to_tf32(st.b[1][n][kk + c]), d1 = to_tf32(st.b[1][n][kk + c + 4]);
+        const uint32_t s0 = Op::tf32(st.b[0][n][kk + c]), s1 = Op::tf32(st.b[0][n][kk + c + 4]);
+        const uint32_t d0 = Op::tf32(st.b[1][n][kk + c]), d1 = Op::tf32(st.b[1][n][kk + c + 4]);
         mma_tf32(a1[nt], f[0], s0, s1);
         mma_tf32(a2[nt], f[1], d0, d1);
         if (b.p.delta) mma_tf32(a3[nt], f[2], s0, s1);
@@ -120,7 +172,7 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
 #pragma unroll
     for (int j = 0; j < kVSlice / 2; ++j) {
       const int l = dss_half * (kVSlice / 2) + j;
-      dss = fmaf(st.b[1][dss_key][l], st.b[0][dss_key][l], dss);
+      dss = fmaf(Op::value(st.b[1][dss_key][l]), Op::value(st.b[0][dss_key][l]), dss);
     }
   });
   wait_async<0>();  // the slice loop ended with a barrier: the stage is free
@@ -180,16 +232,28 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   }
 }
 
+template <bool kBf16>
+void launch_keys(const BackwardParams& b, int64_t blocks, cudaStream_t stream) {
+  set_shared_bytes(keys_kernel<kBf16>, sizeof(KeysShared<kBf16>));
+  keys_kernel<kBf16><<<static_cast<unsigned>(blocks), kKeysThreads, sizeof(KeysShared<kBf16>),
+                       stream>>>(b);
+}
+
 }  // namespace
 
-int64_t backward_keys_shared_bytes() { return sizeof(KeysShared); }
+int64_t backward_keys_shared_bytes() {
+  return sizeof(KeysShared<false>) > sizeof(KeysShared<true>) ? sizeof(KeysShared<false>)
+                                                              : sizeof(KeysShared<true>);
+}
 
 void launch_backward_keys(const BackwardParams& b, void* stream) {
   const int64_t blocks = b.max_chunks * b.p.HV * key_tiles(b.p.K);
   if (blocks == 0) return;
-  set_shared_bytes(keys_kernel, sizeof(KeysShared));
-  keys_kernel<<<static_cast<unsigned>(blocks), kKeysThreads, sizeof(KeysShared),
-                static_cast<cudaStream_t>(stream)>>>(b);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (b.bf16_states)
+    launch_keys<true>(b, blocks, s);
+  else
+    launch_keys<false>(b, blocks, s);
 }
 
 }  // namespace flashdelta::detail::cuda

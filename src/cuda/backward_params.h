@@ -3,7 +3,8 @@
 // workspace that carries each stage's tiles to the next. Every product runs on the tensor
 // cores with tf32 operands and float32 sums (staged_product, cuda/backward_common.cuh; the
 // pairwise decay terms by 16-row blocks, cuda/backward_blocks.cuh); intermediates stay
-// float32. The host runs the stages over slices of the heads when one pass would need too
+// float32, but for 16-bit inputs the chunk states and their gradients, which `keys` alone
+// reads, are stored in bfloat16 (BackwardParams::bf16_states). The host runs the stages over slices of the heads when one pass would need too
 // much workspace (cuda/backward.cpp).
 //
 // Stages, in order on one stream (cuda/backward.cpp):
@@ -58,7 +59,11 @@ struct BackwardWorkspace {
   float *aqk = nullptr, *tm = nullptr, *kdot = nullptr;  // per record, C x C
   float* decay = nullptr;                                // per record, K
   float* dgamma = nullptr;  // per record, K: d Gamma_end, from `keys` to `grads`
-  float *states = nullptr, *dstates = nullptr;           // per record, K x V (K-first)
+  // Per record, K x V (K-first): the state entering each chunk and the gradient of the state
+  // leaving it, written by the scans for `keys` alone. In bfloat16 (states16, dstates16) where
+  // BackwardParams::bf16_states, else float32 (states, dstates); the other pair is null.
+  float *states = nullptr, *dstates = nullptr;
+  uint16_t *states16 = nullptr, *dstates16 = nullptr;
   // Per (sequence, value head, segment) of split scans, K x (V + K), K-first: the segment's
   // response to a zero state (V columns) and to each unit state (K columns).
   float* segment_maps = nullptr;
@@ -87,6 +92,9 @@ struct BackwardParams {
   // with kept states: no states scan then.
   bool transposed_maps = false;
   DType state_in_dtype = DType::f32;
+  // The scans store S and dS' for `keys` in bfloat16 (backward_bf16_states, cuda/cuda.h):
+  // `keys` reads them as its products' operands only, and half the bytes move.
+  bool bf16_states = false;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;
   TokenTensor d_o;

@@ -57,10 +57,10 @@ struct ScanTile : ColumnTile<kCols>, ScanChunks {
 // Copies the block's tile of a K x V state (row-major, K-first) out of shared memory.
 template <int kCols>
 __device__ void store_tile(const ScanShared<kCols>& sh, const ColumnTile<kCols>& t, int64_t K,
-                           int64_t V, float* out) {
+                           int64_t V, const StateSlab& out) {
   for (int idx = threadIdx.x; idx < K * kCols; idx += blockDim.x) {
     const int c = idx / kCols, j = idx % kCols;
-    if (j < t.cols) out[c * V + t.j0 + j] = sh.s[c][j];
+    if (j < t.cols) out.store(c * V + t.j0 + j, sh.s[c][j]);
   }
 }
 
@@ -119,7 +119,7 @@ __device__ void chunk_entry(const BackwardParams& b, const ColumnTile<kCols>& t,
                             int len, ScanShared<kCols>& sh) {
   const int K = static_cast<int>(b.p.K);
   const int64_t V = b.p.V;
-  store_tile(sh, t, K, V, b.ws.states + rec * K * V);
+  store_tile(sh, t, K, V, states_slab(b, rec));
   float* vn = b.ws.vn + rec * kC * V + t.j0;
   // v_new = u - w S (u lands before the product's first slice is used).
   stage_columns(t, b.ws.u + rec * kC * V, V, len, sh.a);
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) dstates_kernel(const Back
     if (len == 0) continue;  // defensive, as in states_kernel
     const int64_t rec = t.record(b, ci), r0 = t.row0(b, ci);
     __syncthreads();
-    store_tile(sh, t, K, V, b.ws.dstates + rec * K * V);
+    store_tile(sh, t, K, V, dstates_slab(b, rec));
     // dO is an operand staged from shared memory: it must have landed first.
     stage_columns(t, b.ws.dout + (r0 * b.p.HV + t.hv) * V, b.p.HV * V, len, sh.a);
     commit_async();

@@ -204,14 +204,15 @@ struct MmaState {
         store_float(s.data, dtype, state_offset(s, blk.n, blk.hv, key, col), x);
       });
   }
-  // To a record's K x V float32 K-first slab of the workspace (none if out is null), while
-  // the chunk's stage (its copies queued by every thread) lands; returns once it has landed
-  // for every thread.
+  // To a record's K x V K-first slab of the workspace (none if `store` is false), while the
+  // chunk's stage (its copies queued by every thread) lands; returns once it has landed for
+  // every thread.
   __device__ void store_record_while_staging(const BackwardParams& b, const MmaScanBlock& blk,
-                                             float* out) {
+                                             bool store, const StateSlab& out) {
     commit_async();
     const int64_t V = b.p.V;
-    if (out) for_each(b, blk, [&](float& x, int key, int64_t col) { out[key * V + col] = x; });
+    if (store)
+      for_each(b, blk, [&](float& x, int key, int64_t col) { out.store(key * V + col, x); });
     wait_async<0>();
     __syncthreads();
   }
@@ -447,7 +448,6 @@ __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const Backwa
   if (kEnds ? blk.seg >= blk.used || (blk.seg + 1 == blk.used && !last_wanted)
             : blk.seg > 0 && blk.seg >= blk.used)
     return;
-  const int64_t K = b.p.K, V = b.p.V;
   MmaState<KP> S(blk);
   if (kEnds) {
     S.start(b, blk);
@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const Backwa
     stage_states_operands(b, blk, ci, len, sh);
     prefetch_states_operands(b, blk, ci + 1);
     // The state entering the chunk, written while the stage lands.
-    S.store_record_while_staging(b, blk, kEnds ? nullptr : b.ws.states + rec * K * V);
+    S.store_record_while_staging(b, blk, !kEnds, states_slab(b, rec));
     Acc vn[kTokenTiles];
     vn_phase(b, blk, S, sh, vn);
     state_update_phase<KP, !kEnds>(b, blk, len, rec, S, sh, vn);
@@ -556,7 +556,6 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const Backw
   auto& sh = *reinterpret_cast<DstatesShared<KP>*>(smem);
   const MmaScanBlock blk(b, kEnds ? dstates_ends_tiles(b) : mma_column_tiles(b.p.V));
   if (kEnds ? blk.seg == 0 || blk.seg >= blk.used : blk.seg > 0 && blk.seg >= blk.used) return;
-  const int64_t K = b.p.K, V = b.p.V;
   MmaState<KP> S(blk);  // dS^T
   if (kEnds) {
     S.start(b, blk);
@@ -577,7 +576,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const Backw
     stage_dstates_operands(b, blk, ci, len, sh);
     prefetch_dstates_operands(b, blk, ci - 1);
     // dS', the gradient of the state leaving the chunk, written while the stage lands.
-    S.store_record_while_staging(b, blk, kEnds ? nullptr : b.ws.dstates + rec * K * V);
+    S.store_record_while_staging(b, blk, !kEnds, dstates_slab(b, rec));
     Acc dv[kTokenTiles];
     dv_phase(blk, S, sh, dv);
     dstate_update_phase<KP, !kEnds>(b, blk, len, rec, S, sh, dv);

@@ -55,7 +55,15 @@ int64_t cuda_chunk_state_segments(int64_t scans, int64_t K, int64_t V, int64_t c
 // The chunkwise backward (sm_80 or later); allocates its float32 workspace in stream order
 // (cuda_chunk_backward_workspace_bytes of it).
 void cuda_chunk_backward(const Problem& p, const BackwardArgs& args);
-int64_t cuda_chunk_backward_workspace_bytes(const Problem& p);
+// `kept`: the caller gives the forward's chunk states (BackwardArgs::chunk_states).
+int64_t cuda_chunk_backward_workspace_bytes(const Problem& p, bool kept);
+// Whether the backward stores the chunk states and their gradients (the `keys` stage's
+// operands, nothing else's) in bfloat16: for 16-bit q, k and v (bench/model/
+// backward_rounding.py: dg within 3.8e-3 of the largest, fla's own 5.8e-3) unless the forward's
+// states are kept (the states pass reads its own float32 copy back) or
+// FLASHDELTA_BACKWARD_STATES is `f32` (unset, empty or `auto`: by the rule). Any other value
+// throws Error(invalid_argument) naming the variable.
+bool backward_bf16_states(const Problem& p, bool kept);
 // Value columns per block of the backward's sequential scans, for `scans` (sequence, value
 // head) pairs of V columns on a GPU of `sms` SMs. The environment variable
 // FLASHDELTA_BACKWARD_SCAN_COLUMNS picks: unset or `auto`, the widest of 32, 16 and 8 whose
