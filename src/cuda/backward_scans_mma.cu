@@ -206,15 +206,62 @@ struct MmaState {
   }
   // To a record's K x V K-first slab of the workspace (none if `store` is false), while the
   // chunk's stage (its copies queued by every thread) lands; returns once it has landed for
-  // every thread.
+  // every thread. The exchange is free here (the chunk's barrier is behind, vn's exchange
+  // ahead): the warp's tile passes through its own slice of it, so that the stores are
+  // 16-byte runs of whole 32-byte sectors (the lanes' elements lie 8 bytes apart at most).
   __device__ void store_record_while_staging(const BackwardParams& b, const MmaScanBlock& blk,
-                                             bool store, const StateSlab& out) {
+                                             bool store, const StateSlab& out, Exchange& xch) {
     commit_async();
-    const int64_t V = b.p.V;
-    if (store)
-      for_each(b, blk, [&](float& x, int key, int64_t col) { out.store(key * V + col, x); });
+    if (store) {
+      void* scratch = &xch[threadIdx.x / 32][0][0];
+      if (out.b16)
+        store_by_runs(b, blk, out.b16, static_cast<uint16_t*>(scratch));
+      else
+        store_by_runs(b, blk, out.f32, static_cast<float*>(scratch));
+    }
     wait_async<0>();
     __syncthreads();
+  }
+  // The warp's 16 columns x kKeys keys into slab (T: float or bfloat16 bits) through tile, a
+  // [key][16] array whose 16-byte runs are swapped by key bits (the lanes' writes two-way
+  // conflicting at most, the reads none); element by element where V leaves a run short or
+  // misaligned.
+  template <class T>
+  __device__ void store_by_runs(const BackwardParams& b, const MmaScanBlock& blk, T* slab,
+                                T* tile) {
+    constexpr int kPer = 16 / static_cast<int>(sizeof(T)), kRuns = 16 / kPer;  // per key row
+    static_assert(kKeys * 16 * sizeof(T) <= sizeof(Exchange) / kMmaWarps, "a warp's slice");
+    const int64_t V = b.p.V;
+    const auto swap = [](int key) { return kRuns == 4 ? (key >> 1) & 3 : (key >> 2) & 1; };
+    const auto bits = [](float x) {
+      if constexpr (sizeof(T) == 2)
+        return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+      else
+        return x;
+    };
+    if (V % kPer != 0 || blk.jw + 16 > V) {
+      for_each(b, blk, [&](float& x, int key, int64_t col) {
+        slab[key * V + col] = bits(x);
+      });
+      return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = 8 * nt + acc_col(e), col = acc_row(e);
+        tile[key * 16 + ((col / kPer) ^ swap(key)) * kPer + col % kPer] = bits(acc[nt].d[e]);
+      }
+    __syncwarp();
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int q = lane; q < kKeys * kRuns; q += 32) {
+      const int key = q / kRuns, run = q % kRuns;
+      if (key0 + key >= b.p.K) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(tile + key * 16 + (run ^ swap(key)) * kPer);
+      *reinterpret_cast<uint4*>(slab + (key0 + key) * V + blk.jw + run * kPer) = v;
+    }
+    __syncwarp();
   }
   // The identity's columns (a map block's start), or zeros.
   __device__ void start(const BackwardParams& b, const MmaScanBlock& blk) {
@@ -462,7 +509,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const Backwa
     stage_states_operands(b, blk, ci, len, sh);
     prefetch_states_operands(b, blk, ci + 1);
     // The state entering the chunk, written while the stage lands.
-    S.store_record_while_staging(b, blk, !kEnds, states_slab(b, rec));
+    S.store_record_while_staging(b, blk, !kEnds, states_slab(b, rec), sh.xch);
     Acc vn[kTokenTiles];
     vn_phase(b, blk, S, sh, vn);
     state_update_phase<KP, !kEnds>(b, blk, len, rec, S, sh, vn);
@@ -576,7 +623,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const Backw
     stage_dstates_operands(b, blk, ci, len, sh);
     prefetch_dstates_operands(b, blk, ci - 1);
     // dS', the gradient of the state leaving the chunk, written while the stage lands.
-    S.store_record_while_staging(b, blk, !kEnds, dstates_slab(b, rec));
+    S.store_record_while_staging(b, blk, !kEnds, dstates_slab(b, rec), sh.xch);
     Acc dv[kTokenTiles];
     dv_phase(blk, S, sh, dv);
     dstate_update_phase<KP, !kEnds>(b, blk, len, rec, S, sh, dv);
