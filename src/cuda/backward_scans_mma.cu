@@ -206,60 +206,49 @@ struct MmaState {
   }
   // To a record's K x V K-first slab of the workspace (none if `store` is false), while the
   // chunk's stage (its copies queued by every thread) lands; returns once it has landed for
-  // every thread. The exchange is free here (the chunk's barrier is behind, vn's exchange
-  // ahead): the warp's tile passes through its own slice of it, so that the stores are
-  // 16-byte runs of whole 32-byte sectors (the lanes' elements lie 8 bytes apart at most).
+  // every thread. A lane's float32 stores are whole 32-byte sectors with its quad's; its
+  // bfloat16 ones would be half sectors (states 0.758 -> 0.844 ms a B8 step, bench/NOTES.md
+  // (ao)), so those pass through the warp's slice of the exchange, free here (the chunk's
+  // barrier is behind, vn's exchange ahead), and leave as 16-byte runs.
   __device__ void store_record_while_staging(const BackwardParams& b, const MmaScanBlock& blk,
                                              bool store, const StateSlab& out, Exchange& xch) {
     commit_async();
-    if (store) {
-      void* scratch = &xch[threadIdx.x / 32][0][0];
-      if (out.b16)
-        store_by_runs(b, blk, out.b16, static_cast<uint16_t*>(scratch));
-      else
-        store_by_runs(b, blk, out.f32, static_cast<float*>(scratch));
-    }
+    const int64_t V = b.p.V;
+    if (store && out.b16)
+      store_bf16_by_runs(b, blk, out.b16, reinterpret_cast<uint16_t*>(&xch[threadIdx.x / 32]));
+    else if (store)
+      for_each(b, blk, [&](float& x, int key, int64_t col) { out.f32[key * V + col] = x; });
     wait_async<0>();
     __syncthreads();
   }
-  // The warp's 16 columns x kKeys keys into slab (T: float or bfloat16 bits) through tile, a
-  // [key][16] array whose 16-byte runs are swapped by key bits (the lanes' writes two-way
-  // conflicting at most, the reads none); element by element where V leaves a run short or
-  // misaligned.
-  template <class T>
-  __device__ void store_by_runs(const BackwardParams& b, const MmaScanBlock& blk, T* slab,
-                                T* tile) {
-    constexpr int kPer = 16 / static_cast<int>(sizeof(T)), kRuns = 16 / kPer;  // per key row
-    static_assert(kKeys * 16 * sizeof(T) <= sizeof(Exchange) / kMmaWarps, "a warp's slice");
+  // The warp's 16 columns x kKeys keys into a bfloat16 slab through tile, [key][16] with the
+  // two 16-byte runs of a row swapped by key bit 2 (the lanes' 2-byte writes in distinct words
+  // or sharing one, the reads conflict-free); element by element where V leaves a run short
+  // or misaligned.
+  __device__ void store_bf16_by_runs(const BackwardParams& b, const MmaScanBlock& blk,
+                                     uint16_t* slab, uint16_t* tile) {
+    static_assert(kKeys * 16 * 2 <= sizeof(Exchange) / kMmaWarps, "a warp's slice");
     const int64_t V = b.p.V;
-    const auto swap = [](int key) { return kRuns == 4 ? (key >> 1) & 3 : (key >> 2) & 1; };
-    const auto bits = [](float x) {
-      if constexpr (sizeof(T) == 2)
-        return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-      else
-        return x;
-    };
-    if (V % kPer != 0 || blk.jw + 16 > V) {
-      for_each(b, blk, [&](float& x, int key, int64_t col) {
-        slab[key * V + col] = bits(x);
-      });
+    const auto bits = [](float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); };
+    if (V % 8 != 0 || blk.jw + 16 > V) {
+      for_each(b, blk, [&](float& x, int key, int64_t col) { slab[key * V + col] = bits(x); });
       return;
     }
+    const auto run_at = [](int key, int run) { return key * 16 + (run ^ (key >> 2 & 1)) * 8; };
 #pragma unroll
     for (int nt = 0; nt < kKeys / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = 8 * nt + acc_col(e), col = acc_row(e);
-        tile[key * 16 + ((col / kPer) ^ swap(key)) * kPer + col % kPer] = bits(acc[nt].d[e]);
+        tile[run_at(key, col / 8) + col % 8] = bits(acc[nt].d[e]);
       }
     __syncwarp();
-    const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int q = lane; q < kKeys * kRuns; q += 32) {
-      const int key = q / kRuns, run = q % kRuns;
-      if (key0 + key >= b.p.K) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(tile + key * 16 + (run ^ swap(key)) * kPer);
-      *reinterpret_cast<uint4*>(slab + (key0 + key) * V + blk.jw + run * kPer) = v;
+    for (int q = threadIdx.x % 32; q < 2 * kKeys; q += 32) {
+      const int key = q / 2, run = q % 2;
+      if (key0 + key < b.p.K)
+        *reinterpret_cast<uint4*>(slab + (key0 + key) * V + blk.jw + 8 * run) =
+            *reinterpret_cast<const uint4*>(tile + run_at(key, run));
     }
     __syncwarp();
   }
