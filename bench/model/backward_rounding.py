@@ -24,7 +24,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from chunk_rounding import BLOCK, CHUNK, bf16, inputs as prefill_inputs, tf32  # noqa: E402
 
-ROUNDINGS = ["records", "S_op", "vn_op", "dS_op", "dvn_op", "wy_ops", "dA_ops", "pair_ops"]
+# S_keys, dS_keys: the states and state gradients where the key gradients' products over V
+# read them (dO S^T, dv_new S^T, v_new dS'^T and d Gamma_end's sum of dS' S) and nowhere
+# else: the CUDA backward's bfloat16 states (cuda/backward_params.h, bench/NOTES.md (ao)).
+ROUNDINGS = ["records", "S_op", "vn_op", "dS_op", "dvn_op", "wy_ops", "dA_ops", "pair_ops",
+             "S_keys", "dS_keys"]
 GRADS = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
@@ -109,11 +113,13 @@ def backward(x, d_o, d_final, precision):
             dvn_op = rnd("dvn_op", dvn)
             dS_prev = c["qg"].T @ dO + np.exp(c["gC"])[:, None] * dS - c["w"].T @ dvn_op
             S_op, vn_op = rnd("S_op", S), rnd("vn_op", vn)
-            dLq = dO @ S_op.T
+            S_k, dS_k = rnd("S_keys", S_op), rnd("dS_keys", dS_op)
+            dLq = dO @ S_k.T
             dAqk = np.tril(dO @ vn_op.T)
-            dkg = vn_op @ dS_op.T
-            dgC = np.exp(c["gC"]) * (dS * S).sum(1) + (dkg * c["kg"]).sum(0)
-            dw = -dvn_op @ S_op.T
+            dkg = vn_op @ dS_k.T
+            dgC = np.exp(c["gC"]) * (rnd("dS_keys", dS) * rnd("S_keys", S)).sum(1) + \
+                (dkg * c["kg"]).sum(0)
+            dw = -dvn_op @ S_k.T
             op = lambda m: rnd("wy_ops", m)  # noqa: E731
             dT = op(dvn) @ op(c["vb"]).T + op(dw) @ op(c["kb"]).T
             dvb, dkb = op(c["Tm"]).T @ op(dvn), op(c["Tm"]).T @ op(dw)
@@ -167,8 +173,11 @@ def main():
             line(f"only {name}", {name: bf16})
         line("pair_ops in tf32, the rest bf16", dict(every, pair_ops=tf32))
         line("records in tf32, the rest bf16", dict(every, records=tf32))
-        line("records, vn_op, dS_op in tf32", dict(every, records=tf32, vn_op=tf32, dS_op=tf32))
+        line("records, vn_op, dS_op in tf32",
+             dict(every, records=tf32, vn_op=tf32, dS_op=tf32, dS_keys=tf32))
         line("all in tf32", {name: tf32 for name in ROUNDINGS})
+        line("all in tf32, S and dS bf16 in keys",
+             dict({name: tf32 for name in ROUNDINGS}, S_keys=bf16, dS_keys=bf16))
 
 
 if __name__ == "__main__":

@@ -119,7 +119,8 @@ size_t backward_workspace_bytes(const BackwardArgs& args, const Options& options
   if (args.q.device != Device::cuda) return 0;
   require_cuda_backward_schedule(schedule);
 #ifdef FLASHDELTA_WITH_CUDA
-  return static_cast<size_t>(detail::cuda_chunk_backward_workspace_bytes(p, args.chunk_states.present()));
+  return static_cast<size_t>(
+      detail::cuda_chunk_backward_workspace_bytes(p, args.chunk_states.present()));
 #else
   return 0;
 #endif

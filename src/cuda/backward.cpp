@@ -268,7 +268,9 @@ int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t
 
 bool backward_bf16_states(const Problem& p, bool kept) {
   const std::string setting = env_setting(kStatesSetting, {"auto", "f32"});
-  const auto sixteen = [](const TensorView& t) { return t.dtype == DType::bf16 || t.dtype == DType::f16; };
+  const auto sixteen = [](const TensorView& t) {
+    return t.dtype == DType::bf16 || t.dtype == DType::f16;
+  };
   return setting != "f32" && !kept && sixteen(p.in.q) && sixteen(p.in.k) && sixteen(p.in.v);
 }
 

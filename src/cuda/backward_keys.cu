@@ -47,7 +47,7 @@ struct StateOperand<true> {
   static constexpr int kLd = kVSlice + 8;
   __device__ static const uint16_t* slab(const float*, const uint16_t* b16) { return b16; }
   __device__ static uint32_t tf32(uint16_t x) { return static_cast<uint32_t>(x) << 16; }
-  __device__ static float value(uint16_t x) { return __uint_as_float(static_cast<uint32_t>(x) << 16); }
+  __device__ static float value(uint16_t x) { return __uint_as_float(tf32(x)); }
 };
 
 template <bool kBf16>

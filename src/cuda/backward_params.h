@@ -4,8 +4,8 @@
 // cores with tf32 operands and float32 sums (staged_product, cuda/backward_common.cuh; the
 // pairwise decay terms by 16-row blocks, cuda/backward_blocks.cuh); intermediates stay
 // float32, but for 16-bit inputs the chunk states and their gradients, which `keys` alone
-// reads, are stored in bfloat16 (BackwardParams::bf16_states). The host runs the stages over slices of the heads when one pass would need too
-// much workspace (cuda/backward.cpp).
+// reads, are stored in bfloat16 (BackwardParams::bf16_states). The host runs the stages over
+// slices of the heads when one pass would need too much workspace (cuda/backward.cpp).
 //
 // Stages, in order on one stream (cuda/backward.cpp):
 //   inputs    per token: q, k normalised and scaled, the activated gate, beta (float32)
