@@ -70,6 +70,11 @@ __device__ inline void prefetch_rows(const float* p, int64_t stride, int rows, i
   prefetch_row_lines(p, stride, rows, row_floats);
 }
 
+// x rounded to the nearest bfloat16, as its bits.
+__device__ __forceinline__ uint16_t bf16_bits(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
 // Record rec's K x V slab (K-first) of the workspace's states or state gradients, in
 // bfloat16 where the workspace has them so (BackwardParams::bf16_states), else float32.
 struct StateSlab {
@@ -79,7 +84,7 @@ struct StateSlab {
       : f32(f ? f + rec * KV : nullptr), b16(h ? h + rec * KV : nullptr) {}
   __device__ void store(int64_t idx, float x) const {
     if (b16)
-      b16[idx] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+      b16[idx] = bf16_bits(x);
     else
       f32[idx] = x;
   }

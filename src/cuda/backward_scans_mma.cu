@@ -229,9 +229,8 @@ struct MmaState {
                                      uint16_t* slab, uint16_t* tile) {
     static_assert(kKeys * 16 * 2 <= sizeof(Exchange) / kMmaWarps, "a warp's slice");
     const int64_t V = b.p.V;
-    const auto bits = [](float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); };
     if (V % 8 != 0 || blk.jw + 16 > V) {
-      for_each(b, blk, [&](float& x, int key, int64_t col) { slab[key * V + col] = bits(x); });
+      for_each(b, blk, [&](float& x, int key, int64_t col) { slab[key * V + col] = bf16_bits(x); });
       return;
     }
     const auto run_at = [](int key, int run) { return key * 16 + (run ^ (key >> 2 & 1)) * 8; };
@@ -240,7 +239,7 @@ struct MmaState {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = 8 * nt + acc_col(e), col = acc_row(e);
-        tile[run_at(key, col / 8) + col % 8] = bits(acc[nt].d[e]);
+        tile[run_at(key, col / 8) + col % 8] = bf16_bits(acc[nt].d[e]);
       }
     __syncwarp();
 #pragma unroll
