@@ -224,18 +224,21 @@ int64_t workspace_bytes(const Problem& p, int64_t heads, bool kept) {
   return layout(b, p.cu_seqlens.present()).total();
 }
 
-// Float32 bytes of q, k, v and g: the scale the workspace is held to.
+// Float32 bytes of q, k, v and g with q and k counted per value head: the scale the workspace
+// is held to. The workspace is per value head (its key-head arrays are two of ~20), and so is
+// fla's memory (3742 MiB a GVA step of H = 8, HV = 16 against 3872 at H = HV = 16, bench/NOTES.md
+// (ao)); counted per key head, a GVA step ran in more passes of fewer heads than the same
+// step without GVA (3 passes of 6 value heads against 2 of 8, and 0.85 ms slower).
 int64_t input_bytes(const Problem& p) {
-  return int64_t{4} * p.B * p.T * (2 * p.H * p.K + p.HV * (p.K + p.V));
+  return int64_t{4} * p.B * p.T * p.HV * (3 * p.K + p.V);
 }
 
-// Key heads per pass. The float32 workspace grows linearly with the heads (about 12 KB per
+// Key heads per pass. The float32 workspace grows linearly with the heads (about 11-12 KB per
 // token and value head at K = V = 128), so the backward runs over slices of whole key-head
 // groups one after another on the stream, reusing one workspace: as few, equal passes as
-// keep it within three times the float32 size of q, k, v and g (fla keeps about 3.7 times
-// that for the same shape), down to one key-head group per pass, which can need more (about
-// 3.5 times at K = V = 64 with two value heads per key head). Fewer heads per pass means
-// fewer blocks in the sequential scans.
+// keep it within three times input_bytes (fla keeps about 3.6 times that for the same
+// shape), down to one key-head group per pass, which can need more. Fewer heads per pass
+// means fewer blocks in the sequential scans.
 int64_t heads_per_pass(const Problem& p, bool kept) {
   const int64_t budget = 3 * input_bytes(p), whole = workspace_bytes(p, p.H, kept);
   if (p.H <= 1 || whole <= budget) return p.H;

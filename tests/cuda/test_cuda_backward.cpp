@@ -295,10 +295,10 @@ TEST(CudaBackward, StrongAndInfiniteGatesAndBetaZeroOne) {
 }
 
 // With several key heads the backward runs in passes over slices of the heads, reusing one
-// workspace that stays within three times the float32 size of q, k, v and g, or is one key
-// head group's where that alone is larger (the third case: K = V = 64 with 2 value heads per
-// key head needs ~3.5 times); the gradients are those of one pass (GVA and the gate
-// parameters sliced with their heads).
+// workspace that stays within three times the float32 size of q, k, v and g (q and k counted
+// per value head, as the workspace's arrays are), or is one key head group's where that alone
+// is larger; the gradients are those of one pass (GVA and the gate parameters sliced with
+// their heads).
 TEST(CudaBackward, HeadPassesKeepTheWorkspaceWithinThreeTimesTheInputs) {
   FLASHDELTA_REQUIRE_GPU();
   const CaseConfig cases[] = {
@@ -314,7 +314,7 @@ TEST(CudaBackward, HeadPassesKeepTheWorkspaceWithinThreeTimesTheInputs) {
     const BackwardCase b = make_backward_case(c);
     DeviceMirror mirror;
     const BackwardArgs d = upload_args(b.args(), mirror);
-    const double inputs = 4.0 * c.B * c.T * (2 * c.H * c.K + c.HV * (c.K + c.V));
+    const double inputs = 4.0 * c.B * c.T * c.HV * (3 * c.K + c.V);
     // The same problem with a single key head group: the workspace of one pass at the least.
     CaseConfig one = c;
     one.H = 1;
