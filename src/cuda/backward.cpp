@@ -226,9 +226,9 @@ int64_t workspace_bytes(const Problem& p, int64_t heads, bool kept) {
 
 // Float32 bytes of q, k, v and g with q and k counted per value head: the scale the workspace
 // is held to. The workspace is per value head (its key-head arrays are two of ~20), and so is
-// fla's memory (3742 MiB a GVA step of H = 8, HV = 16 against 3872 at H = HV = 16, bench/NOTES.md
-// (ao)); counted per key head, a GVA step ran in more passes of fewer heads than the same
-// step without GVA (3 passes of 6 value heads against 2 of 8, and 0.85 ms slower).
+// fla's memory (3742 MiB a GVA step of H = 8, HV = 16 against 3872 at H = HV = 16); counted
+// per key head, that GVA step ran in 3 passes of 6 value heads instead of 2 of 8: 13.24 ms
+// against 12.12 now, its peak 2503 MiB against 3161 (bench/NOTES.md (ao)).
 int64_t input_bytes(const Problem& p) {
   return int64_t{4} * p.B * p.T * p.HV * (3 * p.K + p.V);
 }
@@ -236,7 +236,7 @@ int64_t input_bytes(const Problem& p) {
 // Key heads per pass. The float32 workspace grows linearly with the heads (about 11-12 KB per
 // token and value head at K = V = 128), so the backward runs over slices of whole key-head
 // groups one after another on the stream, reusing one workspace: as few, equal passes as
-// keep it within three times input_bytes (fla keeps about 3.6 times that for the same
+// keep it within three times input_bytes (fla keeps about 3.7 times that for the same
 // shape), down to one key-head group per pass, which can need more. Fewer heads per pass
 // means fewer blocks in the sequential scans.
 int64_t heads_per_pass(const Problem& p, bool kept) {
