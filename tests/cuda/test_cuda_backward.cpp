@@ -6,8 +6,9 @@
 // schedules refused; both forms of the sequential scans (in registers, the default for
 // K <= 128, and the tile scans at every width: FLASHDELTA_BACKWARD_SCANS, _SCAN_COLUMNS), their
 // selection on the host too; the key gradients' products over V (the `keys` stage) on every
-// case; sequences split into segments (FLASHDELTA_BACKWARD_SCAN_SEGMENTS). Skipped on
-// machines without a GPU.
+// case; sequences split into segments (FLASHDELTA_BACKWARD_SCAN_SEGMENTS); the chunk states in
+// bfloat16 for 16-bit inputs and their rule (FLASHDELTA_BACKWARD_STATES). Skipped on machines
+// without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
