@@ -146,12 +146,12 @@ constexpr double kBf16StatesTolerance = 6e-3;
 constexpr double kBf16StatesParamTolerance = 1.5e-2;
 constexpr const char* kStates = "FLASHDELTA_BACKWARD_STATES";
 
-// Whether the backward keeps b's chunk states in bfloat16 (the library's rule, restated).
+// Whether the backward keeps b's chunk states in bfloat16 (the library's rule, which
+// CudaBackwardStates checks on its own).
 bool bf16_states(const BackwardCase& b) {
-  const char* setting = std::getenv(kStates);
-  const DType t = b.c.q.view.dtype;
-  return !(setting && std::string(setting) == "f32") && !b.chunk_states.view.present() &&
-         (t == DType::bf16 || t == DType::f16);
+  const BackwardArgs a = b.args();
+  return detail::backward_bf16_states(detail::validate_backward(a, b.c.options),
+                                      a.chunk_states.present());
 }
 
 // The tolerance of gradient slot i stored in grad_dtype.
