@@ -75,6 +75,8 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
     case RecurrentKernel::warp:
       r.value_tiles = r.V / warp_columns;
       r.task_grid = cuda_recurrent_warp_task_grid(r.N, r.HV);
+      r.prefetch_waves = r.task_grid ? cuda_recurrent_warp_prefetch_waves() : 0;
+      r.sms = sms;
       return cuda::launch_recurrent_warp(r, state_dtype, stream);
     case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
     case RecurrentKernel::wide: r.tile = cuda::RecurrentTile::wide; break;
@@ -98,6 +100,12 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {
   const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_GRID", {"auto", "loop"});
   constexpr int64_t kGridYZ = 65535;
   return setting != "loop" && N <= kGridYZ && HV <= kGridYZ;  // unset reads as ""
+}
+
+int cuda_recurrent_warp_prefetch_waves() {
+  const std::string setting =
+      env_setting("FLASHDELTA_RECURRENT_WARP_PREFETCH", {"auto", "off", "double"});
+  return setting == "off" ? 0 : setting == "double" ? 2 : 1;  // unset reads as ""
 }
 
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms) {

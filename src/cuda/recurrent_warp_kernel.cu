@@ -34,6 +34,7 @@ namespace {
 // adjacent, so that a warp's load is KL x 16 contiguous bytes of each column.
 template <int KB, int KeysPerLane>
 struct WarpTile {
+  static constexpr int kKeys = KB;
   static constexpr int RK = KeysPerLane;  // 4, or 8 at K >= 128 (tasks of 16 columns)
   static constexpr int KL = KB / RK;
   static constexpr int CL = 32 / KL;
@@ -248,10 +249,38 @@ __device__ __forceinline__ void load_state_run(const __nv_bfloat16* p, float (&x
   x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 
+// The state tile that task number `ahead` (the task grid's block order) reads first, or
+// null where it reads none. Its slot index is a load: the caller holds the pointer until
+// its own state loads are out.
+template <class W, class S>
+__device__ __forceinline__ const S* ahead_tile(const RecurrentParams& p, int64_t ahead) {
+  if (ahead < 0 || !p.state_in.data) return nullptr;
+  const uint32_t t = static_cast<uint32_t>(ahead);  // the host keeps task numbers below 2^31
+  const uint32_t nh = fast_divide(t, p.tiles_divisor), n = fast_divide(nh, p.heads_divisor);
+  const int64_t hv = nh - n * static_cast<uint32_t>(p.HV);
+  const int64_t j0 = (t - nh * static_cast<uint32_t>(p.value_tiles)) * W::CW;
+  const int64_t slot = start_slot(p, n);
+  return slot < 0 ? nullptr : tile_base<const S>(p.state_in, slot, hv) + j0 * p.state_in.value_stride;
+}
+
+// Queues the CW columns of a task's state tile into L2, a 128-byte line per lane at a time.
+template <class W, class S>
+__device__ __forceinline__ void prefetch_tile(const RecurrentParams& p, const S* tile) {
+  constexpr int kLineElems = 128 / static_cast<int>(sizeof(S));
+  constexpr int kColumnLines = (W::kKeys + kLineElems - 1) / kLineElems;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = lane; i < W::CW * kColumnLines; i += 32) {
+    const S* line = tile + (i / kColumnLines) * p.state_in.value_stride + i % kColumnLines * kLineElems;
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
+  }
+}
+
 // One task: its token inputs, its state (zeros without an initial state), the steps, the
-// stores.
+// stores. `ahead`: the task number whose state it queues into L2 (-1: none).
 template <class W, class T, class S>
-__device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w) {
+__device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w,
+                              int64_t ahead = -1) {
   constexpr int RK = W::RK, CPL = W::kColumns, kChunks = RK / 4 * CPL;
   const int64_t n = w.n, hv = w.hv;
   const int64_t h = p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(hv), p.group_divisor)
@@ -288,8 +317,13 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
 #pragma unroll
       for (int m = 0; m < 4; ++m) x[c][m] = 0.f;
   }
+  // The next wave's state: its slot index loaded behind this task's state, used after the
+  // transform (the index is back by then; the first state load moved 145 instructions
+  // later with it before them).
+  const S* const next = ahead_tile<W, S>(p, ahead);
   LaneInputs<RK> in;
   if (seq.len > 0) transform_lane_token<W, T>(p, raw, a, in);
+  if (next) prefetch_tile<W>(p, next);
 
   for (int64_t t = 0; t < seq.len; ++t) {
     // A later token's loads are not issued early: their registers would hold through the
@@ -355,7 +389,13 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
     w.hv = static_cast<int>(blockIdx.y);
     w.n = blockIdx.z;
     w.start = start_slot(p, w.n);
-    return run_warp_task<W, T, S>(p, tile, w);
+    int64_t ahead = -1;  // in 32 bits: the host prefetches only below 2^31 tasks
+    if (p.prefetch_ahead > 0) {
+      const uint32_t a = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x +
+                         static_cast<uint32_t>(p.prefetch_ahead);
+      if (a < gridDim.x * gridDim.y * gridDim.z) ahead = a;
+    }
+    return run_warp_task<W, T, S>(p, tile, w, ahead);
   }
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   for (int64_t blk = blockIdx.x; blk < tasks; blk += gridDim.x)
@@ -368,7 +408,16 @@ void launch_kernel(const RecurrentParams& p, cudaStream_t stream) {
   const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
                                        static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
                                 : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
-  recurrent_warp_kernel<KB, RK, T, S><<<grid, 32, 0, stream>>>(p);
+  // The prefetch distance: the waves asked for of the blocks the SMs hold at once; none
+  // where no task is that far ahead or task numbers pass 32 bits.
+  const int64_t ahead = int64_t{p.prefetch_waves} * p.sms * warp_min_blocks<RK, T>();
+  if (!p.task_grid || ahead == 0 || ahead >= tasks || tasks > INT_MAX)
+    return recurrent_warp_kernel<KB, RK, T, S><<<grid, 32, 0, stream>>>(p);
+  RecurrentParams q = p;
+  q.prefetch_ahead = ahead;
+  q.tiles_divisor = make_fast_divisor(static_cast<uint32_t>(p.value_tiles));
+  q.heads_divisor = make_fast_divisor(static_cast<uint32_t>(p.HV));
+  recurrent_warp_kernel<KB, RK, T, S><<<grid, 32, 0, stream>>>(q);
 }
 
 template <class T, class S>

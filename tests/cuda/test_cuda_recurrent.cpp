@@ -291,6 +291,32 @@ TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
     }
 }
 
+// The warp kernel's L2 prefetch of the state a resident wave ahead (FLASHDELTA_RECURRENT_WARP_PREFETCH):
+// a hint, so `auto`, `double` and `off` are bitwise equal and match the reference. More
+// tasks than two waves of a 132-SM GPU hold (160 rows x 8 heads x 8 tiles = 10,240), rows
+// on shuffled slots with padding rows among them (a task ahead on a padding row prefetches
+// nothing), float32 and bfloat16 pools, one-token and 3-token steps.
+TEST(CudaDecode, WarpKernelPrefetchFormsAgreeBitwise) {
+  FLASHDELTA_REQUIRE_GPU();
+  constexpr int64_t kRows = 160, kSlots = 170;
+  std::vector<std::vector<int64_t>> slots;
+  for (int64_t n = 0; n < kRows; ++n) slots.push_back({n % 17 == 5 ? -1 : (n * 37 + 11) % kSlots});
+  uint64_t seed = 980;
+  for (const DType pool : {DType::f32, DType::bf16})
+    for (const int64_t T : {1, 3}) {
+      CaseConfig cfg = decode_config(Mechanism::kda, kRows, T, 128, 64, seed++);
+      cfg.H = 4;
+      cfg.HV = 8;
+      cfg.layout = StateLayout::v_first;
+      cfg.dtype = DType::bf16;
+      cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
+      const DecodeCase d = make_decode_case(cfg, kSlots, pool, slots);
+      expect_settings_agree_bitwise(
+          d, std::string("pool ") + dtype_name(pool) + " T=" + std::to_string(T),
+          "FLASHDELTA_RECURRENT_WARP_PREFETCH", {"auto", "double", "off"});
+    }
+}
+
 // The warp kernel at K = 128 with 8 keys per lane (FLASHDELTA_RECURRENT_WARP_KEYS=8:
 // 16-column tasks, the K = 256 kernel's lane shape) against the reference: V two and three
 // tasks wide, all-bf16 fused tokens and float32 inputs, float32 and bfloat16 pools, a
@@ -492,6 +518,25 @@ TEST(CudaRecurrentTile, WarpGridFollowsTheEnvironmentVariable) {
     EXPECT_FALSE(cuda_recurrent_warp_task_grid(256, 32));
   }
   expect_setting_rejected(kGrid, "grid", [] { cuda_recurrent_warp_task_grid(256, 32); });
+}
+
+// The warp kernel's prefetch distance in resident waves (host only).
+TEST(CudaRecurrentTile, WarpPrefetchFollowsTheEnvironmentVariable) {
+  using detail::cuda_recurrent_warp_prefetch_waves;
+  constexpr const char* kPrefetch = "FLASHDELTA_RECURRENT_WARP_PREFETCH";
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
+    const ScopedEnv env(kPrefetch, automatic);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_waves(), 1);
+  }
+  {
+    const ScopedEnv env(kPrefetch, "double");
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_waves(), 2);
+  }
+  {
+    const ScopedEnv env(kPrefetch, "off");
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_waves(), 0);
+  }
+  expect_setting_rejected(kPrefetch, "ahead", [] { cuda_recurrent_warp_prefetch_waves(); });
 }
 
 // The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 for bfloat16 states
