@@ -41,12 +41,13 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV);
 // as described. Any other value throws Error(invalid_argument) naming the variable.
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms);
 inline constexpr int64_t kWarpWavesForEightKeys = 8;
-// Resident waves ahead whose task's state each warp kernel task queues into L2 (on the task
-// grid, in block order), so that a block's first loads find its state in L2 and the memory
-// keeps busy while a finished block's slot is refilled: FLASHDELTA_RECURRENT_WARP_PREFETCH
-// unset or `auto` 1, `double` 2, `off` 0 (the same results: a prefetch is a hint). Any other
-// value throws Error(invalid_argument) naming the variable.
-int cuda_recurrent_warp_prefetch_waves();
+// How far ahead, in eighths of a resident wave, each warp kernel task queues a later task's
+// state into L2 (on the task grid, in block order), so that a block's first loads find its
+// state in L2 and the memory keeps busy while a finished block's slot is refilled:
+// FLASHDELTA_RECURRENT_WARP_PREFETCH `off` 0, `quarter` 2, `half` 4, `one` 8, `double` 16,
+// unset or `auto` 8 (the same results: a prefetch is a hint). Any other value throws
+// Error(invalid_argument) naming the variable.
+int cuda_recurrent_warp_prefetch_eighths();
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it
 // allocates in stream order.

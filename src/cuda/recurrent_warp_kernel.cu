@@ -410,7 +410,7 @@ void launch_kernel(const RecurrentParams& p, cudaStream_t stream) {
                                 : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
   // The prefetch distance: the waves asked for of the blocks the SMs hold at once; none
   // where no task is that far ahead or task numbers pass 32 bits.
-  const int64_t ahead = int64_t{p.prefetch_waves} * p.sms * warp_min_blocks<RK, T>();
+  const int64_t ahead = int64_t{p.prefetch_eighths} * p.sms * warp_min_blocks<RK, T>() / 8;
   if (!p.task_grid || ahead == 0 || ahead >= tasks || tasks > INT_MAX)
     return recurrent_warp_kernel<KB, RK, T, S><<<grid, 32, 0, stream>>>(p);
   RecurrentParams q = p;

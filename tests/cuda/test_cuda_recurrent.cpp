@@ -313,7 +313,7 @@ TEST(CudaDecode, WarpKernelPrefetchFormsAgreeBitwise) {
       const DecodeCase d = make_decode_case(cfg, kSlots, pool, slots);
       expect_settings_agree_bitwise(
           d, std::string("pool ") + dtype_name(pool) + " T=" + std::to_string(T),
-          "FLASHDELTA_RECURRENT_WARP_PREFETCH", {"auto", "double", "off"});
+          "FLASHDELTA_RECURRENT_WARP_PREFETCH", {"auto", "quarter", "double", "off"});
     }
 }
 
@@ -522,21 +522,19 @@ TEST(CudaRecurrentTile, WarpGridFollowsTheEnvironmentVariable) {
 
 // The warp kernel's prefetch distance in resident waves (host only).
 TEST(CudaRecurrentTile, WarpPrefetchFollowsTheEnvironmentVariable) {
-  using detail::cuda_recurrent_warp_prefetch_waves;
+  using detail::cuda_recurrent_warp_prefetch_eighths;
   constexpr const char* kPrefetch = "FLASHDELTA_RECURRENT_WARP_PREFETCH";
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kPrefetch, automatic);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_waves(), 1);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(), 8);
   }
-  {
-    const ScopedEnv env(kPrefetch, "double");
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_waves(), 2);
+  const std::pair<const char*, int> kNamed[] = {
+      {"off", 0}, {"quarter", 2}, {"half", 4}, {"one", 8}, {"double", 16}};
+  for (const auto& [name, eighths] : kNamed) {
+    const ScopedEnv env(kPrefetch, name);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(), eighths) << name;
   }
-  {
-    const ScopedEnv env(kPrefetch, "off");
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_waves(), 0);
-  }
-  expect_setting_rejected(kPrefetch, "ahead", [] { cuda_recurrent_warp_prefetch_waves(); });
+  expect_setting_rejected(kPrefetch, "ahead", [] { cuda_recurrent_warp_prefetch_eighths(); });
 }
 
 // The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 for bfloat16 states
