@@ -291,8 +291,9 @@ TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
     }
 }
 
-// The warp kernel's L2 prefetch of the state a resident wave ahead (FLASHDELTA_RECURRENT_WARP_PREFETCH):
-// a hint, so `auto`, `double` and `off` are bitwise equal and match the reference. More
+// The warp kernel's L2 prefetch of a later task's state (FLASHDELTA_RECURRENT_WARP_PREFETCH):
+// a hint, so `auto` (half a wave here), `one`, `double` and `off` are bitwise equal and
+// match the reference. More
 // tasks than two waves of a 132-SM GPU hold (160 rows x 8 heads x 8 tiles = 10,240), rows
 // on shuffled slots with padding rows among them (a task ahead on a padding row prefetches
 // nothing), float32 and bfloat16 pools, one-token and 3-token steps.
@@ -313,7 +314,7 @@ TEST(CudaDecode, WarpKernelPrefetchFormsAgreeBitwise) {
       const DecodeCase d = make_decode_case(cfg, kSlots, pool, slots);
       expect_settings_agree_bitwise(
           d, std::string("pool ") + dtype_name(pool) + " T=" + std::to_string(T),
-          "FLASHDELTA_RECURRENT_WARP_PREFETCH", {"auto", "quarter", "double", "off"});
+          "FLASHDELTA_RECURRENT_WARP_PREFETCH", {"auto", "one", "double", "off"});
     }
 }
 
@@ -526,15 +527,17 @@ TEST(CudaRecurrentTile, WarpPrefetchFollowsTheEnvironmentVariable) {
   constexpr const char* kPrefetch = "FLASHDELTA_RECURRENT_WARP_PREFETCH";
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kPrefetch, automatic);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(), 8);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true), 4);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false), 0);
   }
   const std::pair<const char*, int> kNamed[] = {
       {"off", 0}, {"quarter", 2}, {"half", 4}, {"one", 8}, {"double", 16}};
-  for (const auto& [name, eighths] : kNamed) {
-    const ScopedEnv env(kPrefetch, name);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(), eighths) << name;
-  }
-  expect_setting_rejected(kPrefetch, "ahead", [] { cuda_recurrent_warp_prefetch_eighths(); });
+  for (const auto& [name, eighths] : kNamed)
+    for (const bool in_place_once : {false, true}) {
+      const ScopedEnv env(kPrefetch, name);
+      EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(in_place_once), eighths) << name;
+    }
+  expect_setting_rejected(kPrefetch, "ahead", [] { cuda_recurrent_warp_prefetch_eighths(true); });
 }
 
 // The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 for bfloat16 states
