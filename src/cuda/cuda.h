@@ -41,9 +41,10 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV);
 // as described. Any other value throws Error(invalid_argument) naming the variable.
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms);
 inline constexpr int64_t kWarpWavesForEightKeys = 8;
-// How far ahead, in eighths of a resident wave, each warp kernel task queues a later task's
-// state into L2 (on the task grid, in block order), so that a block's first loads find its
-// state in L2 while a finished block's slot is refilled. FLASHDELTA_RECURRENT_WARP_PREFETCH
+// How far ahead, in eighths of a resident wave, the warp kernel's prefetch blocks (one per
+// row and value head, after the row's tasks on the task grid) queue a later row's states
+// into L2, so that a block's first loads find its state in L2 while a finished block's slot
+// is refilled. FLASHDELTA_RECURRENT_WARP_PREFETCH
 // `off` 0, `quarter` 2, `half` 4, `one` 8, `double` 16; unset or `auto`: half a wave where
 // the state is updated in place and each row writes one slot (`in_place_once`: a serving
 // step without per-token slots), none elsewhere. Measured (bench/NOTES.md (ap)): half a wave

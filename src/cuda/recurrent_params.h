@@ -75,13 +75,12 @@ struct RecurrentParams {
   // division), else a grid-stride loop over task numbers (cuda_recurrent_warp_task_grid).
   bool task_grid = false;
   int warp_keys = 4;  // warp kernel: keys per lane, 4 or 8 (cuda_recurrent_warp_keys)
-  // Warp kernel on the task grid: eighths of a resident wave ahead whose task's state a task
-  // queues into L2 (cuda_recurrent_warp_prefetch_eighths; 0 = none), the SMs that makes a
-  // wave of, and, set by the launch, that distance in tasks with the divisors that decode a
-  // task number.
+  // Warp kernel on the task grid: how far ahead, in eighths of a resident wave, a row's
+  // prefetch block queues a later row's states into L2 (cuda_recurrent_warp_prefetch_eighths;
+  // 0 = none) and the SMs that makes a wave of; set by the launch, that distance in rows
+  // (0: no prefetch blocks).
   int prefetch_eighths = 0, sms = 0;
-  int64_t prefetch_ahead = 0;
-  FastDivisor tiles_divisor, heads_divisor;
+  int64_t prefetch_rows = 0;
 
   // The recurrence.
   GateForm gate = GateForm::none;

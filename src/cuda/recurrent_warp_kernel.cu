@@ -18,6 +18,7 @@
 // token tensors of float32 or 16-bit with unit channel stride, aligned. The math is the
 // block kernel's: with S' = Diag(exp g) S and r = beta (v - S'^T k),
 //     S'' = S' + k r^T,    o = S''^T q = S'^T q + (q . k) r.
+#include <algorithm>
 #include <climits>
 #include <string>
 
@@ -249,38 +250,27 @@ __device__ __forceinline__ void load_state_run(const __nv_bfloat16* p, float (&x
   x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 
-// The state tile that task number `ahead` (the task grid's block order) reads first, or
-// null where it reads none. Its slot index is a load: the caller holds the pointer until
-// its own state loads are out.
+// A prefetch block's work: the whole state of (row n, value head hv), every value column,
+// queued into L2 a 128-byte line per lane at a time (a row that reads no state: nothing).
 template <class W, class S>
-__device__ __forceinline__ const S* ahead_tile(const RecurrentParams& p, int64_t ahead) {
-  if (ahead < 0 || !p.state_in.data) return nullptr;
-  const uint32_t t = static_cast<uint32_t>(ahead);  // the host keeps task numbers below 2^31
-  const uint32_t nh = fast_divide(t, p.tiles_divisor), n = fast_divide(nh, p.heads_divisor);
-  const int64_t hv = nh - n * static_cast<uint32_t>(p.HV);
-  const int64_t j0 = (t - nh * static_cast<uint32_t>(p.value_tiles)) * W::CW;
+__device__ void prefetch_pair(const RecurrentParams& p, int64_t n, int64_t hv) {
+  if (!p.state_in.data) return;
   const int64_t slot = start_slot(p, n);
-  return slot < 0 ? nullptr : tile_base<const S>(p.state_in, slot, hv) + j0 * p.state_in.value_stride;
-}
-
-// Queues the CW columns of a task's state tile into L2, a 128-byte line per lane at a time.
-template <class W, class S>
-__device__ __forceinline__ void prefetch_tile(const RecurrentParams& p, const S* tile) {
+  if (slot < 0) return;
   constexpr int kLineElems = 128 / static_cast<int>(sizeof(S));
   constexpr int kColumnLines = (W::kKeys + kLineElems - 1) / kLineElems;
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int i = lane; i < W::CW * kColumnLines; i += 32) {
-    const S* line = tile + (i / kColumnLines) * p.state_in.value_stride + i % kColumnLines * kLineElems;
+  const S* const base = tile_base<const S>(p.state_in, slot, hv);
+  const int lines = static_cast<int>(p.V) * kColumnLines;
+  for (int i = threadIdx.x % 32; i < lines; i += 32) {
+    const S* line = base + (i / kColumnLines) * p.state_in.value_stride + i % kColumnLines * kLineElems;
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
   }
 }
 
 // One task: its token inputs, its state (zeros without an initial state), the steps, the
-// stores. `ahead`: the task number whose state it queues into L2 (-1: none).
+// stores.
 template <class W, class T, class S>
-__device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w,
-                              int64_t ahead = -1) {
+__device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w) {
   constexpr int RK = W::RK, CPL = W::kColumns, kChunks = RK / 4 * CPL;
   const int64_t n = w.n, hv = w.hv;
   const int64_t h = p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(hv), p.group_divisor)
@@ -317,13 +307,8 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
 #pragma unroll
       for (int m = 0; m < 4; ++m) x[c][m] = 0.f;
   }
-  // The next wave's state: its slot index loaded behind this task's state, used after the
-  // transform (the index is back by then; the first state load moved 145 instructions
-  // later with it before them).
-  const S* const next = ahead_tile<W, S>(p, ahead);
   LaneInputs<RK> in;
   if (seq.len > 0) transform_lane_token<W, T>(p, raw, a, in);
-  if (next) prefetch_tile<W>(p, next);
 
   for (int64_t t = 0; t < seq.len; ++t) {
     // A later token's loads are not issued early: their registers would hold through the
@@ -384,18 +369,17 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
   using W = WarpTile<KB, RK>;
   const W tile;
   if (p.task_grid) {  // the task is the block index: ~100 instructions of division saved
+    if (blockIdx.x == p.value_tiles) {  // the row's prefetch block (grid column past the tiles)
+      const int64_t n = blockIdx.z + p.prefetch_rows;
+      if (n < p.N) prefetch_pair<W, S>(p, n, blockIdx.y);
+      return;
+    }
     Task w;
     w.j0 = static_cast<int>(blockIdx.x) * W::CW;
     w.hv = static_cast<int>(blockIdx.y);
     w.n = blockIdx.z;
     w.start = start_slot(p, w.n);
-    int64_t ahead = -1;  // in 32 bits: the host prefetches only below 2^31 tasks
-    if (p.prefetch_ahead > 0) {
-      const uint32_t a = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x +
-                         static_cast<uint32_t>(p.prefetch_ahead);
-      if (a < gridDim.x * gridDim.y * gridDim.z) ahead = a;
-    }
-    return run_warp_task<W, T, S>(p, tile, w, ahead);
+    return run_warp_task<W, T, S>(p, tile, w);
   }
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   for (int64_t blk = blockIdx.x; blk < tasks; blk += gridDim.x)
@@ -405,18 +389,20 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
 template <int KB, int RK, class T, class S>
 void launch_kernel(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t tasks = p.N * p.HV * p.value_tiles;
-  const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
-                                       static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
-                                : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
-  // The prefetch distance: the waves asked for of the blocks the SMs hold at once; none
-  // where no task is that far ahead or task numbers pass 32 bits.
+  // The prefetch distance in rows: the eighths of a wave asked for (the blocks the SMs hold
+  // at once) over a row's tasks, at least one; none where no row is that far ahead.
   const int64_t ahead = int64_t{p.prefetch_eighths} * p.sms * warp_min_blocks<RK, T>() / 8;
-  if (!p.task_grid || ahead == 0 || ahead >= tasks || tasks > INT_MAX)
+  const int64_t rows = ahead > 0 ? std::max<int64_t>(1, (ahead + tasks / p.N / 2) / (tasks / p.N)) : 0;
+  if (!p.task_grid || rows == 0 || rows >= p.N) {
+    const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
+                                         static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
+                                  : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
     return recurrent_warp_kernel<KB, RK, T, S><<<grid, 32, 0, stream>>>(p);
+  }
   RecurrentParams q = p;
-  q.prefetch_ahead = ahead;
-  q.tiles_divisor = make_fast_divisor(static_cast<uint32_t>(p.value_tiles));
-  q.heads_divisor = make_fast_divisor(static_cast<uint32_t>(p.HV));
+  q.prefetch_rows = rows;
+  const dim3 grid(static_cast<unsigned>(p.value_tiles + 1), static_cast<unsigned>(p.HV),
+                  static_cast<unsigned>(p.N));
   recurrent_warp_kernel<KB, RK, T, S><<<grid, 32, 0, stream>>>(q);
 }
 

@@ -291,11 +291,11 @@ TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
     }
 }
 
-// The warp kernel's L2 prefetch of a later task's state (FLASHDELTA_RECURRENT_WARP_PREFETCH):
-// a hint, so `auto` (half a wave here), `one`, `double` and `off` are bitwise equal and
-// match the reference. More
-// tasks than two waves of a 132-SM GPU hold (160 rows x 8 heads x 8 tiles = 10,240), rows
-// on shuffled slots with padding rows among them (a task ahead on a padding row prefetches
+// The warp kernel's prefetch blocks, which queue a later row's states into L2
+// (FLASHDELTA_RECURRENT_WARP_PREFETCH): a hint, so `auto` (half a wave here), `one`,
+// `double` and `off` are bitwise equal and match the reference. More tasks than two waves
+// of a 132-SM GPU hold (160 rows x 8 heads x 8 tiles = 10,240; 25, 50 and 99 rows ahead),
+// rows on shuffled slots with padding rows among them (whose prefetch blocks prefetch
 // nothing), float32 and bfloat16 pools, one-token and 3-token steps.
 TEST(CudaDecode, WarpKernelPrefetchFormsAgreeBitwise) {
   FLASHDELTA_REQUIRE_GPU();
