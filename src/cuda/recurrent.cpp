@@ -75,9 +75,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
     case RecurrentKernel::warp:
       r.value_tiles = r.V / warp_columns;
       r.task_grid = cuda_recurrent_warp_task_grid(r.N, r.HV);
-      r.prefetch_eighths = r.task_grid ? cuda_recurrent_warp_prefetch_eighths(
-                                             r.state_in.data == r.state_out.data && !r.per_token_slots)
-                                       : 0;
+      r.prefetch_eighths = r.task_grid ? cuda_recurrent_warp_prefetch_eighths() : 0;
       r.sms = sms;
       return cuda::launch_recurrent_warp(r, state_dtype, stream);
     case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
@@ -104,7 +102,7 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {
   return setting != "loop" && N <= kGridYZ && HV <= kGridYZ;  // unset reads as ""
 }
 
-int cuda_recurrent_warp_prefetch_eighths(bool in_place_once) {
+int cuda_recurrent_warp_prefetch_eighths() {
   const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_PREFETCH",
                                           {"auto", "off", "quarter", "half", "one", "double"});
   if (setting == "off") return 0;
@@ -112,7 +110,7 @@ int cuda_recurrent_warp_prefetch_eighths(bool in_place_once) {
   if (setting == "half") return 4;
   if (setting == "double") return 16;
   if (setting == "one") return 8;
-  return in_place_once ? 4 : 0;  // unset reads as ""
+  return 0;  // `auto`, and unset (read as ""): not yet measured on a GPU (bench/NOTES.md (ap))
 }
 
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms) {

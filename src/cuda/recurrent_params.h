@@ -75,12 +75,6 @@ struct RecurrentParams {
   // division), else a grid-stride loop over task numbers (cuda_recurrent_warp_task_grid).
   bool task_grid = false;
   int warp_keys = 4;  // warp kernel: keys per lane, 4 or 8 (cuda_recurrent_warp_keys)
-  // Warp kernel on the task grid: how far ahead, in eighths of a resident wave, a row's
-  // prefetch block queues a later row's states into L2 (cuda_recurrent_warp_prefetch_eighths;
-  // 0 = none) and the SMs that makes a wave of; set by the launch, that distance in rows
-  // (0: no prefetch blocks).
-  int prefetch_eighths = 0, sms = 0;
-  int64_t prefetch_rows = 0;
 
   // The recurrence.
   GateForm gate = GateForm::none;
@@ -111,6 +105,14 @@ struct RecurrentParams {
   int64_t pool_slots = 0;  // P
   IndexTensor state_indices, num_accepted;
   bool per_token_slots = false;
+
+  // Warp kernel on the task grid: how far ahead, in eighths of a resident wave, a row's
+  // prefetch block queues a later row's states into L2 (cuda_recurrent_warp_prefetch_eighths;
+  // 0 = none) and the SMs that makes a wave of; set by the launch, that distance in rows
+  // (0: no prefetch blocks). Last, so that the other members' offsets stay those of the
+  // kernels built without prefetch blocks.
+  int prefetch_eighths = 0, sms = 0;
+  int64_t prefetch_rows = 0;
 };
 
 // Launches the kernel on `stream` (a cudaStream_t); the state dtype is float32 or bfloat16.

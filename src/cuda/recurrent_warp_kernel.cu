@@ -363,16 +363,20 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
 }
 
 // Blocks of one warp: the task grid, else a grid-stride loop (only past 2^31 - 1 tasks).
-template <int KB, int RK, class T, class S>
+// With kPrefetch (the task grid only), each row and value head has a prefetch block past
+// its value tiles; a template parameter, so that the kernels without are unchanged by it.
+template <int KB, int RK, class T, class S, bool kPrefetch>
 __global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
     recurrent_warp_kernel(const __grid_constant__ RecurrentParams p) {
   using W = WarpTile<KB, RK>;
   const W tile;
   if (p.task_grid) {  // the task is the block index: ~100 instructions of division saved
-    if (blockIdx.x == p.value_tiles) {  // the row's prefetch block (grid column past the tiles)
-      const int64_t n = blockIdx.z + p.prefetch_rows;
-      if (n < p.N) prefetch_pair<W, S>(p, n, blockIdx.y);
-      return;
+    if constexpr (kPrefetch) {
+      if (blockIdx.x == p.value_tiles) {
+        const int64_t n = blockIdx.z + p.prefetch_rows;
+        if (n < p.N) prefetch_pair<W, S>(p, n, blockIdx.y);
+        return;
+      }
     }
     Task w;
     w.j0 = static_cast<int>(blockIdx.x) * W::CW;
@@ -390,20 +394,22 @@ template <int KB, int RK, class T, class S>
 void launch_kernel(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   // The prefetch distance in rows: the eighths of a wave asked for (the blocks the SMs hold
-  // at once) over a row's tasks, at least one; none where no row is that far ahead.
+  // at once) over a row's tasks, at least one; none where no row is that far ahead. Built
+  // for the serving common case only (bfloat16 tokens): a small instantiation matrix.
   const int64_t ahead = int64_t{p.prefetch_eighths} * p.sms * warp_min_blocks<RK, T>() / 8;
-  const int64_t rows = ahead > 0 ? std::max<int64_t>(1, (ahead + tasks / p.N / 2) / (tasks / p.N)) : 0;
-  if (!p.task_grid || rows == 0 || rows >= p.N) {
-    const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
-                                         static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
-                                  : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
-    return recurrent_warp_kernel<KB, RK, T, S><<<grid, 32, 0, stream>>>(p);
+  const int64_t row_tasks = p.HV * p.value_tiles;
+  const int64_t rows = ahead > 0 ? std::max<int64_t>(1, (ahead + row_tasks / 2) / row_tasks) : 0;
+  if (T::kAllBf16 && p.task_grid && rows > 0 && rows < p.N) {
+    RecurrentParams q = p;
+    q.prefetch_rows = rows;
+    const dim3 grid(static_cast<unsigned>(p.value_tiles + 1), static_cast<unsigned>(p.HV),
+                    static_cast<unsigned>(p.N));
+    return recurrent_warp_kernel<KB, RK, T, S, T::kAllBf16><<<grid, 32, 0, stream>>>(q);
   }
-  RecurrentParams q = p;
-  q.prefetch_rows = rows;
-  const dim3 grid(static_cast<unsigned>(p.value_tiles + 1), static_cast<unsigned>(p.HV),
-                  static_cast<unsigned>(p.N));
-  recurrent_warp_kernel<KB, RK, T, S><<<grid, 32, 0, stream>>>(q);
+  const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
+                                       static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
+                                : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
+  recurrent_warp_kernel<KB, RK, T, S, false><<<grid, 32, 0, stream>>>(p);
 }
 
 template <class T, class S>

@@ -292,8 +292,8 @@ TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
 }
 
 // The warp kernel's prefetch blocks, which queue a later row's states into L2
-// (FLASHDELTA_RECURRENT_WARP_PREFETCH): a hint, so `auto` (half a wave here), `one`,
-// `double` and `off` are bitwise equal and match the reference. More tasks than two waves
+// (FLASHDELTA_RECURRENT_WARP_PREFETCH): a hint, so `off`, `half`, `one` and `double` are
+// bitwise equal and match the reference. More tasks than two waves
 // of a 132-SM GPU hold (160 rows x 8 heads x 8 tiles = 10,240; 25, 50 and 99 rows ahead),
 // rows on shuffled slots with padding rows among them (whose prefetch blocks prefetch
 // nothing), float32 and bfloat16 pools, one-token and 3-token steps.
@@ -314,7 +314,7 @@ TEST(CudaDecode, WarpKernelPrefetchFormsAgreeBitwise) {
       const DecodeCase d = make_decode_case(cfg, kSlots, pool, slots);
       expect_settings_agree_bitwise(
           d, std::string("pool ") + dtype_name(pool) + " T=" + std::to_string(T),
-          "FLASHDELTA_RECURRENT_WARP_PREFETCH", {"auto", "one", "double", "off"});
+          "FLASHDELTA_RECURRENT_WARP_PREFETCH", {"off", "half", "one", "double"});
     }
 }
 
@@ -527,17 +527,15 @@ TEST(CudaRecurrentTile, WarpPrefetchFollowsTheEnvironmentVariable) {
   constexpr const char* kPrefetch = "FLASHDELTA_RECURRENT_WARP_PREFETCH";
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kPrefetch, automatic);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true), 4);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false), 0);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(), 0);
   }
   const std::pair<const char*, int> kNamed[] = {
       {"off", 0}, {"quarter", 2}, {"half", 4}, {"one", 8}, {"double", 16}};
-  for (const auto& [name, eighths] : kNamed)
-    for (const bool in_place_once : {false, true}) {
-      const ScopedEnv env(kPrefetch, name);
-      EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(in_place_once), eighths) << name;
-    }
-  expect_setting_rejected(kPrefetch, "ahead", [] { cuda_recurrent_warp_prefetch_eighths(true); });
+  for (const auto& [name, eighths] : kNamed) {
+    const ScopedEnv env(kPrefetch, name);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(), eighths) << name;
+  }
+  expect_setting_rejected(kPrefetch, "ahead", [] { cuda_recurrent_warp_prefetch_eighths(); });
 }
 
 // The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 for bfloat16 states
