@@ -55,15 +55,20 @@
 #                                  "N=256 HV=32 v_first"; -> ncu_decode_lines.txt,
 #                                  ncu_decode_details.txt); builds need
 #                                  flashdelta_cuda_decode_bench and -lineinfo
-#                  bench-chunk-baseline  another tree built and timed beside this one, in
+#                  baseline        another tree built and timed beside this one, in
 #                                  the same call: BASELINE_TAR names a tar of it, carried
 #                                  (e.g. `git archive <commit> -o .whl/base.tar`); it runs
 #                                  that tree's own device-run.sh with BASELINE_STAGES
-#                                  (default "configure build bench-chunk", its Python module
-#                                  only) and BASELINE_BENCH_CHUNK_ARGS (default
-#                                  BENCH_CHUNK_ARGS), FLASHDELTA_COMMIT=BASELINE_COMMIT; needs
-#                                  deps earlier in the run; -> baseline.tgz (its outputs) and
-#                                  its table in the log
+#                                  (default "configure build bench-chunk"),
+#                                  BASELINE_BUILD_TARGETS (default _C; the decode tool for
+#                                  its kernel-bench: flashdelta_cuda_decode_bench),
+#                                  BASELINE_BENCH_CHUNK_ARGS, BASELINE_BENCH_ARGS and
+#                                  BASELINE_KERNEL_BENCH_ARGS (defaults: this run's),
+#                                  BASELINE_KERNEL_BENCH_VARIANTS (default none: a variable
+#                                  of this tree may mean nothing there) and
+#                                  FLASHDELTA_COMMIT=BASELINE_COMMIT; needs deps earlier in
+#                                  the run; -> baseline.tgz (its outputs) and its tables in
+#                                  the log. bench-chunk-baseline: the same stage's old name
 #                e.g. STAGES="deps configure build bench-backward" BUILD_TARGETS=_C
 #   SANITIZE     1 (default): compute-sanitizer memcheck and racecheck on the CUDA test
 #                binaries (SANITIZE_BINARIES); 0: skip
@@ -140,11 +145,11 @@ START=$SECONDS
 declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=330 [sanitize]=150
                 [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
                 [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [ncu-backward]=300 [ncu-chunk]=240 [ncu-decode-lines]=240 [overhead]=40 [pytest-all]=150
-                [bench-chunk-baseline]=400)
+                [baseline]=400 [bench-chunk-baseline]=400)
 declare -A MIN=([info]=5 [deps]=10 [configure]=30 [build]=60 [ctest]=30 [sanitize]=40
                 [pytest]=40 [bench]=90 [bench-chunk]=60 [bench-backward]=90 [train-example]=60
                 [profile-backward]=60 [kernel-bench]=10 [ncu-decode]=60 [ncu-backward]=60 [ncu-chunk]=60 [ncu-decode-lines]=60 [overhead]=15 [pytest-all]=0
-                [bench-chunk-baseline]=160)
+                [baseline]=160 [bench-chunk-baseline]=160)
 
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
@@ -280,7 +285,7 @@ stage_bench-chunk() {
   FLA_FLASH_KDA=0 python3 bench/device/bench_chunk.py --out "$OUT" $BENCH_CHUNK_ARGS
 }
 
-stage_bench-chunk-baseline() {
+stage_baseline() {
   # Opt-in: see the header. The tree's own script, so its build matches its sources; its
   # module goes to a folder of its own, so later stages here still import this tree's.
   if [ ! -f "${BASELINE_TAR:-}" ]; then
@@ -291,16 +296,22 @@ stage_bench-chunk-baseline() {
   rm -rf "$dir" && mkdir -p "$dir" && tar xf "$BASELINE_TAR" -C "$dir" || return 1
   ln -sfn "$ROOT/.whl" "$dir/.whl"
   (cd "$dir" && OUT=$OUT/baseline PKG_DIR=/tmp/fd-python-baseline BUILD_DIR=$dir/build-device \
-    FLASHDELTA_COMMIT=${BASELINE_COMMIT:-baseline} BUILD_TARGETS=_C \
+    FLASHDELTA_COMMIT=${BASELINE_COMMIT:-baseline} BUILD_TARGETS=${BASELINE_BUILD_TARGETS:-_C} \
     STAGES=${BASELINE_STAGES:-"configure build bench-chunk"} \
     BENCH_CHUNK_ARGS=${BASELINE_BENCH_CHUNK_ARGS:-$BENCH_CHUNK_ARGS} \
+    BENCH_ARGS=${BASELINE_BENCH_ARGS:-$BENCH_ARGS} \
+    KERNEL_BENCH_ARGS=${BASELINE_KERNEL_BENCH_ARGS:-$KERNEL_BENCH_ARGS} \
+    KERNEL_BENCH_VARIANTS=${BASELINE_KERNEL_BENCH_VARIANTS:-} \
     BUDGET_S=$((STAGE_TIMEOUT - 10)) scripts/device-run.sh >/dev/null 2>&1)
   rc=$?
   grep -E '^(== |-- |  [a-z])' "$OUT/baseline/device-run.log"
-  cat "$OUT/baseline/bench_chunk.txt" 2>/dev/null
+  cat "$OUT/baseline/bench_chunk.txt" "$OUT/baseline/bench_decode.txt" 2>/dev/null
+  sed -n '/^== kernel-bench/,/^-- kernel-bench/p' "$OUT/baseline/device-run.log"
   tar czf "$OUT/baseline.tgz" -C "$OUT" baseline && rm -rf "$OUT/baseline"
   return $rc
 }
+
+stage_bench-chunk-baseline() { stage_baseline; }
 
 stage_bench-backward() {
   # Opt-in (not in the default STAGES). The script rewrites its outputs after every case, so
