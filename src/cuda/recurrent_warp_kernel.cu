@@ -253,20 +253,14 @@ __device__ __forceinline__ void load_state_run(const __nv_bfloat16* p, float (&x
 }
 
 // A prefetch block's work: the whole state of (row n, value head hv), every value column,
-// queued into L2 a 128-byte line per lane at a time (a row that reads no state: nothing).
+// queued into L2 (a row that reads no state: nothing).
 template <class W, class S>
 __device__ void prefetch_pair(const RecurrentParams& p, int64_t n, int64_t hv) {
   if (!p.state_in.data) return;
   const int64_t slot = start_slot(p, n);
   if (slot < 0) return;
-  constexpr int kLineElems = 128 / static_cast<int>(sizeof(S));
-  constexpr int kColumnLines = (W::kKeys + kLineElems - 1) / kLineElems;
-  const S* const base = tile_base<const S>(p.state_in, slot, hv);
-  const int lines = static_cast<int>(p.V) * kColumnLines;
-  for (int i = threadIdx.x % 32; i < lines; i += 32) {
-    const S* line = base + (i / kColumnLines) * p.state_in.value_stride + i % kColumnLines * kLineElems;
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
-  }
+  prefetch_row_lines(tile_base<const S>(p.state_in, slot, hv), p.state_in.value_stride,
+                     static_cast<int>(p.V), W::kKeys);
 }
 
 // One task: its token inputs, its state (zeros without an initial state), the steps, the
