@@ -293,10 +293,10 @@ TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
 
 // The warp kernel's prefetch blocks, which queue a later row's states into L2
 // (FLASHDELTA_RECURRENT_WARP_PREFETCH): a hint, so `off`, `half`, `one` and `double` are
-// bitwise equal and match the reference. More tasks than two waves
-// of a 132-SM GPU hold (160 rows x 8 heads x 8 tiles = 10,240; 25, 50 and 99 rows ahead),
-// rows on shuffled slots with padding rows among them (whose prefetch blocks prefetch
-// nothing), float32 and bfloat16 pools, one-token and 3-token steps.
+// bitwise equal and match the reference. More tasks than two waves of a 132-SM GPU hold
+// (160 rows x 8 heads x 8 tiles = 10,240; 25, 50 and 99 rows ahead), rows on shuffled slots
+// with padding rows among them (whose prefetch blocks prefetch nothing), float32 and
+// bfloat16 pools, one-token and 3-token steps.
 TEST(CudaDecode, WarpKernelPrefetchFormsAgreeBitwise) {
   FLASHDELTA_REQUIRE_GPU();
   constexpr int64_t kRows = 160, kSlots = 170;
@@ -521,7 +521,7 @@ TEST(CudaRecurrentTile, WarpGridFollowsTheEnvironmentVariable) {
   expect_setting_rejected(kGrid, "grid", [] { cuda_recurrent_warp_task_grid(256, 32); });
 }
 
-// The warp kernel's prefetch distance in resident waves (host only).
+// The warp kernel's prefetch distance in eighths of a resident wave (host only).
 TEST(CudaRecurrentTile, WarpPrefetchFollowsTheEnvironmentVariable) {
   using detail::cuda_recurrent_warp_prefetch_eighths;
   constexpr const char* kPrefetch = "FLASHDELTA_RECURRENT_WARP_PREFETCH";
