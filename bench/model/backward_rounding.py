@@ -11,7 +11,9 @@ for each gradient of the transformed inputs (q, k, v, g, beta, h0), the measure
 bench/device/bench_backward.py reports for fla (3.3e-3 .. 5.8e-3 on its training inputs)
 and for the float32 kernels (2.1e-3 .. 3.0e-3, from bf16-rounded inputs). Two input sets:
 the training form of bench_backward.py (precomputed gate logsigmoid(randn + 4)) and the
-prefill form of bench_chunk.py (gate activation with lower bound -5). Needs numpy only.
+prefill form of bench_chunk.py (gate activation with lower bound -5). The last lines take
+the kernels of 2026-12-04 with their bfloat16 outputs and add the next stores one by one
+(bench/NOTES.md (aq)). Needs numpy only.
 
     python3 bench/model/backward_rounding.py [--T 512] [--heads 2]
 """
@@ -27,8 +29,13 @@ from chunk_rounding import BLOCK, CHUNK, bf16, inputs as prefill_inputs, tf32  #
 # S_keys, dS_keys: the states and state gradients where the key gradients' products over V
 # read them (dO S^T, dv_new S^T, v_new dS'^T and d Gamma_end's sum of dS' S) and nowhere
 # else: the CUDA backward's bfloat16 states (cuda/backward_params.h, bench/NOTES.md (ao)).
-ROUNDINGS = ["records", "S_op", "vn_op", "dS_op", "dvn_op", "wy_ops", "dA_ops", "pair_ops",
-             "S_keys", "dS_keys"]
+# vn_store, dvn_store, dw_store: v_new, dv_new and dw as the scans and keys would store them
+# for the later stages (keys and grads), the scans keeping their own in float32 registers;
+# outputs: the gradients as the library returns them for bfloat16 inputs (dh0 stays float32),
+# which the measured errors include (bench/NOTES.md (aq)).
+PLAN = ["records", "S_op", "vn_op", "dS_op", "dvn_op", "wy_ops", "dA_ops", "pair_ops",
+        "S_keys", "dS_keys"]
+ROUNDINGS = PLAN + ["vn_store", "dvn_store", "dw_store", "outputs"]
 GRADS = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
@@ -112,14 +119,15 @@ def backward(x, d_o, d_final, precision):
             dvn = c["Aqk"].T @ dO + c["kg"] @ dS_op
             dvn_op = rnd("dvn_op", dvn)
             dS_prev = c["qg"].T @ dO + np.exp(c["gC"])[:, None] * dS - c["w"].T @ dvn_op
-            S_op, vn_op = rnd("S_op", S), rnd("vn_op", vn)
+            S_op, vn_op = rnd("S_op", S), rnd("vn_store", rnd("vn_op", vn))
+            dvn = rnd("dvn_store", dvn)
             S_k, dS_k = rnd("S_keys", S_op), rnd("dS_keys", dS_op)
             dLq = dO @ S_k.T
             dAqk = np.tril(dO @ vn_op.T)
             dkg = vn_op @ dS_k.T
             dgC = np.exp(c["gC"]) * (rnd("dS_keys", dS) * rnd("S_keys", S)).sum(1) + \
                 (dkg * c["kg"]).sum(0)
-            dw = -dvn_op @ S_k.T
+            dw = rnd("dw_store", -rnd("dvn_store", dvn_op) @ S_k.T)
             op = lambda m: rnd("wy_ops", m)  # noqa: E731
             dT = op(dvn) @ op(c["vb"]).T + op(dw) @ op(c["kb"]).T
             dvb, dkb = op(c["Tm"]).T @ op(dvn), op(c["Tm"]).T @ op(dw)
@@ -142,6 +150,8 @@ def backward(x, d_o, d_final, precision):
             grads["dg"][rows, h] = np.flip(np.cumsum(np.flip(dG, 0), 0), 0)
             dS = dS_prev
         grads["dh0"][h] = dS
+    for n in GRADS[:-1]:
+        grads[n] = rnd("outputs", grads[n])
     return grads
 
 
@@ -150,7 +160,7 @@ def main():
     p.add_argument("--T", type=int, default=512)
     p.add_argument("--heads", type=int, default=2)
     a = p.parse_args()
-    every = {name: bf16 for name in ROUNDINGS}
+    every = {name: bf16 for name in PLAN}
     for label, make in (("training inputs (bench_backward.py)", training_inputs),
                         ("prefill inputs (bench_chunk.py, lower bound -5)", prefill_inputs)):
         x = make(a.T, a.heads, 128, 128)
@@ -175,9 +185,19 @@ def main():
         line("records in tf32, the rest bf16", dict(every, records=tf32))
         line("records, vn_op, dS_op in tf32",
              dict(every, records=tf32, vn_op=tf32, dS_op=tf32, dS_keys=tf32))
-        line("all in tf32", {name: tf32 for name in ROUNDINGS})
-        line("all in tf32, S and dS bf16 in keys",
-             dict({name: tf32 for name in ROUNDINGS}, S_keys=bf16, dS_keys=bf16))
+        line("all in tf32", {name: tf32 for name in PLAN})
+        today = dict({name: tf32 for name in PLAN}, S_keys=bf16, dS_keys=bf16)
+        line("all in tf32, S and dS bf16 in keys", today)
+        # The kernels of 2026-12-04 with their bfloat16 outputs (what bench_backward.py
+        # measures), then the next stores of bench/NOTES.md (an)'s order one by one.
+        line("today's kernels, outputs bf16", dict(today, outputs=bf16))
+        for name in ("vn_store", "dvn_store", "dw_store"):
+            line(f"  + {name} bf16", dict(today, outputs=bf16, **{name: bf16}))
+        line("  + all three", dict(today, outputs=bf16, vn_store=bf16, dvn_store=bf16,
+                                   dw_store=bf16))
+        line("  + records bf16", dict(today, outputs=bf16, records=bf16))
+        line("  + records, dw_store bf16", dict(today, outputs=bf16, records=bf16,
+                                                dw_store=bf16))
 
 
 if __name__ == "__main__":
