@@ -343,6 +343,10 @@ stage_kernel-bench() {
   local launch
   launch=$(find "$BUILD" -name flashdelta_cuda_launch_cost -type f -perm -u+x | head -1)
   if [ -n "$launch" ]; then "$launch" | tee "$OUT/launch_cost.txt" || return 1; fi
+  # The memory's own rate in the decode step's access patterns, in place and out of place.
+  local floor
+  floor=$(find "$BUILD" -name flashdelta_cuda_stream_floor -type f -perm -u+x | head -1)
+  if [ -n "$floor" ]; then "$floor" | tee "$OUT/stream_floor.txt" || return 1; fi
   local v
   for v in $KERNEL_BENCH_VARIANTS; do
     echo "-- with $v"
