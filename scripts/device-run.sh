@@ -129,7 +129,7 @@ export CUDA_ARCH=${CUDA_ARCH:-90a}
 export BUILD_TYPE=${BUILD_TYPE:-Release}
 export BUILD=${BUILD_DIR:-$ROOT/build-device}
 export FD_CUDA=${FD_CUDA:-ON} CMAKE_ARGS=${CMAKE_ARGS:-}
-# python/flashdelta plus the module built in $BUILD (another for bench-chunk-baseline's tree)
+# python/flashdelta plus the module built in $BUILD (another for the baseline stage's tree)
 export PKG=${PKG_DIR:-/tmp/fd-python}
 export DEPS=/tmp/devdeps
 export PYTHONUNBUFFERED=1
