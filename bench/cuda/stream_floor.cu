@@ -7,9 +7,10 @@
 // store is kept):
 //   memcpy        cudaMemcpyAsync device to device
 //   stream        a grid-stride loop of 16-byte loads and stores, 8 blocks of 256 per SM
-//   warp tasks    one-warp blocks of 4 KB each, the warp kernel's task shape and grid order,
-//                 as many per SM as fit (32) and, with shared memory as ballast, the warp
-//                 kernel's 24
+//   warp tasks    one-warp blocks of 4 KB each, the warp kernel's task shape and grid order
+//                 for a float32 state at K = 128 (a bfloat16 state's tasks are 2 KB of
+//                 8-byte runs; serving slots come shuffled, here in order), as many per SM
+//                 as fit (32) and, with shared memory as ballast, the warp kernel's 24
 // CUDA events around each call, median of 20 after 3 warm-ups; GB/s of bytes read + written
 // and the ratio to memcpy's.
 //
@@ -30,10 +31,19 @@ __device__ __forceinline__ float4 plus_zero(float4 v) {
   return make_float4(v.x + 0.f, v.y + 0.f, v.z + 0.f, v.w + 0.f);
 }
 
+// Four 16-byte loads in flight per thread before its stores (one at a time left ~32 KB in
+// flight per SM).
 __global__ void stream_kernel(const float4* src, float4* dst, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
-       i += size_t{gridDim.x} * blockDim.x)
-    dst[i] = plus_zero(src[i]);
+  const size_t threads = size_t{gridDim.x} * blockDim.x;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += 4 * threads) {
+    float4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * threads < n) v[u] = src[i + u * threads];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * threads < n) dst[i + u * threads] = plus_zero(v[u]);
+  }
 }
 
 // One 4 KB task per one-warp block: the lane's 8 runs are 512 bytes apart (a column each,
@@ -84,11 +94,13 @@ int main() {
   const unsigned stream_blocks = 8u * static_cast<unsigned>(prop.multiProcessorCount);
   const unsigned tasks = static_cast<unsigned>(kBytes / (32 * kRuns * sizeof(float4)));
 
-  // Ballast shared memory that leaves room for 24 one-warp blocks per SM (1 KB per block is
-  // the system's), as the warp kernel's registers do.
+  // Ballast shared memory that leaves room for 24 one-warp blocks per SM (the system keeps
+  // reservedSharedMemPerBlock per block; allocations come in 128-byte units), as the warp
+  // kernel's registers do; the count reached is printed.
   check(cudaFuncSetAttribute(warp_task_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
         "carveout");
-  const size_t ballast = prop.sharedMemPerMultiprocessor / 24 - 1024;
+  const size_t ballast =
+      (prop.sharedMemPerMultiprocessor / 24 - prop.reservedSharedMemPerBlock) / 128 * 128;
   int resident = 0, resident_ballast = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, warp_task_kernel, 32, 0), "occupancy");
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident_ballast, warp_task_kernel, 32, ballast),

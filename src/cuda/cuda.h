@@ -41,14 +41,15 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV);
 // as described. Any other value throws Error(invalid_argument) naming the variable.
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms);
 inline constexpr int64_t kWarpWavesForEightKeys = 8;
-// How far ahead, in eighths of a resident wave, the warp kernel's prefetch blocks (one per
-// row and value head, after the row's tasks on the task grid; bfloat16 tokens) queue a
-// later row's states into L2, so that a block's first loads find its state in L2 while a
-// finished block's slot is refilled: FLASHDELTA_RECURRENT_WARP_PREFETCH `off` 0, `quarter`
-// 2, `half` 4, `one` 8, `double` 16; unset or `auto` 0 until the blocks are measured on a
-// GPU (a prefetch inside every task measured half a wave best, bench/NOTES.md (ap)). The
-// same results whatever the setting: a prefetch is a hint. Any other value throws
-// Error(invalid_argument) naming the variable.
+// How far ahead, in eighths of a resident wave, the warp kernel's prefetch blocks (on the
+// task grid, one per row and value head after that head's value tiles; bfloat16 tokens)
+// queue the same head's state of a later row into L2, so that a block's first loads find its
+// state in L2 while a finished block's slot is refilled: FLASHDELTA_RECURRENT_WARP_PREFETCH
+// `off` 0, `quarter` 2, `half` 4, `one` 8, `double` 16, for every warp-kernel step, serving
+// or forward (a prefetch inside every task measured +1-2.3% out of place, bench/NOTES.md
+// (ap)); unset or `auto` 0 until the blocks are measured on a GPU. The same results whatever
+// the setting: a prefetch is a hint. Any other value throws Error(invalid_argument) naming
+// the variable.
 int cuda_recurrent_warp_prefetch_eighths();
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it

@@ -48,6 +48,19 @@ FLASHDELTA_HOST_DEVICE inline uint32_t fast_divide(uint32_t n, const FastDivisor
   return (hi + n) >> f.s;
 }
 
+// The warp kernel's prefetch distance in rows (cuda/recurrent_warp_kernel.cu): `eighths` of
+// a resident wave (sms x blocks_per_sm one-warp blocks) over a row's row_tasks tasks,
+// rounded, at least one; 0 (no prefetch blocks) for eighths = 0 or where no row of the N is
+// that far ahead.
+inline int64_t recurrent_prefetch_rows(int eighths, int sms, int blocks_per_sm, int64_t row_tasks,
+                                       int64_t N) {
+  const int64_t ahead = int64_t{eighths} * sms * blocks_per_sm / 8;
+  if (ahead <= 0 || row_tasks <= 0) return 0;
+  int64_t rows = (ahead + row_tasks / 2) / row_tasks;
+  if (rows < 1) rows = 1;
+  return rows < N ? rows : 0;
+}
+
 // An int32/int64 index tensor of rank 1 or 2.
 struct IndexTensor {
   const void* data = nullptr;

@@ -295,8 +295,9 @@ TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
 // (FLASHDELTA_RECURRENT_WARP_PREFETCH): a hint, so `off`, `half`, `one` and `double` are
 // bitwise equal and match the reference. More tasks than two waves of a 132-SM GPU hold
 // (160 rows x 8 heads x 8 tiles = 10,240; 25, 50 and 99 rows ahead), rows on shuffled slots
-// with padding rows among them (whose prefetch blocks prefetch nothing), float32 and
-// bfloat16 pools, one-token and 3-token steps.
+// with padding rows among them (a prefetch block whose later row is one prefetches nothing),
+// float32 and bfloat16 pools, one-token and 3-token steps. A prefetch neither changes
+// results nor faults: the distances are the host test's (RecurrentPrefetchRows).
 TEST(CudaDecode, WarpKernelPrefetchFormsAgreeBitwise) {
   FLASHDELTA_REQUIRE_GPU();
   constexpr int64_t kRows = 160, kSlots = 170;
@@ -519,6 +520,21 @@ TEST(CudaRecurrentTile, WarpGridFollowsTheEnvironmentVariable) {
     EXPECT_FALSE(cuda_recurrent_warp_task_grid(256, 32));
   }
   expect_setting_rejected(kGrid, "grid", [] { cuda_recurrent_warp_task_grid(256, 32); });
+}
+
+// The warp kernel's prefetch distance in rows (host only): the GPU test's 25, 50 and 99 rows
+// on 132 SMs at 24 blocks each, at least one row, none past the last row or when off.
+TEST(CudaRecurrentTile, RecurrentPrefetchRows) {
+  using detail::cuda::recurrent_prefetch_rows;
+  EXPECT_EQ(recurrent_prefetch_rows(4, 132, 24, 64, 160), 25);
+  EXPECT_EQ(recurrent_prefetch_rows(8, 132, 24, 64, 160), 50);
+  EXPECT_EQ(recurrent_prefetch_rows(16, 132, 24, 64, 160), 99);
+  EXPECT_EQ(recurrent_prefetch_rows(4, 132, 24, 32 * 16, 256), 3);  // N = 256, HV = 32, V = 128
+  EXPECT_EQ(recurrent_prefetch_rows(2, 132, 24, 1 << 20, 256), 1);   // at least one row
+  EXPECT_EQ(recurrent_prefetch_rows(4, 132, 24, 64, 25), 0);         // none that far ahead
+  EXPECT_EQ(recurrent_prefetch_rows(4, 132, 24, 64, 26), 25);
+  EXPECT_EQ(recurrent_prefetch_rows(0, 132, 24, 64, 160), 0);        // off
+  EXPECT_EQ(recurrent_prefetch_rows(4, 132, 24, 32 * 16, 1), 0);    // N = 1
 }
 
 // The warp kernel's prefetch distance in eighths of a resident wave (host only).
