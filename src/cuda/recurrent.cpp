@@ -75,7 +75,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
     case RecurrentKernel::warp:
       r.value_tiles = r.V / warp_columns;
       r.task_grid = cuda_recurrent_warp_task_grid(r.N, r.HV);
-      r.prefetch_eighths = r.task_grid ? cuda_recurrent_warp_prefetch_eighths() : 0;
+      r.prefetch_eighths = cuda_recurrent_warp_prefetch_eighths();  // used on the task grid
       r.sms = sms;
       return cuda::launch_recurrent_warp(r, state_dtype, stream);
     case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
@@ -105,12 +105,11 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {
 int cuda_recurrent_warp_prefetch_eighths() {
   const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_PREFETCH",
                                           {"auto", "off", "quarter", "half", "one", "double"});
-  if (setting == "off") return 0;
   if (setting == "quarter") return 2;
   if (setting == "half") return 4;
-  if (setting == "double") return 16;
   if (setting == "one") return 8;
-  return 0;  // `auto`, and unset (read as ""): not yet measured on a GPU (bench/NOTES.md (ap))
+  if (setting == "double") return 16;
+  return 0;  // `off`, `auto` and unset (read as ""): auto not yet measured (bench/NOTES.md (ap))
 }
 
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms) {
