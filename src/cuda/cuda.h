@@ -46,11 +46,12 @@ inline constexpr int64_t kWarpWavesForEightKeys = 8;
 // queue the same head's state of a later row into L2, so that a block's first loads find its
 // state in L2 while a finished block's slot is refilled: FLASHDELTA_RECURRENT_WARP_PREFETCH
 // `off` 0, `quarter` 2, `half` 4, `one` 8, `double` 16, for every warp-kernel step, serving
-// or forward (a prefetch inside every task measured +1-2.3% out of place, bench/NOTES.md
-// (ap)); unset or `auto` 0 until the blocks are measured on a GPU. The same results whatever
-// the setting: a prefetch is a hint. Any other value throws Error(invalid_argument) naming
-// the variable.
-int cuda_recurrent_warp_prefetch_eighths();
+// or forward. Unset or `auto`: half (4) for a one-token step on a pool in place
+// (`one_token_in_place`), where it measured -1.4% at N = 256 V-first; else 0 (out of place
+// +3.5%, four per-token slots per row +5%, a whole wave ahead +10%: bench/NOTES.md (ar)). The
+// same results whatever the setting: a prefetch is a hint. Any other value throws
+// Error(invalid_argument) naming the variable.
+int cuda_recurrent_warp_prefetch_eighths(bool one_token_in_place);
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it
 // allocates in stream order.

@@ -75,7 +75,9 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
     case RecurrentKernel::warp:
       r.value_tiles = r.V / warp_columns;
       r.task_grid = cuda_recurrent_warp_task_grid(r.N, r.HV);
-      r.prefetch_eighths = cuda_recurrent_warp_prefetch_eighths();  // used on the task grid
+      // used on the task grid; auto's measured case: a one-token step on a pool in place
+      r.prefetch_eighths = cuda_recurrent_warp_prefetch_eighths(
+          r.serving && r.T == 1 && !r.cu_seqlens.data);
       r.sms = sms;
       return cuda::launch_recurrent_warp(r, state_dtype, stream);
     case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
@@ -102,14 +104,15 @@ bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {
   return setting != "loop" && N <= kGridYZ && HV <= kGridYZ;  // unset reads as ""
 }
 
-int cuda_recurrent_warp_prefetch_eighths() {
+int cuda_recurrent_warp_prefetch_eighths(bool one_token_in_place) {
   const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_PREFETCH",
                                           {"auto", "off", "quarter", "half", "one", "double"});
   if (setting == "quarter") return 2;
   if (setting == "half") return 4;
   if (setting == "one") return 8;
   if (setting == "double") return 16;
-  return 0;  // `off`, `auto` and unset (read as ""): auto not yet measured (bench/NOTES.md (ap))
+  if (setting == "off") return 0;
+  return one_token_in_place ? 4 : 0;  // `auto` and unset (read as ""): bench/NOTES.md (ar)
 }
 
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms) {

@@ -543,15 +543,18 @@ TEST(CudaRecurrentTile, WarpPrefetchFollowsTheEnvironmentVariable) {
   constexpr const char* kPrefetch = "FLASHDELTA_RECURRENT_WARP_PREFETCH";
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kPrefetch, automatic);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(), 0);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true), 4);  // half a wave: measured
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false), 0);
   }
   const std::pair<const char*, int> kNamed[] = {
       {"off", 0}, {"quarter", 2}, {"half", 4}, {"one", 8}, {"double", 16}};
   for (const auto& [name, eighths] : kNamed) {
     const ScopedEnv env(kPrefetch, name);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(), eighths) << name;
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true), eighths) << name;
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false), eighths) << name;
   }
-  expect_setting_rejected(kPrefetch, "ahead", [] { cuda_recurrent_warp_prefetch_eighths(); });
+  expect_setting_rejected(kPrefetch, "ahead",
+                          [] { cuda_recurrent_warp_prefetch_eighths(true); });
 }
 
 // The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 for bfloat16 states
