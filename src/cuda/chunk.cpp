@@ -32,6 +32,9 @@ constexpr const char* kStateStagesSetting = "FLASHDELTA_CHUNK_STATE_STAGES";
 // cores instead of by column blocks on the tensor cores (ChunkParams::inverse_by_columns):
 // for tests and A/B timing.
 constexpr const char* kInverseSetting = "FLASHDELTA_CHUNK_INVERSE";
+// `bf16` keeps A_qk and its slices' operands in single bfloat16 (ChunkParams::split_aqk):
+// for tests and A/B timing.
+constexpr const char* kAqkSetting = "FLASHDELTA_CHUNK_AQK";
 // A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
 // records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter
 // and B=1 T=32768 H=32 runs faster whole than in two segments (3.536 against 3.577 ms,
@@ -42,7 +45,7 @@ constexpr double kMapsStep = 1.0;
 static_assert(cuda::kChunk == kChunkStateTokens);
 
 // The workspace regions in order: chunk table (cu_seqlens only), qg, kg, w (delta rule only),
-// u, aqk, decay (with the inverse lengths).
+// u, aqk, aqk_lo (split_aqk only), decay (with the inverse lengths).
 Carver layout_of(cuda::ChunkParams& c, bool varlen) {
   const int64_t records = c.max_chunks * c.p.HV, rows = records * cuda::kChunk;
   cuda::ChunkWorkspace& w = c.ws;
@@ -53,6 +56,7 @@ Carver layout_of(cuda::ChunkParams& c, bool varlen) {
   r.add(w.w, c.p.delta ? rows * c.KP : 0);
   r.add(w.u, rows * c.VP);
   r.add(w.aqk, rows * cuda::kChunk);
+  r.add(w.aqk_lo, c.split_aqk ? rows * cuda::kChunk : 0);
   r.add(w.decay, records * cuda::chunk_record_floats(c.KP));
   r.add(w.segment_maps,
         c.segments > 1 ? c.p.N * c.p.HV * c.segments * c.p.K * (c.p.V + c.p.K) : 0);
@@ -78,6 +82,7 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
                    (r.gate != cuda::GateForm::vector || bf16_dense_runs(r.g, p.K));
   c.dense_output = bf16_dense_runs(c.p.o, p.V);
   c.inverse_by_columns = env_setting(kInverseSetting, {"auto", "distance"}) != "distance";
+  c.split_aqk = env_setting(kAqkSetting, {"auto", "bf16"}) != "bf16";
   c.state_wgmma = env_setting(kStateProductsSetting, {"auto", "mma_sync"}) != "mma_sync" &&
                   c.KP <= 128;
   const std::string stages = env_setting(kStateStagesSetting, {"auto", "1", "2"});
@@ -115,7 +120,7 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
   // The caller's workspace is checked before anything else (no GPU is needed to fail here).
   if (caller_memory) check_caller_workspace(workspace, workspace_bytes, bytes);
   require_sm80("the CUDA chunk schedule");
-  cuda::require_chunk_state_shared_memory(c);
+  if (cuda::chunk_state_stages_that_fit(c) == 1) c.state_stages = 1;
   c.sm_count = sm_count();
   const int64_t columns = cuda::chunk_state_columns(c.KP);
   const int64_t state_blocks = p.N * p.HV * ((p.V + columns - 1) / columns);

@@ -41,6 +41,8 @@ struct ChunkWorkspace {
   uint16_t* w = nullptr;    // [KP / 64][C, 64] bf16: T diag(n_k) (beta k 2^Gamma), delta rule only
   uint16_t* u = nullptr;    // [VP / 64][C, 64] bf16: T (beta v) (delta) or v (linear)
   uint16_t* aqk = nullptr;  // [C, C]  bf16: scale q_i . k_j n_k,j 2^(Gamma_i - Gamma_j), j <= i
+  // [C, C] bf16, with split_aqk: A_qk - aqk rounded again (aqk + aqk_lo carries ~16 bits)
+  uint16_t* aqk_lo = nullptr;
   // [chunk_record_floats(KP)]: [KP] 2^Gamma_end, then [C] n_q and [C] n_k (zero past the
   // chunk's last token).
   float* decay = nullptr;
@@ -60,6 +62,11 @@ struct ChunkParams {
   // The prepare kernel's T = (I + A_kk)^-1 by column blocks on tf32 tensor cores rather
   // than by distances on the CUDA cores (cuda/chunk_inverse.cuh).
   bool inverse_by_columns = true;
+  // A_qk to ~16 bits instead of bfloat16's 8 (bench/NOTES.md (f), (as)): the prepare kernel's
+  // slices take its operands as bfloat16 pairs hi + lo (three products: hi hi, hi lo, lo hi;
+  // the key tiles' operands are exact already) and store it as such a pair (ws.aqk_lo), and
+  // the state kernel takes A_qk v_new as two products.
+  bool split_aqk = false;
   // The state kernel's products on wgmma (K <= 128; compiled for sm_90a, mma.sync elsewhere)
   // rather than mma.sync.
   bool state_wgmma = false;
@@ -89,9 +96,10 @@ struct ChunkParams {
 void launch_chunk_table(const ChunkParams& c, void* stream);
 void launch_chunk_prepare(const ChunkParams& c, void* stream);
 void launch_chunk_state(const ChunkParams& c, void* stream);
-// Throws Error(unsupported) when the current GPU lacks the state kernel's shared memory
-// (104 KB at K <= 64, 152 KB at K <= 128, 136 KB at K <= 256: A100s have it, GPUs with
-// 99 KB per block do not); called before anything is launched.
-void require_chunk_state_shared_memory(const ChunkParams& c);
+// The most record stages (1 or 2) of the state kernel that the current GPU's shared memory
+// per block allows: 120 KB at K <= 64, 168 KB at K <= 128 (one stage 95 KB: A100s take
+// that), 144 KB at K <= 256 (one stage) are needed. Throws Error(unsupported) when not even
+// one fits (GPUs with 99 KB per block); called before anything is launched.
+int chunk_state_stages_that_fit(const ChunkParams& c);
 
 }  // namespace flashdelta::detail::cuda

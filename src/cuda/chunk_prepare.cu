@@ -149,6 +149,17 @@ __device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
 }
 
+// x - bfloat16(x): the low part of x as a bfloat16 pair hi + lo (split_aqk).
+__device__ __forceinline__ float low_part(float x) {
+  return x - __bfloat162float(__float2bfloat16_rn(x));
+}
+
+// The low parts x - hi of an operand register hi (a bfloat16 pair, the first in the low half)
+// whose exact values are x0 and x1, as a bfloat16 pair.
+__device__ __forceinline__ uint32_t low_pair(uint32_t hi, float x0, float x1) {
+  return pack_bf16(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+}
+
 // Per-token scalars: beta and the scalar gate's Gamma (the L2 norms' come after the slices).
 template <GateForm G, int KP>
 __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& sh,
@@ -351,11 +362,64 @@ __device__ __forceinline__ void accumulate_products(const bf16* xq, const bf16* 
   }
 }
 
+// split_aqk: acc_q += xq_lo kbar^T + xq kbar_lo^T over the slice for warp I's row block, the
+// products of A_qk's operands as bfloat16 pairs hi + lo that single bfloat16 leaves out
+// (lo lo is below float32's sum). hi is the tables' value, as ldmatrix loads it; x, its
+// exact value, is the factor recomputed in float32 from the slice (accumulate_slice's:
+// q 2^(Gamma_i - r_I) and k_j 2^(r_I - Gamma_j), zero on an inexact channel's diagonal block,
+// whose terms the exact sums add; q and k without a vector gate); lo = x - hi, rounded.
+template <GateForm G, int KP>
+__device__ void accumulate_low_products(const PrepareShared<KP>& sh, const bf16* kbar,
+                                        Acc (&acc_q)[8]) {
+  const auto& s = sh.u.s;
+  const int I = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c2 = 2 * (lane % 4);
+  const int r0 = kSubChunk * I;
+  // Fragment register r of A (16 x 16 at k0) holds rows g + 8 (r % 2), columns + 8 (r / 2);
+  // of a B pair, tokens n0 + g + 8 (r / 2), channels + 8 (r % 2) (cuda/mma.cuh).
+  auto row_factor = [&](int t, int ch) {
+    float x = s.q[t][ch];
+    if constexpr (G == GateForm::vector) x *= exp2_approx(s.gamma[t][ch] - s.ref[I][ch]);
+    return x;
+  };
+  auto column_factor = [&](int j, int ch) {
+    float x = s.k[j][ch];
+    if constexpr (G == GateForm::vector)
+      x = j >= r0 && !s.exact[I][ch] ? 0.f : x * exp2_approx(s.ref[I][ch] - s.gamma[j][ch]);
+    return x;
+  };
+#pragma unroll
+  for (int k0 = 0; k0 < kSlice; k0 += 16) {
+    uint32_t aq[4], aq_lo[4];
+    load_a(aq, &s.xq[I][0][0], kSliceLd, 0, k0);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = r0 + g + 8 * (r % 2), ch = k0 + c2 + 8 * (r / 2);
+      aq_lo[r] = low_pair(aq[r], row_factor(t, ch), row_factor(t, ch + 1));
+    }
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (np > I) break;
+      uint32_t b[4], b_lo[4];
+      load_b_pair_nk(b, kbar, kSliceLd, 16 * np, k0);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int j = 16 * np + g + 8 * (r / 2), ch = k0 + c2 + 8 * (r % 2);
+        b_lo[r] = low_pair(b[r], column_factor(j, ch), column_factor(j, ch + 1));
+      }
+      mma_bf16(acc_q[2 * np], aq_lo, b[0], b[1]);
+      mma_bf16(acc_q[2 * np], aq, b_lo[0], b_lo[1]);
+      mma_bf16(acc_q[2 * np + 1], aq_lo, b[2], b[3]);
+      mma_bf16(acc_q[2 * np + 1], aq, b_lo[2], b_lo[3]);
+    }
+  }
+}
+
 // A over one key slice: the factors of every row block (column factors shared out evenly
 // over the warps), then warp I's products for row block I into acc_q / acc_k, column tiles
 // 0 .. 2I+1 (tile pairs np <= I); see the file comment for the factorisation.
 template <GateForm G, int KP>
-__device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&acc_k)[8]) {
+__device__ void accumulate_slice(PrepareShared<KP>& sh, bool split, Acc (&acc_q)[8],
+                                 Acc (&acc_k)[8]) {
   auto& s = sh.u.s;
   const int I = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = kSubChunk * I;
   const bool exact = G != GateForm::vector || s.exact[I][lane];  // lane = key channel here
@@ -427,6 +491,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
   const bf16* kbar = G == GateForm::vector ? &s.kbar[kbar_base(I)][0] : &s.kbar[0][0];
   const bf16* xk = G == GateForm::vector ? &s.xk[I][0][0] : &s.kbar[r0][0];
   accumulate_products<kSlice>(&s.xq[I][0][0], xk, kbar, kSliceLd, acc_q, acc_k);
+  if (split) accumulate_low_products<G>(sh, kbar, acc_q);
   if constexpr (G == GateForm::vector) {
     const unsigned inexact = __ballot_sync(0xffffffffu, !exact);
     for (int e = lane; inexact && e < kSubChunk * kSubChunk; e += 32) {
@@ -564,6 +629,8 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
       }
       const int j0 = 8 * nt + acc_col(e);
       store_pair(rec.aqk + record_index(t, j0), vq[0], vq[1]);
+      if (rec.aqk_lo)
+        store_pair(rec.aqk_lo + record_index(t, j0), low_part(vq[0]), low_part(vq[1]));
       sh.u.v.a[t][j0] = vk[0];
       sh.u.v.a[t][j0 + 1] = vk[1];
     }
@@ -770,7 +837,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
       stage_slice<G, KP, Dense>(p, sh, ref, runs, a_gate, c0, sq, sk);
       write_slice_factors<G>(p, sh, rec, ref, c0);
       if (c0 + kSlice < KP) runs = fetch_slice<G, Dense>(p, ref, hv, c0 + kSlice);
-      accumulate_slice<G>(sh, acc_q, acc_k);
+      accumulate_slice<G>(sh, rec.aqk_lo != nullptr, acc_q, acc_k);
       if (c0 + kSlice == KP) finish_norms(p, sh, rec, ref, sq, sk);  // the sums are complete
       __syncthreads();  // the next slice overwrites the slice buffers; finish_a reads the norms
     }

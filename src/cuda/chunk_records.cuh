@@ -27,7 +27,7 @@ __device__ bool locate_chunk(const ChunkParams& c, int64_t chunk, ChunkRef& ref)
 // different bank groups too (loads without conflicts, rows without padding); and a
 // state-kernel block's 64 columns of u are one run.
 struct Record {
-  bf16 *qg, *kg, *w, *u, *aqk;
+  bf16 *qg, *kg, *w, *u, *aqk, *aqk_lo;  // aqk_lo: split_aqk only
   float *decay, *inv_q, *inv_k;
 };
 
@@ -53,7 +53,9 @@ __device__ __forceinline__ Record record_of(const ChunkParams& c, int64_t rec) {
   float* run = c.ws.decay + rec * kRecordFloats<KP>;
   return {at(c.ws.qg, rec * kChunk * kp), at(c.ws.kg, rec * kChunk * kp),
           at(c.ws.w, rec * kChunk * kp),  at(c.ws.u, rec * kChunk * c.VP),
-          at(c.ws.aqk, rec * kChunk * kChunk), run, run + kInvQAt<KP>, run + kInvKAt<KP>};
+          at(c.ws.aqk, rec * kChunk * kChunk),
+          c.ws.aqk_lo ? at(c.ws.aqk_lo, rec * kChunk * kChunk) : nullptr,
+          run, run + kInvQAt<KP>, run + kInvKAt<KP>};
 }
 
 // mma.cuh's load_a, load_b_pair_nk and load_b_pair_kn for a record matrix in shared memory,

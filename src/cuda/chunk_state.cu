@@ -16,7 +16,8 @@
 //     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T,   S^T = S^T diag(decay) + v_new^T kg
 // (v_new^T's columns scaled by n_k between the last two, o^T's by n_q on the way out)
 // with the record's matrices as right operands from shared memory. The state itself
-// accumulates in float32; every tensor-core operand is bfloat16. On sm_90a with KP <= 128 the
+// accumulates in float32; every tensor-core operand is bfloat16 (A_qk, with split_aqk, a
+// bfloat16 pair hi + lo taken as two products: its rounding is the output's largest error). On sm_90a with KP <= 128 the
 // block's 4 warps are one warpgroup and each k-step of these products is one wgmma over the
 // block's 64 columns (chunk_step_wgmma: the record read once per block, not once per warp);
 // elsewhere, or with FLASHDELTA_CHUNK_STATE_PRODUCTS=mma_sync, each warp issues mma.sync
@@ -66,6 +67,7 @@ struct Stage {
   alignas(1024) bf16 w[kChunk * KP];
   alignas(1024) bf16 u[kChunk * G::BV];
   alignas(1024) bf16 a[kChunk * kChunk];
+  alignas(1024) bf16 a_lo[kChunk * kChunk];  // split_aqk: A_qk's low part (ChunkWorkspace)
   alignas(16) float decay[kRecordFloats<KP>];  // the record's run: decay, inv_q, inv_k
 
   __device__ const float* inv_q() const { return decay + kInvQAt<KP>; }
@@ -116,13 +118,14 @@ __device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_
     // branch held 5% of the kernel's samples (NOTES (ai)).
     if (tid == 0) {
       expect_bytes(landed, 2 * kKeyBytes + (delta ? kKeyBytes : 0) +
-                               (with_u ? kValueBytes : 0) + kA * sizeof(bf16) +
+                               (with_u ? kValueBytes : 0) + (r.aqk_lo ? 2 : 1) * kA * sizeof(bf16) +
                                kFloats * sizeof(float));
       bulk_copy(st.qg, r.qg, kKeyBytes, landed);
       bulk_copy(st.kg, r.kg, kKeyBytes, landed);
       if (delta) bulk_copy(st.w, r.w, kKeyBytes, landed);
       if (with_u) bulk_copy(st.u, u, kValueBytes, landed);
       bulk_copy(st.a, r.aqk, kA * sizeof(bf16), landed);
+      if (r.aqk_lo) bulk_copy(st.a_lo, r.aqk_lo, kA * sizeof(bf16), landed);
       bulk_copy(st.decay, r.decay, kFloats * sizeof(float), landed);
     }
   } else {
@@ -133,7 +136,10 @@ __device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_
     }
     for (int e = 8 * tid; with_u && e < kValues; e += 8 * G::kThreads)
       copy_async<16>(st.u + e, u + e, 16);
-    for (int e = 8 * tid; e < kA; e += 8 * G::kThreads) copy_async<16>(st.a + e, r.aqk + e, 16);
+    for (int e = 8 * tid; e < kA; e += 8 * G::kThreads) {
+      copy_async<16>(st.a + e, r.aqk + e, 16);
+      if (r.aqk_lo) copy_async<16>(st.a_lo + e, r.aqk_lo + e, 16);
+    }
     for (int e = 4 * tid; e < kFloats; e += 4 * G::kThreads)
       copy_async<16>(st.decay + e, r.decay + e, 16);
     commit_async();
@@ -350,7 +356,7 @@ __device__ __forceinline__ void scale_for_update(Acc (&vn)[kChunk / 8], Acc (&s)
 template <int KP, bool kEnds>
 __device__ __forceinline__ void chunk_step_mma_sync(const Stage<KP>& st, StateColumns<KP>& S,
                                                     Acc (&o)[kChunk / 8], bool delta, bool map,
-                                                    int warp) {
+                                                    bool split_aqk, int warp) {
   Acc vn[kChunk / 8], u[kChunk / 8];
   if (delta) warp_product<KP, kChunk, true>(vn, S.acc, st.w);
   load_u(u, st, map, warp);
@@ -364,6 +370,7 @@ __device__ __forceinline__ void chunk_step_mma_sync(const Stage<KP>& st, StateCo
   if (!kEnds) {
     warp_product<KP, kChunk, true>(o, S.acc, st.qg);
     warp_product<kChunk, kChunk, true, true>(o, vn, st.a);
+    if (split_aqk) warp_product<kChunk, kChunk, true, true>(o, vn, st.a_lo);
   }
 
   scale_for_update(vn, S.acc, st);
@@ -383,7 +390,7 @@ __host__ __device__ constexpr uint32_t k_step_bytes(int kk) {
 template <int KP, bool kEnds>
 __device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColumns<KP>& S,
                                                  Acc (&o)[kChunk / 8], bool delta, bool map,
-                                                 int warp) {
+                                                 bool split_aqk, int warp) {
   Acc vn[kChunk / 8];
   load_u(vn, st, map, warp);
   for (Acc& x : o) x = Acc{};
@@ -392,7 +399,7 @@ __device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColum
   uint32_t a[KP / 16][4];
 #pragma unroll
   for (int kk = 0; kk < KP / 16; ++kk) a_from_acc(a[kk], S.acc, kk);
-  const SwizzledOperand w(st.w), qg(st.qg), aqk(st.a), kg(st.kg);
+  const SwizzledOperand w(st.w), qg(st.qg), aqk(st.a), aqk_lo(st.a_lo), kg(st.kg);
   wgmma_fence();
   hold_registers(vn);
   hold_registers(o);
@@ -417,6 +424,7 @@ __device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColum
       uint32_t b[4];
       a_from_acc(b, vn, kk);
       wgmma_m64n64k16<false>(o, b, aqk.at(k_step_bytes(kk)));
+      if (split_aqk) wgmma_m64n64k16<false>(o, b, aqk_lo.at(k_step_bytes(kk)));
     }
     wgmma_commit();
   }
@@ -649,9 +657,9 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
 
     Acc o[G::kTokenTiles];
     if constexpr (kW)
-      chunk_step_wgmma<KP, kEnds>(st, S, o, p.delta, map, warp);
+      chunk_step_wgmma<KP, kEnds>(st, S, o, p.delta, map, c.split_aqk, warp);
     else
-      chunk_step_mma_sync<KP, kEnds>(st, S, o, p.delta, map, warp);
+      chunk_step_mma_sync<KP, kEnds>(st, S, o, p.delta, map, c.split_aqk, warp);
 
     if (kEnds) {
       if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
@@ -720,27 +728,32 @@ void launch_state(const ChunkParams& c, cudaStream_t stream) {
   launch_state_products<KP, false>(c, stream);
 }
 
+// The most record stages the current GPU's shared memory allows the launch (see
+// chunk_state_stages_that_fit).
 template <int KP>
-void require_shared_memory() {
-  constexpr int smem = kStateSharedBytes<KP>;
+int stages_that_fit(const ChunkParams& c) {
   int device = 0, available = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
           cudaSuccess)
     throw Error(ErrorCode::runtime, "the CUDA chunk schedule: no usable CUDA device");
-  if (available < smem)
-    throw Error(ErrorCode::unsupported,
-                "argument 'q': the CUDA chunk state kernel for K <= " + std::to_string(KP) +
-                    " needs " + std::to_string(smem) + " bytes of shared memory per block; this "
-                    "GPU offers " + std::to_string(available) + " (Hopper: 232448)");
+  if (available >= kStateSharedBytes<KP>) return kDefaultStages<KP>;
+  // One stage is instantiated with the wgmma flag at KP <= 128 (launch_state_kernel).
+  constexpr int one = kStateSharedBytes<KP, 1>;
+  if (KP <= 128 && c.state_wgmma && available >= one) return 1;
+  const int smem = KP <= 128 && c.state_wgmma ? one : kStateSharedBytes<KP>;
+  throw Error(ErrorCode::unsupported,
+              "argument 'q': the CUDA chunk state kernel for K <= " + std::to_string(KP) +
+                  " needs " + std::to_string(smem) + " bytes of shared memory per block; this "
+                  "GPU offers " + std::to_string(available) + " (Hopper: 232448)");
 }
 
 }  // namespace
 
-void require_chunk_state_shared_memory(const ChunkParams& c) {
-  if (c.KP == 64) return require_shared_memory<64>();
-  if (c.KP == 128) return require_shared_memory<128>();
-  return require_shared_memory<256>();
+int chunk_state_stages_that_fit(const ChunkParams& c) {
+  if (c.KP == 64) return stages_that_fit<64>(c);
+  if (c.KP == 128) return stages_that_fit<128>(c);
+  return stages_that_fit<256>(c);
 }
 
 void launch_chunk_state(const ChunkParams& c, void* stream) {

@@ -179,6 +179,7 @@ constexpr const char* kTokenRuns = "FLASHDELTA_CHUNK_TOKEN_RUNS";
 constexpr const char* kStateProducts = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
 constexpr const char* kStateStages = "FLASHDELTA_CHUNK_STATE_STAGES";
 constexpr const char* kInverse = "FLASHDELTA_CHUNK_INVERSE";
+constexpr const char* kAqk = "FLASHDELTA_CHUNK_AQK";
 
 // Views of host arguments labelled as cuda: the size query and the workspace checks are
 // host arithmetic and run before any device access, so this needs no GPU.
@@ -202,8 +203,13 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
   EXPECT_EQ(forward_workspace_bytes(a, c.options, Schedule::recurrent), 0u);
   const size_t need = forward_workspace_bytes(a, c.options, kChunk);
   // 2 rows x 3 chunks x 2 heads = 12 records of 64 rows: bf16 qg, kg, w (128 columns),
-  // u (64) and A_qk (64), and per record 128 fp32 decays and 64 + 64 inverse lengths.
-  EXPECT_EQ(need, 3u * 768 * 128 * 2 + 768 * 64 * 2 + 768 * 64 * 2 + 12 * (128 + 64 + 64) * 4);
+  // u (64) and A_qk as a pair hi + lo (64 + 64), and per record 128 fp32 decays and 64 + 64
+  // inverse lengths; FLASHDELTA_CHUNK_AQK=bf16 leaves out A_qk's lo.
+  EXPECT_EQ(need, 3u * 768 * 128 * 2 + 768 * 64 * 2 + 2 * 768 * 64 * 2 + 12 * (128 + 64 + 64) * 4);
+  {
+    const ScopedEnv single(kAqk, "bf16");
+    EXPECT_EQ(forward_workspace_bytes(a, c.options, kChunk), need - 768 * 64 * 2);
+  }
   // A larger T needs more: the size follows the problem, not a fixed cap.
   const Case longer = make_case({.B = 2, .T = 1000, .K = 128, .V = 64});
   HostTensor o2 = longer.make_output(DType::f32), s2 = longer.make_state();
@@ -247,7 +253,8 @@ TEST(CudaChunkSettings, RejectUnknownValues) {
   const Setting settings[] = {{kTokenRuns, {"", "auto", "general"}, "dense"},
                               {kStateProducts, {"", "auto", "mma_sync"}, "wgmma"},
                               {kStateStages, {"", "auto", "1", "2"}, "3"},
-                              {kInverse, {"", "auto", "distance"}, "columns"}};
+                              {kInverse, {"", "auto", "distance"}, "columns"},
+                              {kAqk, {"", "auto", "bf16"}, "split"}};
   for (const Setting& setting : settings) {
     for (const char* fine : setting.fine) {
       const ScopedEnv set(setting.name, fine);
@@ -683,6 +690,57 @@ TEST(CudaChunk, InverseOrdersAgree) {
     EXPECT_LT(rel_error(columns.o, distance.o), kTol) << what << ": outputs";
     EXPECT_LT(rel_error(columns.state, distance.state), kTol) << what << ": final states";
     EXPECT_LT(rel_error(columns.chunks, distance.chunks), kTol) << what << ": chunk states";
+  }
+}
+
+// A_qk as a bfloat16 pair hi + lo (the default) against single bfloat16
+// (FLASHDELTA_CHUNK_AQK=bf16): its operands' and its own rounding are the output's largest
+// errors with a vector gate (bench/NOTES.md (f): 3.8e-3 -> 2.5e-3 of the output in the
+// rounding model), so the pair must bring KDA's output clearly closer to the fp64 reference
+// (float32 output here, so that the output's own rounding does not hide it); a misread low
+// part would move it away instead. Both gate forms and the key tiles (dense bfloat16 without a
+// vector gate: exact operands, only the stored pair) are checked against the reference.
+TEST(CudaChunk, SplitAqkBringsTheOutputCloser) {
+  FLASHDELTA_REQUIRE_GPU();
+  struct SplitCase {
+    std::string what;
+    CaseConfig cfg;
+    double most;  // the pair's error over single bfloat16's, at most
+  };
+  CaseConfig kda = gate_form_case(Mechanism::kda, 1, 1024, 6000);
+  kda.B = 1;
+  const std::vector<SplitCase> cases = {
+      {"kda, fused transforms, lower bound, T = 1024", kda, 0.85},
+      {"kda, precomputed gate, K = 64, varlen", {.T = 267, .HV = 2, .K = 64, .V = 64,
+                                                 .dtype = DType::bf16,
+                                                 .seqlens = {0, 1, 130, 64, 65, 7},
+                                                 .qk_l2norm = true, .seed = 6001}, 1.0},
+      {"gated deltanet (key tiles)", gate_form_case(Mechanism::gated_deltanet, 1, 300, 6002),
+       1.0},
+      {"deltanet, K = 256, float32", {.mechanism = Mechanism::deltanet, .T = 130, .K = 256,
+                                      .V = 120, .dtype = DType::f32, .qk_l2norm = true,
+                                      .seed = 6003}, 1.0},
+  };
+  for (const auto& [what, cfg, most] : cases) {
+    const Case c = make_case(cfg);
+    const Outputs ref = run_reference(c);
+    Outputs pair, single;
+    {
+      const ScopedEnv automatic(kAqk, nullptr);
+      pair = run_cuda(c, DType::f32, kChunk);
+    }
+    {
+      const ScopedEnv set(kAqk, "bf16");
+      single = run_cuda(c, DType::f32, kChunk);
+    }
+    const double e_pair = rel_error(pair.o, ref.o), e_single = rel_error(single.o, ref.o);
+    std::printf("  %s: output error %.3e with the pair, %.3e single\n", what.c_str(), e_pair,
+                e_single);
+    const double tol = cuda_tolerance(cfg.dtype, kChunk);
+    EXPECT_LT(e_pair, tol) << what;
+    EXPECT_LT(e_single, tol) << what;
+    EXPECT_LT(rel_error(pair.state, ref.state), tol) << what << ": final state";
+    EXPECT_LE(e_pair, most * e_single) << what;
   }
 }
 
