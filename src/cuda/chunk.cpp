@@ -32,8 +32,9 @@ constexpr const char* kStateStagesSetting = "FLASHDELTA_CHUNK_STATE_STAGES";
 // cores instead of by column blocks on the tensor cores (ChunkParams::inverse_by_columns):
 // for tests and A/B timing.
 constexpr const char* kInverseSetting = "FLASHDELTA_CHUNK_INVERSE";
-// `bf16` keeps A_qk and its slices' operands in single bfloat16 (ChunkParams::split_aqk):
-// for tests and A/B timing.
+// `split` takes A_qk and its slices' operands as bfloat16 pairs (ChunkParams::split_aqk);
+// `auto` and `bf16` keep single bfloat16 until the pair is measured on a GPU (bench/NOTES.md
+// (as)).
 constexpr const char* kAqkSetting = "FLASHDELTA_CHUNK_AQK";
 // A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
 // records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter
@@ -56,7 +57,7 @@ Carver layout_of(cuda::ChunkParams& c, bool varlen) {
   r.add(w.w, c.p.delta ? rows * c.KP : 0);
   r.add(w.u, rows * c.VP);
   r.add(w.aqk, rows * cuda::kChunk);
-  r.add(w.aqk_lo, c.split_aqk ? rows * cuda::kChunk : 0);
+  r.add(c.aqk_lo, c.split_aqk ? rows * cuda::kChunk : 0);
   r.add(w.decay, records * cuda::chunk_record_floats(c.KP));
   r.add(w.segment_maps,
         c.segments > 1 ? c.p.N * c.p.HV * c.segments * c.p.K * (c.p.V + c.p.K) : 0);
@@ -82,7 +83,7 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
                    (r.gate != cuda::GateForm::vector || bf16_dense_runs(r.g, p.K));
   c.dense_output = bf16_dense_runs(c.p.o, p.V);
   c.inverse_by_columns = env_setting(kInverseSetting, {"auto", "distance"}) != "distance";
-  c.split_aqk = env_setting(kAqkSetting, {"auto", "bf16"}) != "bf16";
+  c.split_aqk = env_setting(kAqkSetting, {"auto", "bf16", "split"}) == "split";
   c.state_wgmma = env_setting(kStateProductsSetting, {"auto", "mma_sync"}) != "mma_sync" &&
                   c.KP <= 128;
   const std::string stages = env_setting(kStateStagesSetting, {"auto", "1", "2"});

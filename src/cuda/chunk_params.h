@@ -41,8 +41,6 @@ struct ChunkWorkspace {
   uint16_t* w = nullptr;    // [KP / 64][C, 64] bf16: T diag(n_k) (beta k 2^Gamma), delta rule only
   uint16_t* u = nullptr;    // [VP / 64][C, 64] bf16: T (beta v) (delta) or v (linear)
   uint16_t* aqk = nullptr;  // [C, C]  bf16: scale q_i . k_j n_k,j 2^(Gamma_i - Gamma_j), j <= i
-  // [C, C] bf16, with split_aqk: A_qk - aqk rounded again (aqk + aqk_lo carries ~16 bits)
-  uint16_t* aqk_lo = nullptr;
   // [chunk_record_floats(KP)]: [KP] 2^Gamma_end, then [C] n_q and [C] n_k (zero past the
   // chunk's last token).
   float* decay = nullptr;
@@ -62,11 +60,6 @@ struct ChunkParams {
   // The prepare kernel's T = (I + A_kk)^-1 by column blocks on tf32 tensor cores rather
   // than by distances on the CUDA cores (cuda/chunk_inverse.cuh).
   bool inverse_by_columns = true;
-  // A_qk to ~16 bits instead of bfloat16's 8 (bench/NOTES.md (f), (as)): the prepare kernel's
-  // slices take its operands as bfloat16 pairs hi + lo (three products: hi hi, hi lo, lo hi;
-  // the key tiles' operands are exact already) and store it as such a pair (ws.aqk_lo), and
-  // the state kernel takes A_qk v_new as two products.
-  bool split_aqk = false;
   // The state kernel's products on wgmma (K <= 128; compiled for sm_90a, mma.sync elsewhere)
   // rather than mma.sync.
   bool state_wgmma = false;
@@ -89,6 +82,16 @@ struct ChunkParams {
   StateTensor chunk_states;
   DType chunk_states_dtype = DType::f32;
   int64_t chunk_states_count = 0;
+  // A_qk to ~16 bits instead of bfloat16's 8 (bench/NOTES.md (f), (as)): the prepare kernel's
+  // slices take its operands as bfloat16 pairs hi + lo (three products: hi hi, hi lo, lo hi;
+  // the key tiles' operands are exact already) and store it as such a pair (aqk_lo below), and
+  // the state kernel takes A_qk v_new as two products. A template parameter of both kernels:
+  // those without it are unchanged by it. Opt-in until measured (FLASHDELTA_CHUNK_AQK=split).
+  bool split_aqk = false;
+  // [records][C, C] bf16, with split_aqk: A_qk - aqk rounded again (aqk + aqk_lo carries ~16
+  // bits; record_of). These two last, so that the other members' offsets stay those of the
+  // kernels built without the pair.
+  uint16_t* aqk_lo = nullptr;
 };
 
 // The three launches of a forward, in order on `stream` (a cudaStream_t); each returns

@@ -417,9 +417,8 @@ __device__ void accumulate_low_products(const PrepareShared<KP>& sh, const bf16*
 // A over one key slice: the factors of every row block (column factors shared out evenly
 // over the warps), then warp I's products for row block I into acc_q / acc_k, column tiles
 // 0 .. 2I+1 (tile pairs np <= I); see the file comment for the factorisation.
-template <GateForm G, int KP>
-__device__ void accumulate_slice(PrepareShared<KP>& sh, bool split, Acc (&acc_q)[8],
-                                 Acc (&acc_k)[8]) {
+template <GateForm G, bool kSplit, int KP>
+__device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&acc_k)[8]) {
   auto& s = sh.u.s;
   const int I = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = kSubChunk * I;
   const bool exact = G != GateForm::vector || s.exact[I][lane];  // lane = key channel here
@@ -491,7 +490,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, bool split, Acc (&acc_q)
   const bf16* kbar = G == GateForm::vector ? &s.kbar[kbar_base(I)][0] : &s.kbar[0][0];
   const bf16* xk = G == GateForm::vector ? &s.xk[I][0][0] : &s.kbar[r0][0];
   accumulate_products<kSlice>(&s.xq[I][0][0], xk, kbar, kSliceLd, acc_q, acc_k);
-  if (split) accumulate_low_products<G>(sh, kbar, acc_q);
+  if constexpr (kSplit) accumulate_low_products<G>(sh, kbar, acc_q);
   if constexpr (G == GateForm::vector) {
     const unsigned inexact = __ballot_sync(0xffffffffu, !exact);
     for (int e = lane; inexact && e < kSubChunk * kSubChunk; e += 32) {
@@ -598,7 +597,7 @@ __device__ void finish_norms(const RecurrentParams& p, PrepareShared<KP>& sh, co
 // Row block I of A_qk to the record and of A_kk to shared memory (zeros above the diagonal),
 // with the inverse key lengths on A_qk's columns and A_kk's rows and columns (n_q is left to
 // the state kernel's output rows).
-template <GateForm G, int KP>
+template <GateForm G, bool kSplit, int KP>
 __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
                          const Acc (&acc_q)[8], const Acc (&acc_k)[8]) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
@@ -629,7 +628,7 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
       }
       const int j0 = 8 * nt + acc_col(e);
       store_pair(rec.aqk + record_index(t, j0), vq[0], vq[1]);
-      if (rec.aqk_lo)
+      if constexpr (kSplit)
         store_pair(rec.aqk_lo + record_index(t, j0), low_part(vq[0]), low_part(vq[1]));
       sh.u.v.a[t][j0] = vk[0];
       sh.u.v.a[t][j0 + 1] = vk[1];
@@ -782,7 +781,8 @@ __device__ void write_values_from_tiles(const ChunkParams& c, PrepareShared<KP>&
   }
 }
 
-template <GateForm G, int KP, bool Dense>
+// kSplit: A_qk as a bfloat16 pair (ChunkParams::split_aqk).
+template <GateForm G, int KP, bool Dense, bool kSplit>
 __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateForm::vector))
     chunk_prepare_kernel(const ChunkParams c) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -837,12 +837,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
       stage_slice<G, KP, Dense>(p, sh, ref, runs, a_gate, c0, sq, sk);
       write_slice_factors<G>(p, sh, rec, ref, c0);
       if (c0 + kSlice < KP) runs = fetch_slice<G, Dense>(p, ref, hv, c0 + kSlice);
-      accumulate_slice<G>(sh, rec.aqk_lo != nullptr, acc_q, acc_k);
+      accumulate_slice<G, kSplit>(sh, acc_q, acc_k);
       if (c0 + kSlice == KP) finish_norms(p, sh, rec, ref, sq, sk);  // the sums are complete
       __syncthreads();  // the next slice overwrites the slice buffers; finish_a reads the norms
     }
   }
-  finish_a<G>(p, sh, rec, acc_q, acc_k);
+  finish_a<G, kSplit>(p, sh, rec, acc_q, acc_k);
   if (p.delta) {
     solve<kKeyTiles, Dense>(c, sh);
     if constexpr (Dense) fetch_value_tiles(p, sh, ref, hv, 0);
@@ -864,7 +864,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
 template <GateForm G, int KP>
 void launch_prepare(const ChunkParams& c, cudaStream_t stream) {
   const auto kernel =
-      c.dense_tokens ? chunk_prepare_kernel<G, KP, true> : chunk_prepare_kernel<G, KP, false>;
+      c.split_aqk ? (c.dense_tokens ? chunk_prepare_kernel<G, KP, true, true>
+                                    : chunk_prepare_kernel<G, KP, false, true>)
+                  : (c.dense_tokens ? chunk_prepare_kernel<G, KP, true, false>
+                                    : chunk_prepare_kernel<G, KP, false, false>);
   const int smem = prepare_shared_bytes<KP>(c.dense_tokens && G != GateForm::vector);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // The blocks per SM above need nearly all of its shared memory.

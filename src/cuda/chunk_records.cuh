@@ -54,7 +54,7 @@ __device__ __forceinline__ Record record_of(const ChunkParams& c, int64_t rec) {
   return {at(c.ws.qg, rec * kChunk * kp), at(c.ws.kg, rec * kChunk * kp),
           at(c.ws.w, rec * kChunk * kp),  at(c.ws.u, rec * kChunk * c.VP),
           at(c.ws.aqk, rec * kChunk * kChunk),
-          c.ws.aqk_lo ? at(c.ws.aqk_lo, rec * kChunk * kChunk) : nullptr,
+          c.aqk_lo ? at(c.aqk_lo, rec * kChunk * kChunk) : nullptr,
           run, run + kInvQAt<KP>, run + kInvKAt<KP>};
 }
 

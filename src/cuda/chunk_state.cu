@@ -35,6 +35,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/chunk_params.h"
@@ -67,12 +68,19 @@ struct Stage {
   alignas(1024) bf16 w[kChunk * KP];
   alignas(1024) bf16 u[kChunk * G::BV];
   alignas(1024) bf16 a[kChunk * kChunk];
-  alignas(1024) bf16 a_lo[kChunk * kChunk];  // split_aqk: A_qk's low part (ChunkWorkspace)
   alignas(16) float decay[kRecordFloats<KP>];  // the record's run: decay, inv_q, inv_k
 
   __device__ const float* inv_q() const { return decay + kInvQAt<KP>; }
   __device__ const float* inv_k() const { return decay + kInvKAt<KP>; }
 };
+// With split_aqk A_qk's low part too (ChunkWorkspace::aqk_lo); kernels without it keep the
+// stage above, and their shared memory.
+template <int KP>
+struct SplitStage : Stage<KP> {
+  alignas(1024) bf16 a_lo[kChunk * kChunk];
+};
+template <int KP, bool kSplit>
+using StageOf = std::conditional_t<kSplit, SplitStage<KP>, Stage<KP>>;
 
 // Records staged in shared memory: two stages where they fit (chunk i + 1's record lands
 // while chunk i computes), else one. One stage at KP <= 128 also lets two blocks share an SM,
@@ -86,27 +94,28 @@ inline constexpr int kBlocksPerSM = kStages == 1 && KP <= 128 ? 2 : 1;
 template <int KP, int kStages>
 inline constexpr int kMinBlocks = kBlocksPerSM<KP, kStages> == 2 ? 2 : 0;
 
-template <int KP, int kStages>
+template <int KP, int kStages, bool kSplit>
 struct StateShared {
   using G = StateGeometry<KP>;
-  Stage<KP> stage[kStages];
+  StageOf<KP, kSplit> stage[kStages];
   alignas(16) float o[G::kWarps][kChunk][kWarpColumns + 4];  // each warp's output, staged
   uint64_t landed[kStages];  // each stage's bulk copies complete here (Hopper)
 };
 // Dynamic shared memory is requested this much larger than StateShared, whose start the
 // kernel rounds up to a multiple of 1024 bytes (the launch promises 16).
 constexpr int kSharedAlignSlack = 1024;
-template <int KP, int kStages = kDefaultStages<KP>>
-inline constexpr int kStateSharedBytes = sizeof(StateShared<KP, kStages>) + kSharedAlignSlack;
-static_assert(kBlocksPerSM<128, 1> * kStateSharedBytes<128, 1> <= 227 * 1024,
+template <int KP, int kStages = kDefaultStages<KP>, bool kSplit = false>
+inline constexpr int kStateSharedBytes =
+    sizeof(StateShared<KP, kStages, kSplit>) + kSharedAlignSlack;
+static_assert(kBlocksPerSM<128, 1> * kStateSharedBytes<128, 1, true> <= 227 * 1024,
               "one stage at K <= 128 fits twice in a Hopper SM");
 
 // Copies one record (this block's tile of u, unless with_u is false: a map's identity
 // columns have none) into a stage: on Hopper one bulk copy per matrix, completing on the
 // stage's barrier `landed`; elsewhere 16-byte cp.async pieces in one commit group.
-template <int KP>
-__device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_u, Stage<KP>& st,
-                             uint64_t* landed) {
+template <int KP, bool kSplit>
+__device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_u,
+                             StageOf<KP, kSplit>& st, uint64_t* landed) {
   using G = StateGeometry<KP>;
   constexpr int kKeys = kChunk * KP, kValues = kChunk * G::BV, kA = kChunk * kChunk,
                 kFloats = kRecordFloats<KP>;
@@ -118,14 +127,14 @@ __device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_
     // branch held 5% of the kernel's samples (NOTES (ai)).
     if (tid == 0) {
       expect_bytes(landed, 2 * kKeyBytes + (delta ? kKeyBytes : 0) +
-                               (with_u ? kValueBytes : 0) + (r.aqk_lo ? 2 : 1) * kA * sizeof(bf16) +
+                               (with_u ? kValueBytes : 0) + (kSplit ? 2 : 1) * kA * sizeof(bf16) +
                                kFloats * sizeof(float));
       bulk_copy(st.qg, r.qg, kKeyBytes, landed);
       bulk_copy(st.kg, r.kg, kKeyBytes, landed);
       if (delta) bulk_copy(st.w, r.w, kKeyBytes, landed);
       if (with_u) bulk_copy(st.u, u, kValueBytes, landed);
       bulk_copy(st.a, r.aqk, kA * sizeof(bf16), landed);
-      if (r.aqk_lo) bulk_copy(st.a_lo, r.aqk_lo, kA * sizeof(bf16), landed);
+      if constexpr (kSplit) bulk_copy(st.a_lo, r.aqk_lo, kA * sizeof(bf16), landed);
       bulk_copy(st.decay, r.decay, kFloats * sizeof(float), landed);
     }
   } else {
@@ -138,7 +147,7 @@ __device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_
       copy_async<16>(st.u + e, u + e, 16);
     for (int e = 8 * tid; e < kA; e += 8 * G::kThreads) {
       copy_async<16>(st.a + e, r.aqk + e, 16);
-      if (r.aqk_lo) copy_async<16>(st.a_lo + e, r.aqk_lo + e, 16);
+      if constexpr (kSplit) copy_async<16>(st.a_lo + e, r.aqk_lo + e, 16);
     }
     for (int e = 4 * tid; e < kFloats; e += 4 * G::kThreads)
       copy_async<16>(st.decay + e, r.decay + e, 16);
@@ -353,10 +362,10 @@ __device__ __forceinline__ void scale_for_update(Acc (&vn)[kChunk / 8], Acc (&s)
 // One chunk for this warp's 16 columns on mma.sync, each warp reading the whole record:
 //     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T (unless kEnds),
 //     S^T = S^T diag(decay) + v_new^T diag(n_k) kg.
-template <int KP, bool kEnds>
-__device__ __forceinline__ void chunk_step_mma_sync(const Stage<KP>& st, StateColumns<KP>& S,
-                                                    Acc (&o)[kChunk / 8], bool delta, bool map,
-                                                    bool split_aqk, int warp) {
+template <int KP, bool kEnds, bool kSplit>
+__device__ __forceinline__ void chunk_step_mma_sync(const StageOf<KP, kSplit>& st,
+                                                    StateColumns<KP>& S, Acc (&o)[kChunk / 8],
+                                                    bool delta, bool map, int warp) {
   Acc vn[kChunk / 8], u[kChunk / 8];
   if (delta) warp_product<KP, kChunk, true>(vn, S.acc, st.w);
   load_u(u, st, map, warp);
@@ -370,7 +379,7 @@ __device__ __forceinline__ void chunk_step_mma_sync(const Stage<KP>& st, StateCo
   if (!kEnds) {
     warp_product<KP, kChunk, true>(o, S.acc, st.qg);
     warp_product<kChunk, kChunk, true, true>(o, vn, st.a);
-    if (split_aqk) warp_product<kChunk, kChunk, true, true>(o, vn, st.a_lo);
+    if constexpr (kSplit) warp_product<kChunk, kChunk, true, true>(o, vn, st.a_lo);
   }
 
   scale_for_update(vn, S.acc, st);
@@ -387,10 +396,10 @@ __host__ __device__ constexpr uint32_t k_step_bytes(int kk) {
 // its left operand from registers, and each record matrix is read once per block instead of
 // once per warp. v_new^T starts from u^T and takes -S^T w^T (the left operand negated); the
 // first batch (w and qg, both from S^T's fragments) runs while nothing else waits on it.
-template <int KP, bool kEnds>
-__device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColumns<KP>& S,
-                                                 Acc (&o)[kChunk / 8], bool delta, bool map,
-                                                 bool split_aqk, int warp) {
+template <int KP, bool kEnds, bool kSplit>
+__device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
+                                                 StateColumns<KP>& S, Acc (&o)[kChunk / 8],
+                                                 bool delta, bool map, int warp) {
   Acc vn[kChunk / 8];
   load_u(vn, st, map, warp);
   for (Acc& x : o) x = Acc{};
@@ -399,7 +408,7 @@ __device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColum
   uint32_t a[KP / 16][4];
 #pragma unroll
   for (int kk = 0; kk < KP / 16; ++kk) a_from_acc(a[kk], S.acc, kk);
-  const SwizzledOperand w(st.w), qg(st.qg), aqk(st.a), aqk_lo(st.a_lo), kg(st.kg);
+  const SwizzledOperand w(st.w), qg(st.qg), aqk(st.a), kg(st.kg);
   wgmma_fence();
   hold_registers(vn);
   hold_registers(o);
@@ -424,7 +433,15 @@ __device__ __forceinline__ void chunk_step_wgmma(const Stage<KP>& st, StateColum
       uint32_t b[4];
       a_from_acc(b, vn, kk);
       wgmma_m64n64k16<false>(o, b, aqk.at(k_step_bytes(kk)));
-      if (split_aqk) wgmma_m64n64k16<false>(o, b, aqk_lo.at(k_step_bytes(kk)));
+    }
+    if constexpr (kSplit) {
+      const SwizzledOperand aqk_lo(st.a_lo);
+#pragma unroll
+      for (int kk = 0; kk < kChunk / 16; ++kk) {
+        uint32_t b[4];
+        a_from_acc(b, vn, kk);
+        wgmma_m64n64k16<false>(o, b, aqk_lo.at(k_step_bytes(kk)));
+      }
     }
     wgmma_commit();
   }
@@ -578,8 +595,9 @@ enum class StatePass { whole, ends, segments };
 // numbered ((n * HV + hv) * segments + seg) * tiles + tile, the maps' launch with the
 // identity's K columns as tiles after V's.
 // kWgmma: the chunk's products on wgmma where this pass compiles it (sm_90a, KP <= 128),
-// else on mma.sync. kStages: see StateShared.
-template <int KP, bool kRecord, StatePass kPass, bool kWgmma, int kStages>
+// else on mma.sync. kStages: see StateShared. kSplit: A_qk as a bfloat16 pair
+// (ChunkParams::split_aqk; never with kEnds, which has no outputs).
+template <int KP, bool kRecord, StatePass kPass, bool kWgmma, int kStages, bool kSplit>
 __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kStages>)
     chunk_state_kernel(const ChunkParams c) {
   using G = StateGeometry<KP>;
@@ -588,7 +606,8 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
   static_assert(!kW || G::kThreads == 128, "the block is one warpgroup");
   extern __shared__ __align__(16) unsigned char smem[];
   const unsigned misalign = smem_address(smem) % kSharedAlignSlack;
-  auto& sh = *reinterpret_cast<StateShared<KP, kStages>*>(
+  static_assert(!(kSplit && kEnds), "the maps have no A_qk term");
+  auto& sh = *reinterpret_cast<StateShared<KP, kStages, kSplit>*>(
       smem + (misalign ? kSharedAlignSlack - misalign : 0));
   const RecurrentParams& p = c.p;
   const int64_t segments = kPass == StatePass::whole ? 1 : c.segments;
@@ -639,7 +658,8 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
   auto record = [&](int64_t i) { return record_of<KP>(c, (chunks.first + i) * p.HV + hv); };
   auto stage = [&](int64_t i) { return static_cast<int>((i - c0) % kStages); };
   auto fetch = [&](int64_t i) {
-    fetch_record(record(i), j0, p.delta, !map, sh.stage[stage(i)], &sh.landed[stage(i)]);
+    fetch_record<KP, kSplit>(record(i), j0, p.delta, !map, sh.stage[stage(i)],
+                             &sh.landed[stage(i)]);
   };
   if (kStages == 2 && c0 < c1) fetch(c0);
 
@@ -647,7 +667,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
     // The registers hold the state entering chunk i: recorded straight from them.
     if (kRecord && !kEnds && chunks.first + i < c.chunk_states_count)
       S.store_entry(c, chunks.first + i, hv, jw);
-    Stage<KP>& st = sh.stage[stage(i)];
+    StageOf<KP, kSplit>& st = sh.stage[stage(i)];
     if (kStages == 1) fetch(i);
     await_record(&sh.landed[stage(i)], (i - c0) / kStages);
     // Chunk i's stage has landed for every thread, and every warp is done with chunk i - 1,
@@ -657,9 +677,9 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
 
     Acc o[G::kTokenTiles];
     if constexpr (kW)
-      chunk_step_wgmma<KP, kEnds>(st, S, o, p.delta, map, c.split_aqk, warp);
+      chunk_step_wgmma<KP, kEnds, kSplit>(st, S, o, p.delta, map, warp);
     else
-      chunk_step_mma_sync<KP, kEnds>(st, S, o, p.delta, map, c.split_aqk, warp);
+      chunk_step_mma_sync<KP, kEnds, kSplit>(st, S, o, p.delta, map, warp);
 
     if (kEnds) {
       if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
@@ -684,7 +704,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
 // fixed the stages: then every block is resident at once, two per SM. Beyond that both forms
 // run in waves, and each block's own prefetch pays more (bench/NOTES.md (ai): varlen's 768
 // blocks 0.288 ms with two stages, 0.314 with one).
-template <int KP, bool kRecord, StatePass kPass, bool kWgmma>
+template <int KP, bool kRecord, StatePass kPass, bool kWgmma, bool kSplit = false>
 void launch_state_kernel(const ChunkParams& c, int64_t tiles, cudaStream_t stream) {
   using G = StateGeometry<KP>;
   const int64_t blocks = c.p.N * c.p.HV * c.segments * tiles;
@@ -697,12 +717,15 @@ void launch_state_kernel(const ChunkParams& c, int64_t tiles, cudaStream_t strea
     const bool one = c.state_stages == 1 ||
                      (c.state_stages == 0 && blocks > c.sm_count && blocks <= 2 * c.sm_count);
     if (one)
-      return launch(chunk_state_kernel<KP, kRecord, kPass, true, 1>, kStateSharedBytes<KP, 1>);
+      return launch(chunk_state_kernel<KP, kRecord, kPass, true, 1, kSplit>,
+                    kStateSharedBytes<KP, 1, kSplit>);
   }
-  launch(chunk_state_kernel<KP, kRecord, kPass, kWgmma, kDefaultStages<KP>>, kStateSharedBytes<KP>);
+  constexpr int kStages = kDefaultStages<KP>;
+  launch(chunk_state_kernel<KP, kRecord, kPass, kWgmma, kStages, kSplit>,
+         kStateSharedBytes<KP, kStages, kSplit>);
 }
 
-template <int KP, bool kWgmma>
+template <int KP, bool kWgmma, bool kSplit>
 void launch_state_products(const ChunkParams& c, cudaStream_t stream) {
   constexpr int64_t BV = StateGeometry<KP>::BV;
   const int64_t value_tiles = (c.p.V + BV - 1) / BV;
@@ -712,36 +735,39 @@ void launch_state_products(const ChunkParams& c, cudaStream_t stream) {
       constexpr StatePass kEnds = StatePass::ends, kSegments = StatePass::segments;
       launch_state_kernel<KP, false, kEnds, kWgmma>(c, value_tiles + (c.p.K + BV - 1) / BV,
                                                     stream);
-      return record ? launch_state_kernel<KP, true, kSegments, kWgmma>(c, value_tiles, stream)
-                    : launch_state_kernel<KP, false, kSegments, kWgmma>(c, value_tiles, stream);
+      return record
+                 ? launch_state_kernel<KP, true, kSegments, kWgmma, kSplit>(c, value_tiles, stream)
+                 : launch_state_kernel<KP, false, kSegments, kWgmma, kSplit>(c, value_tiles,
+                                                                              stream);
     }
   }
   constexpr StatePass kWhole = StatePass::whole;
-  record ? launch_state_kernel<KP, true, kWhole, kWgmma>(c, value_tiles, stream)
-         : launch_state_kernel<KP, false, kWhole, kWgmma>(c, value_tiles, stream);
+  record ? launch_state_kernel<KP, true, kWhole, kWgmma, kSplit>(c, value_tiles, stream)
+         : launch_state_kernel<KP, false, kWhole, kWgmma, kSplit>(c, value_tiles, stream);
 }
 
-template <int KP>
+template <int KP, bool kSplit>
 void launch_state(const ChunkParams& c, cudaStream_t stream) {
   if constexpr (KP <= 128)
-    if (c.state_wgmma) return launch_state_products<KP, true>(c, stream);
-  launch_state_products<KP, false>(c, stream);
+    if (c.state_wgmma) return launch_state_products<KP, true, kSplit>(c, stream);
+  launch_state_products<KP, false, kSplit>(c, stream);
 }
 
 // The most record stages the current GPU's shared memory allows the launch (see
 // chunk_state_stages_that_fit).
-template <int KP>
+template <int KP, bool kSplit>
 int stages_that_fit(const ChunkParams& c) {
   int device = 0, available = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
           cudaSuccess)
     throw Error(ErrorCode::runtime, "the CUDA chunk schedule: no usable CUDA device");
-  if (available >= kStateSharedBytes<KP>) return kDefaultStages<KP>;
+  constexpr int two = kStateSharedBytes<KP, kDefaultStages<KP>, kSplit>;
+  if (available >= two) return kDefaultStages<KP>;
   // One stage is instantiated with the wgmma flag at KP <= 128 (launch_state_kernel).
-  constexpr int one = kStateSharedBytes<KP, 1>;
+  constexpr int one = kStateSharedBytes<KP, 1, kSplit>;
   if (KP <= 128 && c.state_wgmma && available >= one) return 1;
-  const int smem = KP <= 128 && c.state_wgmma ? one : kStateSharedBytes<KP>;
+  const int smem = KP <= 128 && c.state_wgmma ? one : two;
   throw Error(ErrorCode::unsupported,
               "argument 'q': the CUDA chunk state kernel for K <= " + std::to_string(KP) +
                   " needs " + std::to_string(smem) + " bytes of shared memory per block; this "
@@ -751,16 +777,26 @@ int stages_that_fit(const ChunkParams& c) {
 }  // namespace
 
 int chunk_state_stages_that_fit(const ChunkParams& c) {
-  if (c.KP == 64) return stages_that_fit<64>(c);
-  if (c.KP == 128) return stages_that_fit<128>(c);
-  return stages_that_fit<256>(c);
+  if (c.split_aqk) {
+    if (c.KP == 64) return stages_that_fit<64, true>(c);
+    if (c.KP == 128) return stages_that_fit<128, true>(c);
+    return stages_that_fit<256, true>(c);
+  }
+  if (c.KP == 64) return stages_that_fit<64, false>(c);
+  if (c.KP == 128) return stages_that_fit<128, false>(c);
+  return stages_that_fit<256, false>(c);
 }
 
 void launch_chunk_state(const ChunkParams& c, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  if (c.KP == 64) return launch_state<64>(c, s);
-  if (c.KP == 128) return launch_state<128>(c, s);
-  return launch_state<256>(c, s);
+  if (c.split_aqk) {
+    if (c.KP == 64) return launch_state<64, true>(c, s);
+    if (c.KP == 128) return launch_state<128, true>(c, s);
+    return launch_state<256, true>(c, s);
+  }
+  if (c.KP == 64) return launch_state<64, false>(c, s);
+  if (c.KP == 128) return launch_state<128, false>(c, s);
+  return launch_state<256, false>(c, s);
 }
 
 }  // namespace flashdelta::detail::cuda

@@ -203,12 +203,12 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
   EXPECT_EQ(forward_workspace_bytes(a, c.options, Schedule::recurrent), 0u);
   const size_t need = forward_workspace_bytes(a, c.options, kChunk);
   // 2 rows x 3 chunks x 2 heads = 12 records of 64 rows: bf16 qg, kg, w (128 columns),
-  // u (64) and A_qk as a pair hi + lo (64 + 64), and per record 128 fp32 decays and 64 + 64
-  // inverse lengths; FLASHDELTA_CHUNK_AQK=bf16 leaves out A_qk's lo.
-  EXPECT_EQ(need, 3u * 768 * 128 * 2 + 768 * 64 * 2 + 2 * 768 * 64 * 2 + 12 * (128 + 64 + 64) * 4);
+  // u (64) and A_qk (64), and per record 128 fp32 decays and 64 + 64 inverse lengths;
+  // FLASHDELTA_CHUNK_AQK=split adds A_qk's low part (64).
+  EXPECT_EQ(need, 3u * 768 * 128 * 2 + 768 * 64 * 2 + 768 * 64 * 2 + 12 * (128 + 64 + 64) * 4);
   {
-    const ScopedEnv single(kAqk, "bf16");
-    EXPECT_EQ(forward_workspace_bytes(a, c.options, kChunk), need - 768 * 64 * 2);
+    const ScopedEnv pair(kAqk, "split");
+    EXPECT_EQ(forward_workspace_bytes(a, c.options, kChunk), need + 768 * 64 * 2);
   }
   // A larger T needs more: the size follows the problem, not a fixed cap.
   const Case longer = make_case({.B = 2, .T = 1000, .K = 128, .V = 64});
@@ -239,8 +239,9 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
 
 // Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general,
 // FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync, FLASHDELTA_CHUNK_STATE_STAGES auto, 1 or
-// 2, FLASHDELTA_CHUNK_INVERSE auto or distance; anything else fails the call (here its size
-// query, before any device access) naming the variable.
+// 2, FLASHDELTA_CHUNK_INVERSE auto or distance, FLASHDELTA_CHUNK_AQK auto, bf16 or split;
+// anything else fails the call (here its size query, before any device access) naming the
+// variable.
 TEST(CudaChunkSettings, RejectUnknownValues) {
   const Case c = make_case({.T = 100, .K = 64, .V = 64, .dtype = DType::bf16});
   HostTensor o = c.make_output(DType::f32), s = c.make_state();
@@ -254,7 +255,7 @@ TEST(CudaChunkSettings, RejectUnknownValues) {
                               {kStateProducts, {"", "auto", "mma_sync"}, "wgmma"},
                               {kStateStages, {"", "auto", "1", "2"}, "3"},
                               {kInverse, {"", "auto", "distance"}, "columns"},
-                              {kAqk, {"", "auto", "bf16"}, "split"}};
+                              {kAqk, {"", "auto", "bf16", "split"}, "pair"}};
   for (const Setting& setting : settings) {
     for (const char* fine : setting.fine) {
       const ScopedEnv set(setting.name, fine);
@@ -693,8 +694,8 @@ TEST(CudaChunk, InverseOrdersAgree) {
   }
 }
 
-// A_qk as a bfloat16 pair hi + lo (the default) against single bfloat16
-// (FLASHDELTA_CHUNK_AQK=bf16): its operands' and its own rounding are the output's largest
+// A_qk as a bfloat16 pair hi + lo (FLASHDELTA_CHUNK_AQK=split) against single bfloat16 (the
+// default until the pair is measured): its operands' and its own rounding are the output's largest
 // errors with a vector gate (bench/NOTES.md (f): 3.8e-3 -> 2.5e-3 of the output in the
 // rounding model), so the pair must bring KDA's output clearly closer to the fp64 reference
 // (float32 output here, so that the output's own rounding does not hide it); a misread low
@@ -726,11 +727,11 @@ TEST(CudaChunk, SplitAqkBringsTheOutputCloser) {
     const Outputs ref = run_reference(c);
     Outputs pair, single;
     {
-      const ScopedEnv automatic(kAqk, nullptr);
+      const ScopedEnv set(kAqk, "split");
       pair = run_cuda(c, DType::f32, kChunk);
     }
     {
-      const ScopedEnv set(kAqk, "bf16");
+      const ScopedEnv automatic(kAqk, nullptr);
       single = run_cuda(c, DType::f32, kChunk);
     }
     const double e_pair = rel_error(pair.o, ref.o), e_single = rel_error(single.o, ref.o);
