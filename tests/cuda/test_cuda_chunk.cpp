@@ -191,6 +191,7 @@ ForwardArgs labelled_cuda(ForwardArgs a) {
 }
 
 TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
+  const ScopedEnv single(kAqk, "bf16");  // the sizes below; the split_aqk ctest pass sets split
   const Case c = make_case({.B = 2, .T = 130, .K = 128, .V = 64});
   HostTensor o = c.make_output(DType::f32), s = c.make_state();
   o.fill(kPoison);
