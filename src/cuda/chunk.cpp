@@ -121,7 +121,7 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
   // The caller's workspace is checked before anything else (no GPU is needed to fail here).
   if (caller_memory) check_caller_workspace(workspace, workspace_bytes, bytes);
   require_sm80("the CUDA chunk schedule");
-  if (cuda::chunk_state_stages_that_fit(c) == 1) c.state_stages = 1;
+  if (cuda::chunk_state_one_stage_only(c)) c.state_stages = 1;
   c.sm_count = sm_count();
   const int64_t columns = cuda::chunk_state_columns(c.KP);
   const int64_t state_blocks = p.N * p.HV * ((p.V + columns - 1) / columns);

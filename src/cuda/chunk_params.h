@@ -99,10 +99,11 @@ struct ChunkParams {
 void launch_chunk_table(const ChunkParams& c, void* stream);
 void launch_chunk_prepare(const ChunkParams& c, void* stream);
 void launch_chunk_state(const ChunkParams& c, void* stream);
-// The most record stages (1 or 2) of the state kernel that the current GPU's shared memory
-// per block allows: 120 KB at K <= 64, 168 KB at K <= 128 (one stage 95 KB: A100s take
-// that), 144 KB at K <= 256 (one stage) are needed. Throws Error(unsupported) when not even
-// one fits (GPUs with 99 KB per block); called before anything is launched.
-int chunk_state_stages_that_fit(const ChunkParams& c);
+// Whether the state kernel must run with one record stage on the current GPU. Its shared
+// memory per block: 104 KB at K <= 64, 152 KB at K <= 128, 136 KB at K <= 256 (one stage);
+// with split_aqk 120, 168 and 144 KB, or 95 KB with one stage at K <= 128 (A100s: true
+// there). Throws Error(unsupported) where the GPU has less (99 KB per block); called before
+// anything is launched.
+bool chunk_state_one_stage_only(const ChunkParams& c);
 
 }  // namespace flashdelta::detail::cuda

@@ -73,7 +73,7 @@ struct Stage {
   __device__ const float* inv_q() const { return decay + kInvQAt<KP>; }
   __device__ const float* inv_k() const { return decay + kInvKAt<KP>; }
 };
-// With split_aqk A_qk's low part too (ChunkWorkspace::aqk_lo); kernels without it keep the
+// With split_aqk A_qk's low part too (ChunkParams::aqk_lo); kernels without it keep the
 // stage above, and their shared memory.
 template <int KP>
 struct SplitStage : Stage<KP> {
@@ -753,21 +753,21 @@ void launch_state(const ChunkParams& c, cudaStream_t stream) {
   launch_state_products<KP, false, kSplit>(c, stream);
 }
 
-// The most record stages the current GPU's shared memory allows the launch (see
-// chunk_state_stages_that_fit).
+// Whether the current GPU's shared memory per block allows the state kernel only one record
+// stage (see chunk_state_one_stage_only).
 template <int KP, bool kSplit>
-int stages_that_fit(const ChunkParams& c) {
+bool one_stage_only(const ChunkParams& c) {
   int device = 0, available = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
           cudaSuccess)
     throw Error(ErrorCode::runtime, "the CUDA chunk schedule: no usable CUDA device");
-  constexpr int two = kStateSharedBytes<KP, kDefaultStages<KP>, kSplit>;
-  if (available >= two) return kDefaultStages<KP>;
-  // One stage is instantiated with the wgmma flag at KP <= 128 (launch_state_kernel).
-  constexpr int one = kStateSharedBytes<KP, 1, kSplit>;
-  if (KP <= 128 && c.state_wgmma && available >= one) return 1;
-  const int smem = KP <= 128 && c.state_wgmma ? one : two;
+  constexpr int smem = kStateSharedBytes<KP, kDefaultStages<KP>, kSplit>;
+  if (available >= smem) return false;
+  // The pair's second stage passes an A100's 163 KB at K = 128: one stage, which is
+  // instantiated with the wgmma flag at KP <= 128 (launch_state_kernel), takes it there.
+  if (kSplit && KP <= 128 && c.state_wgmma && available >= kStateSharedBytes<KP, 1, kSplit>)
+    return true;
   throw Error(ErrorCode::unsupported,
               "argument 'q': the CUDA chunk state kernel for K <= " + std::to_string(KP) +
                   " needs " + std::to_string(smem) + " bytes of shared memory per block; this "
@@ -776,15 +776,15 @@ int stages_that_fit(const ChunkParams& c) {
 
 }  // namespace
 
-int chunk_state_stages_that_fit(const ChunkParams& c) {
+bool chunk_state_one_stage_only(const ChunkParams& c) {
   if (c.split_aqk) {
-    if (c.KP == 64) return stages_that_fit<64, true>(c);
-    if (c.KP == 128) return stages_that_fit<128, true>(c);
-    return stages_that_fit<256, true>(c);
+    if (c.KP == 64) return one_stage_only<64, true>(c);
+    if (c.KP == 128) return one_stage_only<128, true>(c);
+    return one_stage_only<256, true>(c);
   }
-  if (c.KP == 64) return stages_that_fit<64, false>(c);
-  if (c.KP == 128) return stages_that_fit<128, false>(c);
-  return stages_that_fit<256, false>(c);
+  if (c.KP == 64) return one_stage_only<64, false>(c);
+  if (c.KP == 128) return one_stage_only<128, false>(c);
+  return one_stage_only<256, false>(c);
 }
 
 void launch_chunk_state(const ChunkParams& c, void* stream) {
