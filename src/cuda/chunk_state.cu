@@ -20,9 +20,9 @@
 // bfloat16 pair hi + lo taken as two products: its rounding is the output's largest error).
 // On sm_90a with KP <= 128 the block's 4 warps are one warpgroup and each k-step of these
 // products is one wgmma over the block's 64 columns (chunk_step_wgmma: the record read once
-// per block, not once per warp);
-// elsewhere, or with FLASHDELTA_CHUNK_STATE_PRODUCTS=mma_sync, each warp issues mma.sync
-// (chunk_step_mma_sync). The two keep the same register layouts and epilogues. When the
+// per block, not once per warp); elsewhere, or with FLASHDELTA_CHUNK_STATE_PRODUCTS=mma_sync,
+// each warp issues mma.sync (chunk_step_mma_sync). The two keep the same register layouts and
+// epilogues. When the
 // per-chunk states are wanted (ForwardArgs::chunk_states), each warp writes its columns of
 // the state entering every chunk straight from the accumulators.
 //
