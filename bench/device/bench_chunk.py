@@ -287,9 +287,11 @@ def table(rows, copy_bw, gpu):
         for impl in r.get("variants", []):
             if impl + "_ms" in r:
                 speedup = r["fla_ms"] / r[impl + "_ms"] if "fla_ms" in r else None
+                err = r.get(impl + "_rel_err")
                 lines.append(f"    ours with {impl}: {r[impl + '_ms']:.3f} ms, speedup "
                              f"{fmt(speedup, '5.2f')}, o vs ours "
-                             f"{fmt(r.get(impl + '_o_diff_vs_ours'), '7.1e')}")
+                             f"{fmt(r.get(impl + '_o_diff_vs_ours'), '7.1e')}"
+                             + (f", err {err:.1e}" if err is not None else ""))
         for impl in ("fla", "ours", *r.get("variants", [])):
             kernels = r.get(impl + "_kernels_ms")
             if kernels:
