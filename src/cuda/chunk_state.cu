@@ -775,29 +775,31 @@ bool one_stage_only(const ChunkParams& c) {
                   "GPU offers " + std::to_string(available) + " (Hopper: 232448)");
 }
 
+// f(KP, kSplit) as std::integral_constant / std::bool_constant arguments for c's key width
+// and A_qk form: the one dispatch of the entry points below.
+template <class F>
+auto with_state_form(const ChunkParams& c, F&& f) {
+  const auto for_k = [&](auto split) {
+    if (c.KP == 64) return f(std::integral_constant<int, 64>{}, split);
+    if (c.KP == 128) return f(std::integral_constant<int, 128>{}, split);
+    return f(std::integral_constant<int, 256>{}, split);
+  };
+  return c.split_aqk ? for_k(std::true_type{}) : for_k(std::false_type{});
+}
+
 }  // namespace
 
 bool chunk_state_one_stage_only(const ChunkParams& c) {
-  if (c.split_aqk) {
-    if (c.KP == 64) return one_stage_only<64, true>(c);
-    if (c.KP == 128) return one_stage_only<128, true>(c);
-    return one_stage_only<256, true>(c);
-  }
-  if (c.KP == 64) return one_stage_only<64, false>(c);
-  if (c.KP == 128) return one_stage_only<128, false>(c);
-  return one_stage_only<256, false>(c);
+  return with_state_form(c, [&](auto kp, auto split) {
+    return one_stage_only<decltype(kp)::value, decltype(split)::value>(c);
+  });
 }
 
 void launch_chunk_state(const ChunkParams& c, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  if (c.split_aqk) {
-    if (c.KP == 64) return launch_state<64, true>(c, s);
-    if (c.KP == 128) return launch_state<128, true>(c, s);
-    return launch_state<256, true>(c, s);
-  }
-  if (c.KP == 64) return launch_state<64, false>(c, s);
-  if (c.KP == 128) return launch_state<128, false>(c, s);
-  return launch_state<256, false>(c, s);
+  with_state_form(c, [&](auto kp, auto split) {
+    launch_state<decltype(kp)::value, decltype(split)::value>(c, s);
+  });
 }
 
 }  // namespace flashdelta::detail::cuda

@@ -7,9 +7,10 @@
 // costs ~10 us per launch in its first and last waves) and short chains where few
 // sequences are latency only; large enough that the per-token work (loads, gate, norms)
 // is spread over 4 KB of state. With 8 keys per lane (K = 256, and K = 128 for bfloat16
-// states of many sequences: cuda_recurrent_warp_keys) the tasks are 16 columns. Opt-in
-// (cuda_recurrent_warp_prefetch_eighths), each row and value head gets a prefetch block that
-// queues a later row's states into L2 ahead of that row's tasks.
+// states of many sequences: cuda_recurrent_warp_keys) the tasks are 16 columns. Where
+// cuda_recurrent_warp_prefetch_eighths says so (one-token pool steps by default), each row
+// and value head gets a prefetch block that queues a later row's states into L2 ahead of
+// that row's tasks.
 //
 // The host (cuda/recurrent.cpp) sends it the common case only: a key-contiguous (V-first)
 // state, so that a warp's load is whole columns (one 512-byte column of fp32 state at
