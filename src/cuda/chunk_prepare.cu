@@ -301,10 +301,19 @@ __device__ __forceinline__ float gamma_at(const PrepareShared<KP>& sh, int t, in
   else return 0.f;
 }
 
-// Packs eight floats into bfloat16 and stores them with one 16-byte store.
+// Packs eight floats into bfloat16 and stores them with one 16-byte store. Into a record
+// (global memory) the store is spelled out: through record_index's address the compiler
+// cannot prove the uint4 store's alignment again after splitting it, and made four 4-byte
+// stores of it (every such store of this file's PTX before; shared memory kept its 16).
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
+  return make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
+                    pack_bf16(v[6], v[7]));
+}
 __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
-  *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]),
-                                              pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
+  *reinterpret_cast<uint4*>(dst) = pack_bf16x8(v);
+}
+__device__ __forceinline__ void store_bf16x8_global(bf16* dst, const float (&v)[8]) {
+  __stwb(reinterpret_cast<uint4*>(dst), pack_bf16x8(v));  // st.global.wb: the default policy
 }
 
 // The slice's columns of qg, kg and decay (to the record) and, for the delta rule, of
@@ -330,8 +339,8 @@ __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>&
       kg[e] = kv * exp2_approx(gend[e] - gam);
       wk[e] = sh.beta[t] * kv * up;
     }
-    store_bf16x8(rec.qg + record_index(t, c0 + c8), qg);
-    store_bf16x8(rec.kg + record_index(t, c0 + c8), kg);
+    store_bf16x8_global(rec.qg + record_index(t, c0 + c8), qg);
+    store_bf16x8_global(rec.kg + record_index(t, c0 + c8), kg);
     if (p.delta) store_bf16x8(&sh.wsrc[t][c0 + c8], wk);
   }
 }
@@ -559,8 +568,8 @@ __device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& 
       qg[e] = p.scale * q[e] * up;
       kg[e] = k[e] * down;
     }
-    store_bf16x8(rec.qg + record_index(t, c8), qg);
-    store_bf16x8(rec.kg + record_index(t, c8), kg);
+    store_bf16x8_global(rec.qg + record_index(t, c8), qg);
+    store_bf16x8_global(rec.kg + record_index(t, c8), kg);
     sq = lane_sum<1, kLanes / 2>(sq);
     sk = lane_sum<1, kLanes / 2>(sk);
     if (tid % kLanes == 0) {
@@ -729,7 +738,7 @@ __device__ void write_values(const ChunkParams& c, PrepareShared<KP>& sh, const 
       for (int e = 0; e < 8; ++e) val[e] *= sh.beta[t];
       store_bf16x8(sh.vb() + t * kValueLd + col, val);
     } else {
-      store_bf16x8(rec.u + record_index(t, v0 + col), val);
+      store_bf16x8_global(rec.u + record_index(t, v0 + col), val);
     }
   }
   if (!delta) return;

@@ -10,13 +10,6 @@ namespace {
 constexpr float kL2NormEps = 1e-6f;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The fast exponential and division (a few ulp; the inputs are bf16-level data): the gate's
-// sigmoid runs once per key channel and token.
-__device__ __forceinline__ float sigmoidf(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
-__device__ __forceinline__ float softplusf(float x) {
-  return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x)));
-}
-
 // 2^x by the hardware's approximation alone (ex2.approx.ftz: ~2 ulp, results below 2^-126
 // flushed to 0; -inf gives 0 and NaN stays NaN). exp2f adds a range check and two
 // multiplies around the same instruction so that results down to 2^-149 stay denormal. For
@@ -27,6 +20,17 @@ __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// The fast exponential and division (a few ulp; the inputs are bf16-level data): the gate's
+// sigmoid runs once per key channel and token. It is __fdividef(1, 1 + __expf(-x)) bit for
+// bit: __expf is 2^(-x log2e) by the same instruction, and the denormal results that its
+// range check keeps are below half an ulp of the 1 they are added to.
+__device__ __forceinline__ float sigmoidf(float x) {
+  return __fdividef(1.f, 1.f + exp2_approx(-x * kLog2e));
+}
+__device__ __forceinline__ float softplusf(float x) {
+  return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x)));
 }
 
 // Sum over the lanes whose index differs in the bits first..last (powers of two).
