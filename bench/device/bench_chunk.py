@@ -63,7 +63,9 @@ def parse_args(argv):
     p.add_argument("--out", default=".")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    p.add_argument("--cases", default="",
+                   help="comma-separated case names (default: all but the other key widths, "
+                        "kda_T8192_H64_K64 and kda_T8192_H32_K256, which run only when named)")
     p.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep")
     p.add_argument("--no-accuracy", action="store_true")
     p.add_argument("--kernel-calls", type=int, default=3,
@@ -85,6 +87,10 @@ CASES = [
     ("gdn_T8192_H64", "gdn", 1, 8192, 64, False, 2.0),
 ]
 SWEEP = [("kda_sweep_T%d_H32" % t, "kda", 1, t, 32, True, None) for t in (2048, 8192, 32768)]
+# Run only when named in --cases (each new shape costs fla ~90 s of autotuning): issue 5's
+# other key widths ("128 tuned; 64 and 256 fast"), the first case's options, K = V, no target.
+OTHER_WIDTHS = [("kda_T8192_H64_K64", "kda", 1, 8192, 64, True, None, 64),
+                ("kda_T8192_H32_K256", "kda", 1, 8192, 32, True, None, 256)]
 
 
 class Inputs:
@@ -196,10 +202,11 @@ def rel_error(torch, a, ref):
 
 
 def run_case(torch, timer, case, args, copy_bw, accuracy):
-    name, mech, B, T, H, gate_in_kernel, target = case
-    row = dict(name=name, mechanism=mech, B=B, T=T, H=H, gate_in_kernel=gate_in_kernel,
+    name, mech, B, T, H, gate_in_kernel, target, *width = case
+    K = width[0] if width else 128
+    row = dict(name=name, mechanism=mech, B=B, T=T, H=H, K=K, V=K, gate_in_kernel=gate_in_kernel,
                target_speedup=target)
-    sets = [Inputs(torch, mech, B, T, H, gate_in_kernel, seed=s) for s in range(2)]
+    sets = [Inputs(torch, mech, B, T, H, gate_in_kernel, K=K, V=K, seed=s) for s in range(2)]
     x = sets[0]
     row["gflop"] = x.flops() / 1e9
     row["mbytes"] = x.bytes() / 1e6
@@ -343,6 +350,7 @@ def main(argv=None):
     cases = [c for c in CASES if not wanted or c[0] in wanted]
     if not args.no_sweep:
         cases += [c for c in SWEEP if not wanted or c[0] in wanted]
+    cases += [c for c in OTHER_WIDTHS if c[0] in wanted]
     rows = []
     for i, case in enumerate(cases):
         t0 = time.perf_counter()
