@@ -68,9 +68,27 @@ def recurrent(x):
     return o
 
 
+def blocked_inverse(A, op):
+    """(I + A)^-1 for strictly lower A as the kernels take it (cuda/chunk_inverse.cuh): the
+    diagonal 16 x 16 blocks exactly (float32 substitution), then by column blocks
+    T_IJ = -T_II sum_M A_IM T_MJ with both operands of each product rounded by `op`."""
+    C = A.shape[0]
+    T = np.zeros((C, C))
+    blocks = [slice(b, min(b + BLOCK, C)) for b in range(0, C, BLOCK)]
+    for b in blocks:
+        T[b, b] = np.linalg.inv(np.eye(b.stop - b.start) + A[b, b]).astype(np.float32)
+    for J, bj in enumerate(blocks):
+        for I in range(J + 1, len(blocks)):
+            bi = blocks[I]
+            X = sum(op(A[bi, blocks[M]]) @ op(T[blocks[M], bj]) for M in range(J, I))
+            T[bi, bj] = (-(T[bi, bi] @ X)).astype(np.float32)
+    return T
+
+
 def chunked(x, precision):
     """The chunk algorithm; `precision` maps an intermediate's name (ROUNDINGS) to the
-    rounding applied to it; absent names stay exact."""
+    rounding applied to it; absent names stay exact. "T_prod": T by blocked_inverse with its
+    products' operands rounded so (else an exact inverse)."""
     def rnd(name, value):
         return precision[name](value) if name in precision else value
 
@@ -91,7 +109,8 @@ def chunked(x, precision):
                 Akk[blk, :upto] = rnd("Akk_op", k[blk] * np.exp(G[blk] - ref)) @ rnd("Akk_op", right).T
                 Aqk[blk, :upto] = rnd("Aqk_op", q[blk] * np.exp(G[blk] - ref)) @ rnd("Aqk_op", right).T
             Akk, Aqk = np.tril(Akk, -1) * b[:, None], np.tril(Aqk)
-            Tinv = np.linalg.inv(np.eye(C) + Akk)
+            Tinv = (blocked_inverse(Akk, precision["T_prod"]) if "T_prod" in precision
+                    else np.linalg.inv(np.eye(C) + Akk))
             T_op = rnd("T_op", Tinv)
             w = rnd("w", T_op @ rnd("kbeta_op", b[:, None] * k * np.exp(G)))
             if "fold_beta" in precision:  # u = (T diag(beta)) v: v is an exact bf16 operand
@@ -139,6 +158,10 @@ def main():
     print(f"  {'beta folded into T: u = (T diag beta) v':44s} {err(but(**fold)):.2e}")
     print(f"  {'both (tf32 A_qk operands, beta folded)':44s} {err(but(Aqk_op=tf32, **fold)):.2e}")
     print(f"  {'both, and A_qk stored in fp32':44s} {err(but(Aqk_op=tf32, Aqk=None, **fold)):.2e}")
+    print(f"  {'T by column blocks, one tf32 product a step':44s} {err(but(T_prod=tf32)):.2e}")
+    print(f"  {'T by column blocks, one bf16 product a step':44s} {err(but(T_prod=bf16)):.2e}")
+    print(f"  {'only T_op, T in one tf32 product a step':44s} "
+          f"{err({'T_op': bf16, 'T_prod': tf32}):.2e}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@
 // - by distance I - J (invert_unit_lower): every thread takes a share of each distance, on
 //   the CUDA cores, with two block barriers per distance;
 // - by column block (invert_unit_lower_by_columns): each warp walks halves of column blocks
-//   down, its sums on the tensor cores in three tf32 products (hi x hi + hi x lo + lo x hi:
-//   float32 to ~2^-21), with no block barrier between the diagonal blocks and the end.
+//   down, its sums on the tensor cores, with no block barrier between the diagonal blocks and
+//   the end: in three tf32 products (hi x hi + hi x lo + lo x hi: float32 to ~2^-21) for the
+//   backward, whose T stays float32; in one for the forward, which rounds T to bfloat16 next
+//   (its error in o is the same to four digits either way: bench/NOTES.md (at)).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -101,8 +103,9 @@ __device__ void invert_unit_lower(const float* a, int lda, float* t, int ldt, In
 // their half (2 + 1 blocks, 8 k-steps). An item computes T_IJ for I = J + 1 .. 3 in order:
 // X = sum_{J <= M < I} A_IM T_MJ by m16n8k8 tf32 products (its T_MJ are the diagonal block
 // and its own earlier results), X to the warp's scratch, then T_IJ = -T_II X in float32,
-// four columns of a row per lane.
-template <int kThreads>
+// four columns of a row per lane. kFloat32Products: each product as three (operands split
+// hi + lo), else one on the operands rounded to tf32.
+template <int kThreads, bool kFloat32Products = true>
 __device__ void invert_unit_lower_by_columns(const float* a, int lda, float* t, int ldt,
                                              InverseScratch& s) {
   static_assert(kThreads / 32 >= kInverseBlocks, "four warps share the six column halves");
@@ -120,18 +123,24 @@ __device__ void invert_unit_lower_by_columns(const float* a, int lda, float* t, 
         Acc acc;
         for (int k0 = kSubChunk * J; k0 < i0; k0 += 8) {
           const float* ar = a + (i0 + g) * lda + k0 + c;
-          uint32_t ah[4], al[4];
-          split_tf32(ar[0], ah[0], al[0]);
-          split_tf32(ar[8 * lda], ah[1], al[1]);
-          split_tf32(ar[4], ah[2], al[2]);
-          split_tf32(ar[8 * lda + 4], ah[3], al[3]);
           const float* br = t + (k0 + c) * ldt + j0 + g;
-          uint32_t bh0, bl0, bh1, bl1;
-          split_tf32(br[0], bh0, bl0);
-          split_tf32(br[4 * ldt], bh1, bl1);
-          mma_tf32(acc, ah, bh0, bh1);
-          mma_tf32(acc, ah, bl0, bl1);
-          mma_tf32(acc, al, bh0, bh1);
+          if constexpr (kFloat32Products) {
+            uint32_t ah[4], al[4];
+            split_tf32(ar[0], ah[0], al[0]);
+            split_tf32(ar[8 * lda], ah[1], al[1]);
+            split_tf32(ar[4], ah[2], al[2]);
+            split_tf32(ar[8 * lda + 4], ah[3], al[3]);
+            uint32_t bh0, bl0, bh1, bl1;
+            split_tf32(br[0], bh0, bl0);
+            split_tf32(br[4 * ldt], bh1, bl1);
+            mma_tf32(acc, ah, bh0, bh1);
+            mma_tf32(acc, ah, bl0, bl1);
+            mma_tf32(acc, al, bh0, bh1);
+          } else {
+            const uint32_t ah[4] = {to_tf32(ar[0]), to_tf32(ar[8 * lda]), to_tf32(ar[4]),
+                                    to_tf32(ar[8 * lda + 4])};
+            mma_tf32(acc, ah, to_tf32(br[0]), to_tf32(br[4 * ldt]));
+          }
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) x[acc_row(e) * kLdx + acc_col(e)] = acc.d[e];

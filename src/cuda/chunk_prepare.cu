@@ -644,8 +644,8 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
     }
 }
 
-// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order), left in bfloat16 twice, each
-// rounded once from float32: T diag(cols) in tb (w's operand: w = T diag(n_k) (beta k
+// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order; by columns in one tf32 product
+// per step: T is bfloat16 next), left in bfloat16 twice, each rounded once from float32: T diag(cols) in tb (w's operand: w = T diag(n_k) (beta k
 // 2^Gamma); cols = n_k with wsrc's slices, w_cols = n_k beta 2^Gamma with the key tiles), and
 // in tu u's: T diag(beta) where v enters as given (ValueTiles), else T.
 template <bool KeyTiles, bool ValueTiles, int KP>
@@ -653,8 +653,8 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
   auto& v = sh.u.v;
   const int tid = threadIdx.x;
   if (c.inverse_by_columns)
-    invert_unit_lower_by_columns<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4,
-                                           v.inverse);
+    invert_unit_lower_by_columns<kThreads, false>(&v.a[0][0], kChunk + 1, &v.t[0][0],
+                                                  kChunk + 4, v.inverse);
   else
     invert_unit_lower<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4, v.inverse);
   // A_kk is dead: T in bfloat16 takes its place, four entries a thread.
