@@ -30,7 +30,8 @@ constexpr const char* kStateProductsSetting = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
 constexpr const char* kStateStagesSetting = "FLASHDELTA_CHUNK_STATE_STAGES";
 // `distance` makes the prepare kernel invert T off the diagonal by distances on the CUDA
 // cores instead of by column blocks on the tensor cores (ChunkParams::inverse_by_columns):
-// for tests and A/B timing.
+// for tests and A/B timing. `tf32` keeps the column blocks with one tf32 product a step
+// (ChunkParams::inverse_one_product): opt-in until measured.
 constexpr const char* kInverseSetting = "FLASHDELTA_CHUNK_INVERSE";
 // `split` takes A_qk and its slices' operands as bfloat16 pairs (ChunkParams::split_aqk);
 // `auto` and `bf16` keep single bfloat16 until the pair is measured on a GPU (bench/NOTES.md
@@ -82,8 +83,14 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
                    bf16_dense_runs(r.v, p.V) &&
                    (r.gate != cuda::GateForm::vector || bf16_dense_runs(r.g, p.K));
   c.dense_output = bf16_dense_runs(c.p.o, p.V);
-  c.inverse_by_columns = env_setting(kInverseSetting, {"auto", "distance"}) != "distance";
+  const std::string inverse = env_setting(kInverseSetting, {"auto", "distance", "tf32"});
+  c.inverse_by_columns = inverse != "distance";
+  c.inverse_one_product = inverse == "tf32";
   c.split_aqk = env_setting(kAqkSetting, {"auto", "bf16", "split"}) == "split";
+  if (c.inverse_one_product && c.split_aqk)
+    throw Error(ErrorCode::invalid_argument,
+                std::string("environment variable ") + kInverseSetting + ": 'tf32' is not built "
+                "together with " + kAqkSetting + "=split; unset one of the two");
   c.state_wgmma = env_setting(kStateProductsSetting, {"auto", "mma_sync"}) != "mma_sync" &&
                   c.KP <= 128;
   const std::string stages = env_setting(kStateStagesSetting, {"auto", "1", "2"});

@@ -9,9 +9,9 @@
 //   the CUDA cores, with two block barriers per distance;
 // - by column block (invert_unit_lower_by_columns): each warp walks halves of column blocks
 //   down, its sums on the tensor cores, with no block barrier between the diagonal blocks and
-//   the end: in three tf32 products (hi x hi + hi x lo + lo x hi: float32 to ~2^-21) for the
-//   backward, whose T stays float32; in one for the forward, which rounds T to bfloat16 next
-//   (its error in o is the same to four digits either way: bench/NOTES.md (at)).
+//   the end: in three tf32 products (hi x hi + hi x lo + lo x hi: float32 to ~2^-21), or in
+//   one where T is rounded to bfloat16 next anyway (the forward's opt-in
+//   ChunkParams::inverse_one_product; bench/NOTES.md (at)).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -92,6 +92,13 @@ struct ChunkParams {
   // bits; record_of). These two last, so that the other members' offsets stay those of the
   // kernels built without the pair.
   uint16_t* aqk_lo = nullptr;
+  // With inverse_by_columns: each step's sum in one tf32 product instead of three (operands
+  // split hi + lo, float32's precision). T is rounded to bfloat16 next, and o's error against
+  // fp64 moves by under 1% in the rounding model, but where T is far from the identity (weak
+  // gates, beta near 1) its bfloat16 entries round differently and o moves by ~2e-3 from the
+  // three-product form (bench/NOTES.md (at)). Opt-in until measured
+  // (FLASHDELTA_CHUNK_INVERSE=tf32); not with split_aqk.
+  bool inverse_one_product = false;
 };
 
 // The three launches of a forward, in order on `stream` (a cudaStream_t); each returns

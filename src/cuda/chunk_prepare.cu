@@ -644,17 +644,18 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
     }
 }
 
-// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order; by columns in one tf32 product
-// per step: T is bfloat16 next), left in bfloat16 twice, each rounded once from float32: T diag(cols) in tb (w's operand: w = T diag(n_k) (beta k
+// T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order; by columns in three tf32
+// products a step or, inverse_one_product, one), left in bfloat16 twice, each rounded once
+// from float32: T diag(cols) in tb (w's operand: w = T diag(n_k) (beta k
 // 2^Gamma); cols = n_k with wsrc's slices, w_cols = n_k beta 2^Gamma with the key tiles), and
 // in tu u's: T diag(beta) where v enters as given (ValueTiles), else T.
-template <bool KeyTiles, bool ValueTiles, int KP>
+template <bool KeyTiles, bool ValueTiles, bool kOneProduct, int KP>
 __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
   auto& v = sh.u.v;
   const int tid = threadIdx.x;
   if (c.inverse_by_columns)
-    invert_unit_lower_by_columns<kThreads, false>(&v.a[0][0], kChunk + 1, &v.t[0][0],
-                                                  kChunk + 4, v.inverse);
+    invert_unit_lower_by_columns<kThreads, !kOneProduct>(&v.a[0][0], kChunk + 1, &v.t[0][0],
+                                                         kChunk + 4, v.inverse);
   else
     invert_unit_lower<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4, v.inverse);
   // A_kk is dead: T in bfloat16 takes its place, four entries a thread.
@@ -790,8 +791,10 @@ __device__ void write_values_from_tiles(const ChunkParams& c, PrepareShared<KP>&
   }
 }
 
-// kSplit: A_qk as a bfloat16 pair (ChunkParams::split_aqk).
-template <GateForm G, int KP, bool Dense, bool kSplit>
+// kSplit: A_qk as a bfloat16 pair (ChunkParams::split_aqk). kOneProduct: T by columns in
+// one tf32 product a step (ChunkParams::inverse_one_product; its own kernels: with the other
+// form in the same kernel, ptxas spilled 120 bytes in the default one's slice loop).
+template <GateForm G, int KP, bool Dense, bool kSplit, bool kOneProduct = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateForm::vector))
     chunk_prepare_kernel(const ChunkParams c) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -853,7 +856,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
   }
   finish_a<G, kSplit>(p, sh, rec, acc_q, acc_k);
   if (p.delta) {
-    solve<kKeyTiles, Dense>(c, sh);
+    solve<kKeyTiles, Dense, kOneProduct>(c, sh);
     if constexpr (Dense) fetch_value_tiles(p, sh, ref, hv, 0);
   }
 
@@ -872,11 +875,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
 
 template <GateForm G, int KP>
 void launch_prepare(const ChunkParams& c, cudaStream_t stream) {
+  // The one-product inverse is not built with the pair (the host refuses the two together).
   const auto kernel =
       c.split_aqk ? (c.dense_tokens ? chunk_prepare_kernel<G, KP, true, true>
                                     : chunk_prepare_kernel<G, KP, false, true>)
-                  : (c.dense_tokens ? chunk_prepare_kernel<G, KP, true, false>
-                                    : chunk_prepare_kernel<G, KP, false, false>);
+      : c.inverse_one_product
+          ? (c.dense_tokens ? chunk_prepare_kernel<G, KP, true, false, true>
+                            : chunk_prepare_kernel<G, KP, false, false, true>)
+          : (c.dense_tokens ? chunk_prepare_kernel<G, KP, true, false>
+                            : chunk_prepare_kernel<G, KP, false, false>);
   const int smem = prepare_shared_bytes<KP>(c.dense_tokens && G != GateForm::vector);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // The blocks per SM above need nearly all of its shared memory.
