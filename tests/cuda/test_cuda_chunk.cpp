@@ -676,8 +676,8 @@ std::pair<ChunkStatesRun, ChunkStatesRun> run_default_and_forced(
 // differs from float32 by ~2.5e-4 in T's blocks off the diagonal, and 6-10% of T's bfloat16
 // entries then round the other way: in the rounding model of the first and last two cases
 // its outputs stay within 1e-4 of the distance order's, with weak gates and beta one (float32
-// inputs, T far from the identity) ~2.3e-3, at K = 256 ~1.1e-3 (bench/NOTES.md (at)); it is
-// asked 5e-3, still far below a misread fragment's error.
+// inputs, T far from the identity) ~2.3e-3 (final states 2.7e-3), at K = 256 ~1.1e-3
+// (bench/NOTES.md (at)); it is asked 6e-3, still far below a misread fragment's error.
 TEST(CudaChunk, InverseOrdersAgree) {
   FLASHDELTA_REQUIRE_GPU();
   std::vector<std::pair<std::string, CaseConfig>> cases = {
@@ -703,7 +703,7 @@ TEST(CudaChunk, InverseOrdersAgree) {
     const ScopedEnv one_product(kInverse, "tf32");
     const ChunkStatesRun tf32 = run_with_chunk_states(c, DType::f32, kChunk);
     expect_forward_matches_reference(c, what + ", by columns in one tf32 product", kChunk);
-    constexpr double kTolOneProduct = 5e-3;
+    constexpr double kTolOneProduct = 6e-3;
     EXPECT_LT(rel_error(tf32.o, distance.o), kTolOneProduct) << what << ": outputs, tf32";
     EXPECT_LT(rel_error(tf32.state, distance.state), kTolOneProduct)
         << what << ": final states, tf32";
