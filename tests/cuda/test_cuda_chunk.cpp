@@ -245,6 +245,8 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
 // anything else fails the call (here its size query, before any device access) naming the
 // variable; so does the one-product inverse with the A_qk pair (not built together).
 TEST(CudaChunkSettings, RejectUnknownValues) {
+  // The pair unset (ctest's split_aqk. pass sets it), for tf32 among the fine values.
+  const ScopedEnv single_aqk(kAqk, nullptr);
   const Case c = make_case({.T = 100, .K = 64, .V = 64, .dtype = DType::bf16});
   HostTensor o = c.make_output(DType::f32), s = c.make_state();
   const ForwardArgs a = labelled_cuda(c.args(o, &s));
