@@ -24,7 +24,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chunk_rounding import BLOCK, CHUNK, bf16, inputs as prefill_inputs, tf32  # noqa: E402
+from chunk_rounding import (BLOCK, CHUNK, bf16, blocked_inverse,  # noqa: E402
+                            inputs as prefill_inputs, tf32)
 
 # S_keys, dS_keys: the states and state gradients where the key gradients' products over V
 # read them (dO S^T, dv_new S^T, v_new dS'^T and d Gamma_end's sum of dS' S) and nowhere
@@ -105,7 +106,10 @@ def backward(x, d_o, d_final, precision):
             C, E, gC = q.shape[0], np.exp(G), G[-1]
             Aqk = np.tril((q * E) @ (k / E).T)
             Kd = np.tril((k * E) @ (k / E).T, -1)
-            Tm = np.linalg.inv(np.eye(C) + b[:, None] * Kd)
+            # "T_prod": T by the kernels' column blocks with that rounding of each product's
+            # operands (chunk_rounding.blocked_inverse), else exact.
+            Tm = (blocked_inverse(b[:, None] * Kd, precision["T_prod"]) if "T_prod" in precision
+                  else np.linalg.inv(np.eye(C) + b[:, None] * Kd))
             kb, vb = b[:, None] * k * E, b[:, None] * v
             rec = {name: rnd("records", rnd("rec_" + name, value)) for name, value in
                    (("qg", q * E), ("kg", k * np.exp(gC - G)), ("w", Tm @ kb), ("u", Tm @ vb),
@@ -194,6 +198,9 @@ def main():
         # The kernels of 2026-12-04 with their bfloat16 outputs (what bench_backward.py
         # measures), then the next stores of bench/NOTES.md (an)'s order one by one.
         line("today's kernels, outputs bf16", dict(today, outputs=bf16))
+        # The forward's opt-in one-product inverse (bench/NOTES.md (at)), were the backward's
+        # records to take it too.
+        line("  + T in one tf32 product a step", dict(today, outputs=bf16, T_prod=tf32))
         for name in ("vn_store", "dvn_store", "dw_store"):
             line(f"  + {name} bf16", dict(today, outputs=bf16, **{name: bf16}))
         line("  + all three", dict(today, outputs=bf16, vn_store=bf16, dvn_store=bf16,

@@ -873,17 +873,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
       write_values<KP, Dense>(c, sh, rec, ref, hv, v0);
 }
 
+template <GateForm G, int KP, bool kSplit, bool kOneProduct>
+auto prepare_kernel(bool dense) {
+  return dense ? chunk_prepare_kernel<G, KP, true, kSplit, kOneProduct>
+               : chunk_prepare_kernel<G, KP, false, kSplit, kOneProduct>;
+}
+
 template <GateForm G, int KP>
 void launch_prepare(const ChunkParams& c, cudaStream_t stream) {
   // The one-product inverse is not built with the pair (the host refuses the two together).
-  const auto kernel =
-      c.split_aqk ? (c.dense_tokens ? chunk_prepare_kernel<G, KP, true, true>
-                                    : chunk_prepare_kernel<G, KP, false, true>)
-      : c.inverse_one_product
-          ? (c.dense_tokens ? chunk_prepare_kernel<G, KP, true, false, true>
-                            : chunk_prepare_kernel<G, KP, false, false, true>)
-          : (c.dense_tokens ? chunk_prepare_kernel<G, KP, true, false>
-                            : chunk_prepare_kernel<G, KP, false, false>);
+  const auto kernel = c.split_aqk             ? prepare_kernel<G, KP, true, false>(c.dense_tokens)
+                      : c.inverse_one_product ? prepare_kernel<G, KP, false, true>(c.dense_tokens)
+                                              : prepare_kernel<G, KP, false, false>(c.dense_tokens);
   const int smem = prepare_shared_bytes<KP>(c.dense_tokens && G != GateForm::vector);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // The blocks per SM above need nearly all of its shared memory.
