@@ -265,6 +265,11 @@ bool cuda_backward_scans_mma(int64_t K) {
   return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma"}) != "tiles" && K <= 128;
 }
 
+bool cuda_backward_scalar_pairs(GateKind gate) {
+  return env_setting("FLASHDELTA_BACKWARD_GATE_PAIRS", {"auto", "general"}) != "general" &&
+         gate == GateKind::scalar;
+}
+
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
   return split_scan(kSegmentsSetting, scans, K, V, chunks, kMapsStep).segments;
 }
@@ -297,6 +302,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   const bool scans_mma =
       cuda_backward_scans_mma(p.K) && shared >= cuda::backward_scans_mma_shared_bytes(p.K);
   const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
+  const bool scalar_pairs = cuda_backward_scalar_pairs(p.gate);
   {
     const cuda::BackwardParams b = backward_params(p, a);
     // The per-chunk stages run one block per record (`keys` one per record and key tile); the
@@ -320,6 +326,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     cuda::BackwardParams b = backward_params(ps, as);
     b.scan_cols = scan_cols;
     b.scans_mma = scans_mma;
+    b.scalar_pairs = scalar_pairs;
     if (!scans_mma) b.segments = 1;  // the tile scans run whole sequences
     b.transposed_maps = b.segments > 1 && !b.chunk_states.data;
     const Carver regions = layout(b, varlen);

@@ -166,6 +166,9 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
   }
 }
 
+// kScalar: a scalar gate (GateForm::scalar): A's entries are plain products of the staged
+// q and k, times e^(Gamma_i - Gamma_j) per entry (at most 1 for j <= i), with no tables.
+template <bool kScalar>
 __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const BackwardParams b) {
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
   ChunkRef ref;
@@ -232,6 +235,20 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
     slice_factors(b, x, rec, c0, sh.beta, sh.slice, sh.fails, sh.any_fail);
     __syncthreads();
     const RecordSlice& s = sh.slice;
+    if constexpr (kScalar) {
+#pragma unroll
+      for (int e = 0; e < kJobsPerWarp; ++e) {
+        int which, I, n0;
+        job(e, which, I, n0);
+        if (kBlock * I >= len) continue;
+        const int m0 = kBlock * I;
+        const float(*rows)[kRecordSlice + 4] = which ? s.k : s.q;
+        tile_product(
+            tiles[e], kRecordSlice / 8, [&](int m, int k) { return rows[m0 + m][k]; },
+            [&](int k, int n) { return s.k[n0 + n][k]; });
+      }
+      continue;
+    }
     fill_diagonal_tables(s, len, sh.fails, sh.tables);
 #pragma unroll
     for (int e = 0; e < kDiagonalSlots; ++e) {
@@ -265,6 +282,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   // failed, the diagonal pairs' exact sums added to what the tiles wrote.
   auto put = [&](int which, int i, int j, float v) {
     const bool row = i < len;
+    if (kScalar && row && j <= i) v *= expf(sh.slice.g[i][0] - sh.slice.g[j][0]);
     if (which == 0) {
       aqk[i * kC + j] = row && j <= i ? v : 0.f;
     } else {
@@ -287,7 +305,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
     kdot[idx] = 0.f;
     sh.akk[i][j] = 0.f;
   }
-  if (sh.any_fail != 0u) {  // the same in every thread: written before the last barrier
+  if (!kScalar && sh.any_fail != 0u) {  // the same in every thread: written before the last barrier
     __syncthreads();         // the tiles' entries written (the block reads its own writes)
 #pragma unroll
     for (int e = 0; e < kDiagonalSlots; ++e) {
@@ -350,6 +368,7 @@ struct PairScratch {
   union {
     float dw[kC][kDwLd];
     GradTables tables;
+    float pkk[kC][kGradSlice + 1];  // scalar gate: the d A_kk row sums, apart from dw's share
   };
 };
 
@@ -433,6 +452,8 @@ struct GradsShared {
   float dakk[kC][kLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
   float dbeta[kC][kEpilogueSlots];  // d beta's row sums, by epilogue slot
   float beta[kC];
+  float gamma[kC];    // scalar gate: Gamma per row
+  float dg_rows[kC];  // scalar gate: the pairs' share of d Gamma per row (see scalar_gate_pairs)
   union {
     struct {
       float dt[kC][kLd];  // d T
@@ -447,6 +468,8 @@ struct GradsShared {
     PairScratch pairs;
   };
 };
+static_assert(2 * (sizeof(GradsShared) + 1024) <= 228 * 1024,
+              "two grads blocks per SM (1 KB of shared memory reserved per block)");
 
 // The tile jobs of add_pair_terms, every block's diagonal included. A row job (which, tile)
 // takes the row sums of blocks I = 0 .. 3 (2 I + 2 k-steps each: 20); a column job (J,
@@ -468,21 +491,24 @@ __device__ void stage_inverse_async(const float* tm, float (&dst)[kC][kTLd]) {
 // inputs (q, k, Gamma, dw) or of the gradients it adds to (dq, dk, dg), a slice ahead of the
 // copies and read-modify-writes that wait on them (other blocks wrote them long before).
 // Worth 1% of grads (bench/NOTES.md (z)); the same in records and keys gained nothing.
+// A scalar gate's pairs read no Gamma slice and add nothing to dg (add_pair_terms).
+template <bool kScalar>
 __device__ void prefetch_pair_inputs(const ChunkRows& x, int c0) {
   const BackwardWorkspace& ws = x.b.ws;
   const int64_t K = x.b.p.K, HK = x.b.H * K;
   if (c0 >= K) return;
   prefetch_rows(x.key_head(ws.qn, 0) + c0, HK, x.len, kGradSlice);
   prefetch_rows(x.key_head(ws.kn, 0) + c0, HK, x.len, kGradSlice);
-  prefetch_rows(x.k_rec(ws.gamma, 0) + c0, K, x.len, kGradSlice);
+  if (!kScalar) prefetch_rows(x.k_rec(ws.gamma, 0) + c0, K, x.len, kGradSlice);
   if (x.b.p.delta) prefetch_rows(x.k_rec(ws.dw, 0) + c0, K, x.len, kGradSlice);
 }
+template <bool kScalar>
 __device__ void prefetch_pair_grads(const ChunkRows& x, int c0) {
   const BackwardWorkspace& ws = x.b.ws;
   const int64_t K = x.b.p.K, VK = x.b.p.HV * K;
   prefetch_rows(x.k_row(ws.dq, 0) + c0, VK, x.len, kGradSlice);
   prefetch_rows(x.k_row(ws.dk, 0) + c0, VK, x.len, kGradSlice);
-  prefetch_rows(x.k_row(ws.dg, 0) + c0, VK, x.len, kGradSlice);
+  if (!kScalar) prefetch_rows(x.k_row(ws.dg, 0) + c0, VK, x.len, kGradSlice);
 }
 
 // Adds the pairwise terms of d A_qk and d A_kk (row-major [i][j] in shared memory, zero
@@ -494,32 +520,37 @@ __device__ void prefetch_pair_grads(const ChunkRows& x, int c0) {
 // scratch's last use and the dA writes are behind it). With the delta rule, T (pr.tm) must
 // have landed with the first slice (stage_inverse_async before it) and T^T dw's d beta share
 // goes to dbeta's epilogue slots.
+// kScalar (a scalar gate): daqk and dakk already carry e^(Gamma_i - Gamma_j)
+// (scalar_gate_pairs), so the sums are plain products over the slice with no tables, and
+// the pairs' share of d Gamma was taken whole there; only T^T dw's share, summed over the
+// slice's channels, is added here, to dg_rows (gamma: Gamma per row).
+template <bool kScalar>
 __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[kLd],
-                               const float (*dakk)[kLd], const float* beta,
-                               float (*dbeta)[kEpilogueSlots], PairScratch& pr) {
+                               const float (*dakk)[kLd], const float* beta, const float* gamma,
+                               float* dg_rows, float (*dbeta)[kEpilogueSlots], PairScratch& pr) {
   const BackwardWorkspace& ws = x.b.ws;
   const int K = static_cast<int>(x.b.p.K), len = x.len, warp = threadIdx.x / 32;
   const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
   constexpr int kRowGroups = kBackwardThreads / kGradSlice;
   static_assert(kRowGroups == kBlock, "a thread's epilogue rows: one per block");
   const bool delta = x.b.p.delta;
-  prefetch_pair_inputs(x, c0 + kGradSlice);
-  prefetch_pair_grads(x, c0);
+  prefetch_pair_inputs<kScalar>(x, c0 + kGradSlice);
+  prefetch_pair_grads<kScalar>(x, c0);
   __syncthreads();
   const auto head_row = [&](const float* a) { return [&x, a](int i) { return x.key_head(a, i); }; };
   const auto rec_row = [&](const float* a) {
     return [&x, a](int i) { return x.k_rec(const_cast<float*>(a), i); };
   };
-  if (threadIdx.x < kBlocks) pr.fails[threadIdx.x] = 0u;  // marked after the next barrier
+  if (!kScalar && threadIdx.x < kBlocks) pr.fails[threadIdx.x] = 0u;  // marked after the next barrier
   copy_slice_async<kGradSlice>(x, c0, head_row(ws.qn), ws.qn, pr.slice.q);
   copy_slice_async<kGradSlice>(x, c0, head_row(ws.kn), ws.kn, pr.slice.k);
-  copy_slice_async<kGradSlice>(x, c0, rec_row(ws.gamma), ws.gamma, pr.slice.g);
+  if (!kScalar) copy_slice_async<kGradSlice>(x, c0, rec_row(ws.gamma), ws.gamma, pr.slice.g);
   if (delta) copy_slice_async<kGradSlice>(x, c0, rec_row(ws.dw), ws.dw, pr.dw);
   commit_async();
   wait_async<0>();
   __syncthreads();
   const GradSlice& s = pr.slice;
-  mark_failing_blocks<kGradSlice>(s, len, pr.fails);
+  if (!kScalar) mark_failing_blocks<kGradSlice>(s, len, pr.fails);
   if (delta) {
     // p2 = beta e^Gamma (T^T dw) for the slice, a 16 x 8 tile per warp (rows 16 (w % 4) on,
     // columns 8 (w / 4) on); d beta's share, k e^Gamma (T^T dw), into the lane's slot.
@@ -538,14 +569,72 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
 #pragma unroll
       for (int r = 2 * h; r < 2 * h + 2; ++r) {
         const int n = n0 + acc_col(r);
-        const float e = m < len ? expf(s.g[m][n]) * acc.d[r] : 0.f;
+        const float e = m < len ? expf(kScalar ? gamma[m] : s.g[m][n]) * acc.d[r] : 0.f;
         pr.p2[m][n] = beta[m] * e;
         share = fmaf(s.k[m][n], e, share);
       }
       if (m < len) dbeta[m][slot] += share;
     }
   }
-  __syncthreads();  // fails marked; dw read (the tables take its place)
+  __syncthreads();  // fails marked; dw read (the tables, or pkk, take its place)
+  if constexpr (kScalar) {
+    // Rows i: p1 = sum over j <= i of daqk[i][j] k_j, pkk the same of dakk; columns j: q12 =
+    // sum over r >= j of daqk[r][j] q_r + dakk[r][j] k_r. The same jobs as below (20 k-steps
+    // per warp), each one product and nothing to scale back.
+    if (warp >= 4) {
+      const int which = (warp - 4) / kColTiles, n0 = warp % kColTiles * 8;
+      const float(*dA)[kLd] = which ? dakk : daqk;
+      float(*out)[kGradSlice + 1] = which ? pr.pkk : pr.p1;
+      for (int I = 0; I < kBlocks && kBlock * I < len; ++I) {
+        Acc acc;
+        tile_product(
+            acc, 2 * I + 2, [&](int m, int k) { return dA[kBlock * I + m][k]; },
+            [&](int k, int n) { return s.k[k][n0 + n]; });
+#pragma unroll
+        for (int r = 0; r < 4; ++r) out[kBlock * I + acc_row(r)][n0 + acc_col(r)] = acc.d[r];
+      }
+    } else {
+      const int n0 = warp % kColTiles * 8, steps_to = (len + 7) / 8;
+      for (int pass = 0; pass < 2; ++pass) {
+        const int J = warp < 2 ? 3 * pass : 1 + pass, j0 = kBlock * J;
+        if (j0 >= len) continue;
+        Acc acc;
+        tile_product(
+            acc, steps_to - j0 / 8, [&](int m, int k) { return daqk[j0 + k][j0 + m]; },
+            [&](int k, int n) { return s.q[j0 + k][n0 + n]; });
+        tile_product(
+            acc, steps_to - j0 / 8, [&](int m, int k) { return dakk[j0 + k][j0 + m]; },
+            [&](int k, int n) { return s.k[j0 + k][n0 + n]; });
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pr.q12[j0 + acc_row(r)][n0 + acc_col(r)] = acc.d[r];
+      }
+    }
+    __syncthreads();
+    const int c = c0 + cc;
+    const bool live = c < K;
+    float dq[kBlocks], dk[kBlocks];
+#pragma unroll
+    for (int u = 0; u < kBlocks; ++u) {
+      const int i = rg + u * kRowGroups;
+      if (i >= len || !live) continue;
+      dq[u] = x.k_row(ws.dq, i)[c];
+      dk[u] = x.k_row(ws.dk, i)[c];
+    }
+#pragma unroll
+    for (int u = 0; u < kBlocks; ++u) {
+      const int i = rg + u * kRowGroups;
+      float share = 0.f;  // this channel's part of T^T dw's d Gamma share
+      if (i < len && live) {
+        const float p2 = delta ? pr.p2[i][cc] : 0.f;
+        x.k_row(ws.dq, i)[c] = dq[u] + pr.p1[i][cc];
+        x.k_row(ws.dk, i)[c] = dk[u] + (p2 + pr.pkk[i][cc] + pr.q12[i][cc]);
+        share = s.k[i][cc] * p2;
+      }
+      share = lane_sum<1, kGradSlice / 2>(share);  // over the half-warp's channels
+      if (cc == 0 && i < len) dg_rows[i] += share;
+    }
+    return;
+  }
   fill_diagonal_tables(s, len, pr.fails, pr.tables);
   __syncthreads();
   const GradTables& t = pr.tables;
@@ -656,10 +745,70 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   }
 }
 
+// A scalar gate's pairs, once per chunk instead of per key slice: e^(Gamma_i - Gamma_j) is one
+// number per pair (at most 1 for j <= i), so it moves onto d A_qk and d A_kk (scaled in
+// place, for add_pair_terms<true>), and the pairs' whole share of d Gamma is one matrix:
+//     M[i][j] = d A_qk[i][j] A_qk[i][j] + d A_kk[i][j] A_kk[i][j]   (A_kk unscaled by beta)
+//     d Gamma_i += sum_j M[i][j] - sum_r M[r][i]
+// (the vector gate's row and column sums, summed over the channels). A pair adds the same
+// float to d Gamma_i as it takes from d Gamma_j, so the reverse cumulative sum cancels it
+// exactly below j (the vector form needs float32-precise products for that). Written to
+// dg_rows; the column sums pass through `scratch` (8 x 64 floats). Ends with a barrier.
+__device__ void scalar_gate_pairs(const ChunkRows& x, const float* aqk, const float* kdot,
+                                  float (*daqk)[kLd], float (*dakk)[kLd], const float* gamma,
+                                  float* dg_rows, float (*scratch)[kC]) {
+  constexpr int kRows = kC / kWarps;  // a warp's rows: warp, warp + 8, ...
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, len = x.len;
+  const bool delta = x.b.p.delta;
+  // Every load of the warp's rows out before the first use.
+  float a[kRows][2], kd[kRows][2];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = warp + kWarps * r, j = lane + 32 * h;
+      const bool pair = j <= i && i < len;
+      a[r][h] = pair ? aqk[i * kC + j] : 0.f;
+      kd[r][h] = pair && delta ? kdot[i * kC + j] : 0.f;
+    }
+  float col[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int i = warp + kWarps * r;
+    float row = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = lane + 32 * h;
+      if (j > i || i >= len) continue;
+      const float dq = daqk[i][j], dk = dakk[i][j];
+      const float m = dq * a[r][h] + dk * kd[r][h];
+      row += m;
+      col[h] += m;
+      const float d = expf(gamma[i] - gamma[j]);
+      daqk[i][j] = dq * d;
+      dakk[i][j] = dk * d;
+    }
+    row = lane_sum<1, 16>(row);
+    if (lane == 0) dg_rows[i] = row;
+  }
+  scratch[warp][lane] = col[0];
+  scratch[warp][lane + 32] = col[1];
+  __syncthreads();
+  if (threadIdx.x < kC) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += scratch[w][threadIdx.x];
+    dg_rows[threadIdx.x] -= sum;
+  }
+  __syncthreads();
+}
+
 // Gamma = cumsum(g) inside the chunk: g's gradient is the reverse cumulative sum, from the
 // chunk-end term dgamma_end[c] down the rows. Rows are loaded kRun at a time, so the loads do
-// not wait on each other.
-__device__ void reverse_cumsum_dg(const ChunkRows& x, const float* dgamma_end) {
+// not wait on each other. dg_rows (a scalar gate's, or null) adds to channel 0: the scalar
+// gate's gradient is the sum over the channels (cuda/backward_tokens.cu).
+__device__ void reverse_cumsum_dg(const ChunkRows& x, const float* dgamma_end,
+                                  const float* dg_rows) {
   constexpr int kRun = 16;
   const BackwardWorkspace& ws = x.b.ws;
   const int len = x.len, K = static_cast<int>(x.b.p.K);
@@ -670,7 +819,8 @@ __device__ void reverse_cumsum_dg(const ChunkRows& x, const float* dgamma_end) {
 #pragma unroll
       for (int i = 0; i < kRun; ++i) {
         const int row = top - kRun + i;
-        col[i] = row < len ? x.k_row(ws.dg, row)[c] : 0.f;
+        col[i] = row < len ? x.k_row(ws.dg, row)[c] + (dg_rows && c == 0 ? dg_rows[row] : 0.f)
+                           : 0.f;
       }
 #pragma unroll
       for (int i = kRun - 1; i >= 0; --i) {
@@ -681,6 +831,9 @@ __device__ void reverse_cumsum_dg(const ChunkRows& x, const float* dgamma_end) {
   }
 }
 
+// kScalar: a scalar gate (GateForm::scalar), whose pairs take the short form
+// (scalar_gate_pairs, add_pair_terms<true>).
+template <bool kScalar>
 __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const BackwardParams b) {
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
   ChunkRef ref;
@@ -703,13 +856,16 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   for (int idx = threadIdx.x; idx < kC * kEpilogueSlots; idx += blockDim.x)
     sh.dbeta[idx / kEpilogueSlots][idx % kEpilogueSlots] = 0.f;
   stage_beta(x, sh.beta);
+  if (kScalar)  // every channel's Gamma is the same: channel 0's
+    for (int i = threadIdx.x; i < kC; i += blockDim.x)
+      sh.gamma[i] = i < len ? x.k_rec(ws.gamma, i)[0] : 0.f;
   // d beta[m] = sum over n of beta_m's share of three products' outputs, added in their
   // epilogues (epilogue_slot; T^T dw's in add_pair_terms): nothing is stored for a second
   // pass to sum.
   auto add_dbeta = [&](int m, int n, float v) { sh.dbeta[m][epilogue_slot(n)] += v; };
   const Rows dO = x.v_rows(ws.dout);
   ProductStage<16>& st = sh.products.after.stage;
-  prefetch_pair_inputs(x, 0);  // the first key slice, needed after the products
+  prefetch_pair_inputs<kScalar>(x, 0);  // the first key slice, needed after the products
   // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
   // workspace for reverse_cumsum_dg.
 
@@ -757,8 +913,12 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
       x.v_row(ws.dv, idx / V)[idx % V] = x.v_rec(ws.dvn, idx / V)[idx % V];
   }
 
+  if (kScalar)  // its column sums pass through p1, which the slices write after a barrier
+    scalar_gate_pairs(x, ws.aqk + rec * kC * kC, kdot, sh.daqk, sh.dakk, sh.gamma, sh.dg_rows,
+                      reinterpret_cast<float(*)[kC]>(&sh.pairs.p1[0][0]));
   for (int c0 = 0; c0 < K; c0 += kGradSlice)
-    add_pair_terms(x, c0, sh.daqk, sh.dakk, sh.beta, sh.dbeta, sh.pairs);
+    add_pair_terms<kScalar>(x, c0, sh.daqk, sh.dakk, sh.beta, sh.gamma, sh.dg_rows, sh.dbeta,
+                            sh.pairs);
   __syncthreads();
   if (b.p.delta) {
     for (int m = threadIdx.x; m < len; m += blockDim.x) {
@@ -768,7 +928,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
       ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
     }
   }
-  reverse_cumsum_dg(x, ws.dgamma + rec * K);
+  reverse_cumsum_dg(x, ws.dgamma + rec * K, kScalar ? sh.dg_rows : nullptr);
 }
 
 // One block per record; both kernels keep more than the 48 KB of static shared memory.
@@ -787,11 +947,13 @@ int64_t backward_chunk_shared_bytes() {
 }
 
 void launch_backward_records(const BackwardParams& b, void* stream) {
-  launch_per_record<RecordsShared>(records_kernel, b, stream);
+  launch_per_record<RecordsShared>(
+      b.scalar_pairs ? records_kernel<true> : records_kernel<false>, b, stream);
 }
 
 void launch_backward_grads(const BackwardParams& b, void* stream) {
-  launch_per_record<GradsShared>(grads_kernel, b, stream);
+  launch_per_record<GradsShared>(
+      b.scalar_pairs ? grads_kernel<true> : grads_kernel<false>, b, stream);
 }
 
 }  // namespace flashdelta::detail::cuda

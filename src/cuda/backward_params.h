@@ -95,6 +95,8 @@ struct BackwardParams {
   // The scans store S and dS' for `keys` in bfloat16 (backward_bf16_states, cuda/cuda.h):
   // `keys` reads them as its products' operands only, and half the bytes move.
   bool bf16_states = false;
+  // A scalar gate's records and grads in their short form (cuda_backward_scalar_pairs).
+  bool scalar_pairs = false;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;
   TokenTensor d_o;

@@ -86,6 +86,12 @@ int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms);
 // K <= 128 unless FLASHDELTA_BACKWARD_SCANS is `tiles` (unset, empty or `mma`: the
 // registers). Any other value throws Error(invalid_argument) naming the variable.
 bool cuda_backward_scans_mma(int64_t K);
+// Whether the backward's per-chunk stages take a scalar gate's short form (one decay per
+// token pair, no per-channel tables; cuda/backward_chunk.cu): for GateKind::scalar unless
+// FLASHDELTA_BACKWARD_GATE_PAIRS is `general` (unset, empty or `auto`: by the gate), which
+// runs the vector gate's form for every gate. Any other value throws Error(invalid_argument)
+// naming the variable.
+bool cuda_backward_scalar_pairs(GateKind gate);
 // Segments each sequence of `chunks` chunks is split into by the scans in registers
 // (K <= 128; 1 otherwise), for `scans` (sequence, value head) pairs of V columns:
 // split_scan (cuda/host_params.h: a device-independent model unless forced) under

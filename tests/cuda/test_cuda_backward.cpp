@@ -483,6 +483,64 @@ TEST(CudaBackwardScansMma, FollowsTheEnvironmentVariable) {
     expect_setting_rejected(kScans, bad, [] { detail::cuda_backward_scans_mma(128); });
 }
 
+constexpr const char* kGatePairs = "FLASHDELTA_BACKWARD_GATE_PAIRS";
+
+// Host only: a scalar gate's short form unless the general one is asked for.
+TEST(CudaBackwardGatePairs, FollowsTheEnvironmentVariable) {
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
+    const ScopedEnv setting(kGatePairs, automatic);
+    EXPECT_TRUE(detail::cuda_backward_scalar_pairs(GateKind::scalar));
+    EXPECT_FALSE(detail::cuda_backward_scalar_pairs(GateKind::vector));
+    EXPECT_FALSE(detail::cuda_backward_scalar_pairs(GateKind::none));
+  }
+  {
+    const ScopedEnv general(kGatePairs, "general");
+    EXPECT_FALSE(detail::cuda_backward_scalar_pairs(GateKind::scalar));
+  }
+  for (const char* bad : {"scalar", "General"})
+    expect_setting_rejected(kGatePairs, bad,
+                            [] { detail::cuda_backward_scalar_pairs(GateKind::scalar); });
+}
+
+// A scalar gate's short form (records and grads without per-channel tables) against the
+// reference and against the general form on the same inputs: both delta-rule and linear
+// scalar gates, ragged K and V (partial key slices), varlen with empty and one-token
+// sequences, V-first states, strong gates (pairs whose decay underflows), fused transforms;
+// bitwise the same from run to run.
+TEST(CudaBackward, ScalarGatePairsMatchTheGeneralForm) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig cases[] = {
+      {.mechanism = Mechanism::gated_deltanet, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128,
+       .dtype = DType::bf16, .qk_l2norm = true, .beta_sigmoid = true, .gate_in_kernel = true,
+       .seed = 8300},
+      {.mechanism = Mechanism::simple_gla, .B = 2, .T = 130, .K = 17, .V = 33,
+       .dtype = DType::f32, .seed = 8301},
+      {.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4, .K = 40, .V = 44,
+       .dtype = DType::f16, .seqlens = {0, 1, 200, 65}, .layout = StateLayout::v_first,
+       .seed = 8302},
+      {.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 150, .K = 64, .V = 64,
+       .dtype = DType::f32, .gate_min = -8.0, .seed = 8303}};
+  for (const CaseConfig& c : cases) {
+    const BackwardCase b = make_backward_case(c);
+    Gradients general;
+    {
+      const ScopedEnv forced(kGatePairs, "general");
+      general = cuda_gradients(b);
+    }
+    const ScopedEnv automatic(kGatePairs, nullptr);
+    expect_gradients_match(b, describe(c) + ", scalar pairs");
+    const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
+    for (size_t i = 0; i < kNumSlots; ++i) {
+      EXPECT_EQ(first.t[i].bytes, second.t[i].bytes)
+          << describe(c) << ": d" << kGradInputs[i].name << " differs from run to run";
+      if (first.t[i].bytes.empty() || !first.t[i].view.present()) continue;
+      EXPECT_LT(rel_error(first.values(i), general.values(i)),
+                tolerance(i, DType::f32, bf16_states(b)))
+          << describe(c) << ": d" << kGradInputs[i].name << " against the general form";
+    }
+  }
+}
+
 // Host only: which inputs keep the chunk states in bfloat16, and the setting that keeps them
 // in float32.
 TEST(CudaBackwardStates, FollowTheInputDtypeAndTheEnvironmentVariable) {
