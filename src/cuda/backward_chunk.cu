@@ -751,8 +751,9 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
 //     M[i][j] = d A_qk[i][j] A_qk[i][j] + d A_kk[i][j] A_kk[i][j]   (A_kk unscaled by beta)
 //     d Gamma_i += sum_j M[i][j] - sum_r M[r][i]
 // (the vector gate's row and column sums, summed over the channels). A pair adds the same
-// float to d Gamma_i as it takes from d Gamma_j, so the reverse cumulative sum cancels it
-// exactly below j (the vector form needs float32-precise products for that). Written to
+// float to d Gamma_i as it takes from d Gamma_j, so below j the reverse cumulative sum cancels
+// it to float32's rounding of the sums (the vector form computes the two copies apart, and
+// needs float32-precise products on the diagonal blocks for that). Written to
 // dg_rows; the column sums pass through `scratch` (8 x 64 floats). Ends with a barrier.
 __device__ void scalar_gate_pairs(const ChunkRows& x, const float* aqk, const float* kdot,
                                   float (*daqk)[kLd], float (*dakk)[kLd], const float* gamma,
