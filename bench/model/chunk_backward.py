@@ -65,6 +65,23 @@ def chunk_forward(q, k, v, g, beta, S0):
     return torch.cat(outs), S, states
 
 
+def pair_dG(x, dAqk, dAkk_b):
+    """The pairs' share of dG [C, K] (A_qk and A_kk back to Gamma through their factors
+    Lq, Lk and R): row sums for the i side, column sums for the j side. dAkk_b = beta dA_kk."""
+    dR = dAqk.T @ x["Lq"] + dAkk_b.T @ x["Lk"]
+    return (dAqk @ x["R"]) * x["Lq"] + (dAkk_b @ x["R"]) * x["Lk"] - dR * x["R"]
+
+
+def scalar_gate_pair_dG(x, dAqk, dAkk_b):
+    """pair_dG summed over the channels: each pair's term is one number, M[i, j] =
+    dA_qk A_qk + beta dA_kk A_kk' (A_kk' the products unscaled by beta), added to token i and
+    taken from token j. The identity holds for any gate, but only a gate of one value per
+    token needs no more than the sum: its gradient is the channels' sum
+    (cuda/backward_chunk.cu, scalar_gate_pairs)."""
+    M = dAqk * x["Aqk"] + dAkk_b * torch.tril(x["Lk"] @ x["R"].T, -1)
+    return M.sum(1) - M.sum(0)
+
+
 def chunk_backward(q, k, v, g, beta, S0, d_o, d_final):
     """Gradients (dq, dk, dv, dg, dbeta, dS0) of <d_o, o> + <d_final, S_final>."""
     _, _, states = chunk_forward(q, k, v, g, beta, S0)
@@ -102,10 +119,10 @@ def chunk_backward(q, k, v, g, beta, S0, d_o, d_final):
         dR = dAqk.T @ x["Lq"]
         dbc = dbc + (dAkk * (x["Lk"] @ x["R"].T)).sum(1)
         dAkk_b = bc[:, None] * dAkk
+        dG = dG + dLk * x["Lk"] + pair_dG(x, dAqk, dAkk_b)  # dLk so far: T^T dw's share
         dLk = dLk + dAkk_b @ x["R"]
         dR = dR + dAkk_b.T @ x["Lk"]
         dqc = dqc + dLq2 * x["E"]
-        dG = dG + dLq2 * x["Lq"] + dLk * x["Lk"] - dR * x["R"]
         dkc = dkc + dLk * x["E"] + dR * x["Einv"]
         dG[-1] += dgC
         # Gamma = cumsum(g): a reverse cumulative sum.

@@ -23,6 +23,23 @@ def test_chunk_backward_matches_autograd(T, seed):
     assert max(errors.values()) < 1e-10, errors
 
 
+# A scalar gate's short form (cuda/backward_chunk.cu): the pairs' share of dG summed over
+# the channels (all a scalar gate's gradient needs) is rowsum(M) - colsum(M) of one C x C
+# matrix. Random lower-triangular dA_qk and strictly lower dA_kk; chunks of 64, 37 and 1
+# tokens.
+@pytest.mark.parametrize("C", [64, 37, 1])
+def test_scalar_gate_pairs_sum_over_channels(C):
+    q, k, v, g, beta, S0, _, _ = model.random_problem(C, 12, 20, seed=C)
+    g = g[:, :1].expand(-1, 12).contiguous()  # one gate per token
+    x = model.chunk_tensors(q, k, v, g, beta, S0)
+    gen = torch.Generator().manual_seed(C)
+    dAqk = torch.tril(torch.randn(C, C, generator=gen, dtype=torch.float64))
+    dAkk_b = torch.tril(torch.randn(C, C, generator=gen, dtype=torch.float64), -1)
+    per_channel = model.pair_dG(x, dAqk, dAkk_b).sum(1)
+    short = model.scalar_gate_pair_dG(x, dAqk, dAkk_b)
+    assert torch.allclose(short, per_channel, rtol=1e-10, atol=1e-12)
+
+
 def _load(name):
     path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "model", name + ".py")
     spec = importlib.util.spec_from_file_location(name + "_model", path)
