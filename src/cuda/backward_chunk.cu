@@ -7,6 +7,10 @@
 // j <= i: no factorisation, nothing to overflow). Global operands pass through shared memory
 // in coalesced slices (staged_product, the key slices of the pairwise sums): a thread never
 // waits on a chain of its own global loads.
+// A scalar gate (BackwardParams::scalar_pairs) takes a short form of both kernels
+// (kScalar): its decay is one number per token pair, so A's entries are plain products
+// times that number, and the pairs' share of d Gamma is one C x C matrix's row sums minus
+// its column sums (scalar_gate_pairs; bench/model/chunk_backward.py, scalar_gate_pair_dG).
 #include <cuda_runtime.h>
 
 #include "cuda/backward_blocks.cuh"
