@@ -37,6 +37,8 @@ tensor-core registers (the default for K <= 128).
 FLASHDELTA_BACKWARD_SCAN_COLUMNS sets the tile scans' columns per block (`auto` when unset;
 every output column is summed in the same order at any width: expected difference 0), e.g.
 FLASHDELTA_BACKWARD_SCANS=tiles+FLASHDELTA_BACKWARD_SCAN_COLUMNS=32.
+FLASHDELTA_BACKWARD_GATE_PAIRS=general runs a scalar gate (Gated DeltaNet) through the vector
+gate's per-channel records and gradient kernels instead of its own short form.
 
 Accuracy (first case, at B=2 T=1024 H=4 with the same options, so that fp64 is affordable):
 dq, dk, dv, dg, dbeta, dh0 of fla and of FlashDelta against torch autograd of an fp64
