@@ -515,6 +515,74 @@ __device__ void prefetch_pair_grads(const ChunkRows& x, int c0) {
   if (!kScalar) prefetch_rows(x.k_row(ws.dg, 0) + c0, VK, x.len, kGradSlice);
 }
 
+// add_pair_terms' products and epilogue for a scalar gate, after the slice's dw share:
+// rows i, p1 = sum over j <= i of daqk[i][j] k_j and pkk the same of dakk; columns j, q12 =
+// sum over r >= j of daqk[r][j] q_r + dakk[r][j] k_r (daqk and dakk carrying the decay). The
+// general form's jobs (20 k-steps per warp), each one product with nothing to scale back;
+// then dq and dk, and T^T dw's share of d Gamma summed over the slice's channels into
+// dg_rows.
+__device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)[kLd],
+                                 const float (*dakk)[kLd], float* dg_rows, PairScratch& pr) {
+  const BackwardWorkspace& ws = x.b.ws;
+  const int K = static_cast<int>(x.b.p.K), len = x.len, warp = threadIdx.x / 32;
+  const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
+  constexpr int kRowGroups = kBackwardThreads / kGradSlice;
+  const bool delta = x.b.p.delta;
+  const GradSlice& s = pr.slice;
+  if (warp >= 4) {
+    const int which = (warp - 4) / kColTiles, n0 = warp % kColTiles * 8;
+    const float(*dA)[kLd] = which ? dakk : daqk;
+    float(*out)[kGradSlice + 1] = which ? pr.pkk : pr.p1;
+    for (int I = 0; I < kBlocks && kBlock * I < len; ++I) {
+      Acc acc;
+      tile_product(
+          acc, 2 * I + 2, [&](int m, int k) { return dA[kBlock * I + m][k]; },
+          [&](int k, int n) { return s.k[k][n0 + n]; });
+#pragma unroll
+      for (int r = 0; r < 4; ++r) out[kBlock * I + acc_row(r)][n0 + acc_col(r)] = acc.d[r];
+    }
+  } else {
+    const int n0 = warp % kColTiles * 8, steps_to = (len + 7) / 8;
+    for (int pass = 0; pass < 2; ++pass) {
+      const int J = warp < 2 ? 3 * pass : 1 + pass, j0 = kBlock * J;
+      if (j0 >= len) continue;
+      Acc acc;
+      tile_product(
+          acc, steps_to - j0 / 8, [&](int m, int k) { return daqk[j0 + k][j0 + m]; },
+          [&](int k, int n) { return s.q[j0 + k][n0 + n]; });
+      tile_product(
+          acc, steps_to - j0 / 8, [&](int m, int k) { return dakk[j0 + k][j0 + m]; },
+          [&](int k, int n) { return s.k[j0 + k][n0 + n]; });
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pr.q12[j0 + acc_row(r)][n0 + acc_col(r)] = acc.d[r];
+    }
+  }
+  __syncthreads();
+  const int c = c0 + cc;
+  const bool live = c < K;
+  float dq[kBlocks], dk[kBlocks];
+#pragma unroll
+  for (int u = 0; u < kBlocks; ++u) {
+    const int i = rg + u * kRowGroups;
+    if (i >= len || !live) continue;
+    dq[u] = x.k_row(ws.dq, i)[c];
+    dk[u] = x.k_row(ws.dk, i)[c];
+  }
+#pragma unroll
+  for (int u = 0; u < kBlocks; ++u) {
+    const int i = rg + u * kRowGroups;
+    float share = 0.f;  // this channel's part of T^T dw's d Gamma share
+    if (i < len && live) {
+      const float p2 = delta ? pr.p2[i][cc] : 0.f;
+      x.k_row(ws.dq, i)[c] = dq[u] + pr.p1[i][cc];
+      x.k_row(ws.dk, i)[c] = dk[u] + (p2 + pr.pkk[i][cc] + pr.q12[i][cc]);
+      share = s.k[i][cc] * p2;
+    }
+    share = lane_sum<1, kGradSlice / 2>(share);  // over the half-warp's channels
+    if (cc == 0 && i < len) dg_rows[i] += share;
+  }
+}
+
 // Adds the pairwise terms of d A_qk and d A_kk (row-major [i][j] in shared memory, zero
 // outside j <= i < len) over key channels c0 .. c0 + kGradSlice - 1 to the chunk's rows of dq,
 // dk and dg (cuda/backward_blocks.cuh): row sums (their i side) and column sums (j side), on
@@ -527,7 +595,7 @@ __device__ void prefetch_pair_grads(const ChunkRows& x, int c0) {
 // kScalar (a scalar gate): daqk and dakk already carry e^(Gamma_i - Gamma_j)
 // (scalar_gate_pairs), so the sums are plain products over the slice with no tables, and
 // the pairs' share of d Gamma was taken whole there; only T^T dw's share, summed over the
-// slice's channels, is added here, to dg_rows (gamma: Gamma per row).
+// slice's channels, is added here, to dg_rows (gamma: Gamma per row; scalar_pair_sums).
 template <bool kScalar>
 __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[kLd],
                                const float (*dakk)[kLd], const float* beta, const float* gamma,
@@ -581,64 +649,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
     }
   }
   __syncthreads();  // fails marked; dw read (the tables, or pkk, take its place)
-  if constexpr (kScalar) {
-    // Rows i: p1 = sum over j <= i of daqk[i][j] k_j, pkk the same of dakk; columns j: q12 =
-    // sum over r >= j of daqk[r][j] q_r + dakk[r][j] k_r. The same jobs as below (20 k-steps
-    // per warp), each one product and nothing to scale back.
-    if (warp >= 4) {
-      const int which = (warp - 4) / kColTiles, n0 = warp % kColTiles * 8;
-      const float(*dA)[kLd] = which ? dakk : daqk;
-      float(*out)[kGradSlice + 1] = which ? pr.pkk : pr.p1;
-      for (int I = 0; I < kBlocks && kBlock * I < len; ++I) {
-        Acc acc;
-        tile_product(
-            acc, 2 * I + 2, [&](int m, int k) { return dA[kBlock * I + m][k]; },
-            [&](int k, int n) { return s.k[k][n0 + n]; });
-#pragma unroll
-        for (int r = 0; r < 4; ++r) out[kBlock * I + acc_row(r)][n0 + acc_col(r)] = acc.d[r];
-      }
-    } else {
-      const int n0 = warp % kColTiles * 8, steps_to = (len + 7) / 8;
-      for (int pass = 0; pass < 2; ++pass) {
-        const int J = warp < 2 ? 3 * pass : 1 + pass, j0 = kBlock * J;
-        if (j0 >= len) continue;
-        Acc acc;
-        tile_product(
-            acc, steps_to - j0 / 8, [&](int m, int k) { return daqk[j0 + k][j0 + m]; },
-            [&](int k, int n) { return s.q[j0 + k][n0 + n]; });
-        tile_product(
-            acc, steps_to - j0 / 8, [&](int m, int k) { return dakk[j0 + k][j0 + m]; },
-            [&](int k, int n) { return s.k[j0 + k][n0 + n]; });
-#pragma unroll
-        for (int r = 0; r < 4; ++r) pr.q12[j0 + acc_row(r)][n0 + acc_col(r)] = acc.d[r];
-      }
-    }
-    __syncthreads();
-    const int c = c0 + cc;
-    const bool live = c < K;
-    float dq[kBlocks], dk[kBlocks];
-#pragma unroll
-    for (int u = 0; u < kBlocks; ++u) {
-      const int i = rg + u * kRowGroups;
-      if (i >= len || !live) continue;
-      dq[u] = x.k_row(ws.dq, i)[c];
-      dk[u] = x.k_row(ws.dk, i)[c];
-    }
-#pragma unroll
-    for (int u = 0; u < kBlocks; ++u) {
-      const int i = rg + u * kRowGroups;
-      float share = 0.f;  // this channel's part of T^T dw's d Gamma share
-      if (i < len && live) {
-        const float p2 = delta ? pr.p2[i][cc] : 0.f;
-        x.k_row(ws.dq, i)[c] = dq[u] + pr.p1[i][cc];
-        x.k_row(ws.dk, i)[c] = dk[u] + (p2 + pr.pkk[i][cc] + pr.q12[i][cc]);
-        share = s.k[i][cc] * p2;
-      }
-      share = lane_sum<1, kGradSlice / 2>(share);  // over the half-warp's channels
-      if (cc == 0 && i < len) dg_rows[i] += share;
-    }
-    return;
-  }
+  if constexpr (kScalar) return scalar_pair_sums(x, c0, daqk, dakk, dg_rows, pr);
   fill_diagonal_tables(s, len, pr.fails, pr.tables);
   __syncthreads();
   const GradTables& t = pr.tables;
