@@ -42,7 +42,8 @@
 #                                  and fla's (-> ncu_decode.txt)
 #                  ncu-backward    ncu source counters of the backward's per-chunk kernels
 #                                  (NCU_BACKWARD_KERNELS, one launch each) in a training
-#                                  step, summed per source line (-> ncu_backward.txt);
+#                                  step, summed per source line (-> ncu_backward.txt, and
+#                                  the export itself, ncu_backward.csv.gz);
 #                                  configure with CMAKE_ARGS=-DCMAKE_CUDA_FLAGS=-lineinfo
 #                  ncu-chunk       the same for the chunk forward's kernels (NCU_CHUNK_KERNELS,
 #                                  default prepare and state, one launch each) in one case of
@@ -391,6 +392,8 @@ stage_ncu-backward() {
   "$ncu" -i /tmp/ncu-backward.ncu-rep --page source --csv --print-source cuda,sass \
     >/tmp/ncu-backward.csv || return 1
   python3 bench/device/ncu_hotspots.py /tmp/ncu-backward.csv --top 40 | tee "$OUT/ncu_backward.txt"
+  # The export itself (SASS instruction by instruction), for reading elsewhere.
+  gzip -c /tmp/ncu-backward.csv >"$OUT/ncu_backward.csv.gz"
 }
 
 stage_ncu-chunk() {

@@ -22,6 +22,10 @@ namespace flashdelta::detail::cuda {
 namespace {
 
 constexpr int kLd = kC + 1;  // C x C tiles in shared memory, padded against bank conflicts
+// grads' d A_qk and d A_kk, the A operands of its pairwise products: rows of 4 mod 32 floats
+// put a tf32 fragment's 32 elements (row g, column c of an 8 x 4 quarter) in 32 banks, where
+// kLd's g + c met four to a bank; the transposed reads of the column jobs meet two to one.
+constexpr int kDaLd = kC + 4;
 constexpr int kWarps = kBackwardThreads / 32;
 // Key channels staged per pass of the pairwise sums: records keeps its cumulative sums
 // long; grads needs room for its tables.
@@ -452,8 +456,8 @@ __device__ void joint_products(int M, const int (&L)[kJointPairs],
 }
 
 struct GradsShared {
-  float daqk[kC][kLd];  // d A_qk (lower, diagonal included)
-  float dakk[kC][kLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
+  float daqk[kC][kDaLd];  // d A_qk (lower, diagonal included)
+  float dakk[kC][kDaLd];  // beta_i d A_kk[i, j] (strictly lower): d of the unscaled products
   float dbeta[kC][kEpilogueSlots];  // d beta's row sums, by epilogue slot
   float beta[kC];
   float gamma[kC];    // scalar gate: Gamma per row
@@ -521,8 +525,8 @@ __device__ void prefetch_pair_grads(const ChunkRows& x, int c0) {
 // general form's jobs (20 k-steps per warp), each one product with nothing to scale back;
 // then dq and dk, and T^T dw's share of d Gamma summed over the slice's channels into
 // dg_rows.
-__device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)[kLd],
-                                 const float (*dakk)[kLd], float* dg_rows, PairScratch& pr) {
+__device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)[kDaLd],
+                                 const float (*dakk)[kDaLd], float* dg_rows, PairScratch& pr) {
   const BackwardWorkspace& ws = x.b.ws;
   const int K = static_cast<int>(x.b.p.K), len = x.len, warp = threadIdx.x / 32;
   const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
@@ -531,7 +535,7 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
   const GradSlice& s = pr.slice;
   if (warp >= 4) {
     const int which = (warp - 4) / kColTiles, n0 = warp % kColTiles * 8;
-    const float(*dA)[kLd] = which ? dakk : daqk;
+    const float(*dA)[kDaLd] = which ? dakk : daqk;
     float(*out)[kGradSlice + 1] = which ? pr.pkk : pr.p1;
     for (int I = 0; I < kBlocks && kBlock * I < len; ++I) {
       Acc acc;
@@ -597,8 +601,8 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
 // the pairs' share of d Gamma was taken whole there; only T^T dw's share, summed over the
 // slice's channels, is added here, to dg_rows (gamma: Gamma per row; scalar_pair_sums).
 template <bool kScalar>
-__device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[kLd],
-                               const float (*dakk)[kLd], const float* beta, const float* gamma,
+__device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[kDaLd],
+                               const float (*dakk)[kDaLd], const float* beta, const float* gamma,
                                float* dg_rows, float (*dbeta)[kEpilogueSlots], PairScratch& pr) {
   const BackwardWorkspace& ws = x.b.ws;
   const int K = static_cast<int>(x.b.p.K), len = x.len, warp = threadIdx.x / 32;
@@ -656,7 +660,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   if (warp >= 4) {
     // Rows of every block I: sum over j < 16 (I + 1) of dA[i][j] k~_I[j] (which: A_qk or A_kk).
     const int which = (warp - 4) / kColTiles, n0 = warp % kColTiles * 8;
-    const float(*dA)[kLd] = which ? dakk : daqk;
+    const float(*dA)[kDaLd] = which ? dakk : daqk;
     float(*out)[kGradSlice + 1] = which ? pr.p2 : pr.p1;
     const bool add = which == 1 && delta;  // p2 holds T^T dw's share
     for (int I = 0; I < kBlocks && kBlock * I < len; ++I) {
@@ -771,7 +775,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
 // needs float32-precise products on the diagonal blocks for that). Written to
 // dg_rows; the column sums pass through `scratch` (8 x 64 floats). Ends with a barrier.
 __device__ void scalar_gate_pairs(const ChunkRows& x, const float* aqk, const float* kdot,
-                                  float (*daqk)[kLd], float (*dakk)[kLd], const float* gamma,
+                                  float (*daqk)[kDaLd], float (*dakk)[kDaLd], const float* gamma,
                                   float* dg_rows, float (*scratch)[kC]) {
   constexpr int kRows = kC / kWarps;  // a warp's rows: warp, warp + 8, ...
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, len = x.len;
