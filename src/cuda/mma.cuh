@@ -43,10 +43,15 @@ __device__ __forceinline__ void mma_bf16(Acc& acc, const uint32_t (&a)[4], uint3
 }
 
 // float32 rounded to nearest tf32 (10-bit mantissa): the tf32 mma reads only the top 19 bits
-// of each operand, and truncating them instead would bias long sums.
+// of each operand, and truncating them instead would bias long sums. From sm_90 on, ties to
+// even (cvt.rn): one instruction (F2FP.TF32), where ties away (cvt.rna, the only mode sm_80
+// has) takes an |x| < inf test and an integer add per element. The low 13 bits of the
+// result are not promised to be zero (the mma ignores them): see split_tf32.
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("cvt.rn.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
 #else
   r = 0;
@@ -56,10 +61,11 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   return r;
 }
 
-// x as tf32 hi + lo parts, x - hi - lo within ~2^-21 |x|.
+// x as tf32 hi + lo parts, x - hi - lo within ~2^-21 |x|; hi's low bits cleared before the
+// subtraction, so lo is what the mma's reading of hi leaves.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = to_tf32(x);
-  lo = to_tf32(x - __uint_as_float(hi));
+  lo = to_tf32(x - __uint_as_float(hi & 0xffffe000u));
 }
 
 // mma.sync m16n8k8 with tf32 operands (PTX ISA, "Matrix fragments for mma.m16n8k8", .tf32),
