@@ -38,7 +38,9 @@ PLAN = ["records", "S_op", "vn_op", "dS_op", "dvn_op", "wy_ops", "dA_ops", "pair
         "S_keys", "dS_keys"]
 # rec_qg .. rec_Aqk: one record each (`records` rounds all five).
 RECORDS = ["rec_qg", "rec_kg", "rec_w", "rec_u", "rec_Aqk"]
-ROUNDINGS = PLAN + ["vn_store", "dvn_store", "dw_store", "outputs"] + RECORDS
+# joint_ops: the operands of grads' first products alone (cuda/backward_chunk.cu,
+# joint_products): dO and v_new for d A_qk, dv_new, beta v, dw and beta k e^Gamma for dT.
+ROUNDINGS = PLAN + ["vn_store", "dvn_store", "dw_store", "outputs", "joint_ops"] + RECORDS
 GRADS = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
@@ -129,13 +131,14 @@ def backward(x, d_o, d_final, precision):
             dvn = rnd("dvn_store", dvn)
             S_k, dS_k = rnd("S_keys", S_op), rnd("dS_keys", dS_op)
             dLq = dO @ S_k.T
-            dAqk = np.tril(dO @ vn_op.T)
+            dAqk = np.tril(rnd("joint_ops", dO) @ rnd("joint_ops", vn_op).T)
             dkg = vn_op @ dS_k.T
             dgC = np.exp(c["gC"]) * (rnd("dS_keys", dS) * rnd("S_keys", S)).sum(1) + \
                 (dkg * c["kg"]).sum(0)
             dw = rnd("dw_store", -rnd("dvn_store", dvn_op) @ S_k.T)
             op = lambda m: rnd("wy_ops", m)  # noqa: E731
-            dT = op(dvn) @ op(c["vb"]).T + op(dw) @ op(c["kb"]).T
+            jop = lambda m: rnd("joint_ops", op(m))  # noqa: E731
+            dT = jop(dvn) @ jop(c["vb"]).T + jop(dw) @ jop(c["kb"]).T
             dvb, dkb = op(c["Tm"]).T @ op(dvn), op(c["Tm"]).T @ op(dw)
             X = rnd("dA_ops", dT) @ rnd("dA_ops", c["Tm"]).T
             dAkk = np.tril(-rnd("dA_ops", c["Tm"]).T @ rnd("dA_ops", X), -1)
@@ -210,6 +213,11 @@ def main():
                                                 dw_store=bf16))
         for name in RECORDS:
             line(f"  + {name} bf16", dict(today, outputs=bf16, **{name: bf16}))
+        # grads' products on bfloat16 operands (bench/NOTES.md (ax)): the joint products,
+        # then also dT T^T and T^T x (dA_ops).
+        line("  + joint_ops bf16", dict(today, outputs=bf16, joint_ops=bf16))
+        line("  + joint_ops, dA_ops bf16", dict(today, outputs=bf16, joint_ops=bf16,
+                                                dA_ops=bf16))
 
 
 if __name__ == "__main__":
