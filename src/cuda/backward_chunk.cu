@@ -358,9 +358,11 @@ using GradTables = DiagonalTables<kGradSlice, kGradSlice + 8>;
 
 // Row lengths of 8 mod 32 floats: a tf32 fragment's 32 elements in distinct banks.
 constexpr int kTLd = kC + 8, kDwLd = kGradSlice + 8;
-// Grads' key slices: rows of 4 mod 32 floats take 16-byte copies; where the two half-warps
-// read neighbouring rows (the column sums), 4 lanes share a bank.
-constexpr int kGradSliceLd = kGradSlice + 4;
+// Grads' key slices: rows of 8 mod 32 floats take 16-byte copies and put the scalar gate's
+// B fragments (rows k + c, columns g: banks 24 c + g) in distinct banks, where 4 mod 32 met
+// two to a bank on a quarter of the lanes. Where the two half-warps read neighbouring rows
+// (the column sums), lanes still meet two to a bank at either length.
+constexpr int kGradSliceLd = kGradSlice + 8;
 using GradSlice = KeySlice<kGradSlice, kGradSliceLd>;
 
 // The pairwise sums of a key slice: sums of d A_qk k e^.. (p1) and d A_kk k e^.. (p2) over
