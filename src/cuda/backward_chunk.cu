@@ -959,6 +959,10 @@ void launch_per_record(void (*kernel)(BackwardParams), const BackwardParams& b, 
   const unsigned blocks = static_cast<unsigned>(b.max_chunks * b.p.HV);
   if (blocks == 0) return;
   set_shared_bytes(kernel, sizeof(Shared));
+  // Two blocks per SM (grads: 2 x 113 KB, exactly 228 KB with the reserved 1 KB each) need
+  // all of it as shared memory; the driver's own pick is not promised.
+  cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                       cudaSharedmemCarveoutMaxShared);
   kernel<<<blocks, kBackwardThreads, sizeof(Shared), static_cast<cudaStream_t>(stream)>>>(b);
 }
 
