@@ -24,7 +24,7 @@ namespace {
 constexpr int kLd = kC + 1;  // C x C tiles in shared memory, padded against bank conflicts
 // grads' d A_qk and d A_kk, the A operands of its pairwise products: rows of 4 mod 32 floats
 // put a tf32 fragment's 32 elements (row g, column c of an 8 x 4 quarter) in 32 banks, where
-// kLd's g + c met four to a bank; the transposed reads of the column jobs meet two to one.
+// kLd's g + c met four to a bank; the column jobs' transposed reads meet two to a bank.
 constexpr int kDaLd = kC + 4;
 constexpr int kWarps = kBackwardThreads / 32;
 // Key channels staged per pass of the pairwise sums: records keeps its cumulative sums
