@@ -13,32 +13,10 @@
 #include <vector>
 
 #include "cuda/mma.cuh"
+#include "device_mirror.h"
 
 namespace flashdelta::detail::cuda {
 namespace {
-
-bool has_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define FLASHDELTA_CHECK_CUDA(call)                                          \
-  do {                                                                       \
-    const cudaError_t e_ = (call);                                           \
-    ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorString(e_);   \
-  } while (0)
-
-// A device buffer of n elements, freed with its scope.
-template <class T>
-struct DeviceBuffer {
-  T* p = nullptr;
-  explicit DeviceBuffer(size_t n) {
-    if (cudaMalloc(&p, n * sizeof(T)) != cudaSuccess) p = nullptr;
-  }
-  ~DeviceBuffer() { cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 uint32_t bits(float x) {
   uint32_t b;
@@ -89,7 +67,7 @@ __global__ void identity_product_kernel(const float* x, float* product) {
 }
 
 TEST(CudaTf32, RoundsToNearestAndSplitsExactly) {
-  if (!has_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  FLASHDELTA_REQUIRE_GPU();
   std::vector<float> x(kValues);
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -106,28 +84,29 @@ TEST(CudaTf32, RoundsToNearestAndSplitsExactly) {
   for (float v : ties) x[at++] = v;
   for (float v : edges) x[at++] = v;
 
-  DeviceBuffer<float> dx(kValues), dproduct(kValues);
-  DeviceBuffer<uint32_t> drounded(kValues), dhi(kValues), dlo(kValues);
-  DeviceBuffer<int> darch(1);
-  for (const void* p : {static_cast<const void*>(dx.p), static_cast<const void*>(dproduct.p),
-                        static_cast<const void*>(drounded.p), static_cast<const void*>(dhi.p),
-                        static_cast<const void*>(dlo.p), static_cast<const void*>(darch.p)})
-    ASSERT_NE(p, nullptr) << "cudaMalloc failed";
-  FLASHDELTA_CHECK_CUDA(cudaMemcpy(dx.p, x.data(), kValues * 4, cudaMemcpyHostToDevice));
-  round_kernel<<<kValues / 128, 128>>>(dx.p, drounded.p, dhi.p, dlo.p, darch.p);
-  FLASHDELTA_CHECK_CUDA(cudaGetLastError());
-  identity_product_kernel<<<1, kValues / 128 * 32>>>(dx.p, dproduct.p);
-  FLASHDELTA_CHECK_CUDA(cudaGetLastError());
+  // Device memory freed with the mirror; a failing CUDA call throws (the test fails).
+  using flashdelta::testing::check_cuda;
+  flashdelta::testing::DeviceMirror d;
+  const size_t bytes = kValues * sizeof(float);
+  auto* dx = static_cast<float*>(d.allocate(bytes));
+  auto* dproduct = static_cast<float*>(d.allocate(bytes));
+  auto* drounded = static_cast<uint32_t*>(d.allocate(bytes));
+  auto* dhi = static_cast<uint32_t*>(d.allocate(bytes));
+  auto* dlo = static_cast<uint32_t*>(d.allocate(bytes));
+  auto* darch = static_cast<int*>(d.allocate(sizeof(int)));
+  check_cuda(cudaMemcpy(dx, x.data(), bytes, cudaMemcpyHostToDevice), "copy x");
+  round_kernel<<<kValues / 128, 128>>>(dx, drounded, dhi, dlo, darch);
+  check_cuda(cudaGetLastError(), "round_kernel");
+  identity_product_kernel<<<1, kValues / 128 * 32>>>(dx, dproduct);
+  check_cuda(cudaGetLastError(), "identity_product_kernel");
   std::vector<uint32_t> rounded(kValues), hi(kValues), lo(kValues);
   std::vector<float> product(kValues);
   int arch = 0;
-  FLASHDELTA_CHECK_CUDA(
-      cudaMemcpy(rounded.data(), drounded.p, kValues * 4, cudaMemcpyDeviceToHost));
-  FLASHDELTA_CHECK_CUDA(cudaMemcpy(hi.data(), dhi.p, kValues * 4, cudaMemcpyDeviceToHost));
-  FLASHDELTA_CHECK_CUDA(cudaMemcpy(lo.data(), dlo.p, kValues * 4, cudaMemcpyDeviceToHost));
-  FLASHDELTA_CHECK_CUDA(
-      cudaMemcpy(product.data(), dproduct.p, kValues * 4, cudaMemcpyDeviceToHost));
-  FLASHDELTA_CHECK_CUDA(cudaMemcpy(&arch, darch.p, 4, cudaMemcpyDeviceToHost));
+  check_cuda(cudaMemcpy(rounded.data(), drounded, bytes, cudaMemcpyDeviceToHost), "copy back");
+  check_cuda(cudaMemcpy(hi.data(), dhi, bytes, cudaMemcpyDeviceToHost), "copy back");
+  check_cuda(cudaMemcpy(lo.data(), dlo, bytes, cudaMemcpyDeviceToHost), "copy back");
+  check_cuda(cudaMemcpy(product.data(), dproduct, bytes, cudaMemcpyDeviceToHost), "copy back");
+  check_cuda(cudaMemcpy(&arch, darch, sizeof(int), cudaMemcpyDeviceToHost), "copy back");
 
   const bool even = arch >= 900;
   auto row_finite = [&](int i) {
