@@ -40,7 +40,11 @@ PLAN = ["records", "S_op", "vn_op", "dS_op", "dvn_op", "wy_ops", "dA_ops", "pair
 RECORDS = ["rec_qg", "rec_kg", "rec_w", "rec_u", "rec_Aqk"]
 # joint_ops: the operands of grads' first products alone (cuda/backward_chunk.cu,
 # joint_products): dO and v_new for d A_qk, dv_new, beta v, dw and beta k e^Gamma for dT.
-ROUNDINGS = PLAN + ["vn_store", "dvn_store", "dw_store", "outputs", "joint_ops"] + RECORDS
+# keys_dout_dvn, keys_vn: the operands of the `keys` stage's products over V alone
+# (cuda/backward_keys.cu, FLASHDELTA_BACKWARD_KEYS): dO and dv_new (its `mixed` form rounds
+# these), v_new (its `bf16` form rounds all three); S and dS are S_keys, dS_keys.
+ROUNDINGS = PLAN + ["vn_store", "dvn_store", "dw_store", "outputs", "joint_ops",
+                    "keys_dout_dvn", "keys_vn"] + RECORDS
 GRADS = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
@@ -130,12 +134,13 @@ def backward(x, d_o, d_final, precision):
             S_op, vn_op = rnd("S_op", S), rnd("vn_store", rnd("vn_op", vn))
             dvn = rnd("dvn_store", dvn)
             S_k, dS_k = rnd("S_keys", S_op), rnd("dS_keys", dS_op)
-            dLq = dO @ S_k.T
+            kop = lambda m: rnd("keys_dout_dvn", m)  # noqa: E731
+            dLq = kop(dO) @ S_k.T
             dAqk = np.tril(rnd("joint_ops", dO) @ rnd("joint_ops", vn_op).T)
-            dkg = vn_op @ dS_k.T
+            dkg = rnd("keys_vn", vn_op) @ dS_k.T
             dgC = np.exp(c["gC"]) * (rnd("dS_keys", dS) * rnd("S_keys", S)).sum(1) + \
                 (dkg * c["kg"]).sum(0)
-            dw = rnd("dw_store", -rnd("dvn_store", dvn_op) @ S_k.T)
+            dw = rnd("dw_store", -kop(rnd("dvn_store", dvn_op)) @ S_k.T)
             op = lambda m: rnd("wy_ops", m)  # noqa: E731
             jop = lambda m: rnd("joint_ops", op(m))  # noqa: E731
             dT = jop(dvn) @ jop(c["vb"]).T + jop(dw) @ jop(c["kb"]).T
@@ -218,6 +223,17 @@ def main():
         line("  + joint_ops bf16", dict(today, outputs=bf16, joint_ops=bf16))
         line("  + joint_ops, dA_ops bf16", dict(today, outputs=bf16, joint_ops=bf16,
                                                 dA_ops=bf16))
+        # The keys stage on bfloat16 products (m16n8k16, FLASHDELTA_BACKWARD_KEYS): `mixed`
+        # rounds dO and dv_new, `bf16` v_new too; first with float32 outputs (the forms'
+        # own effect), then with the bfloat16 outputs bench_backward.py measures.
+        f32_out = dict(today)
+        mixed, full = dict(keys_dout_dvn=bf16), dict(keys_dout_dvn=bf16, keys_vn=bf16)
+        line("  keys tf32, float32 outputs", f32_out)
+        line("  keys mixed, float32 outputs", dict(f32_out, **mixed))
+        line("  keys bf16, float32 outputs", dict(f32_out, **full))
+        line("  + keys mixed", dict(today, outputs=bf16, **mixed))
+        line("  + keys bf16", dict(today, outputs=bf16, **full))
+        line("  + keys bf16, joint_ops bf16", dict(today, outputs=bf16, joint_ops=bf16, **full))
 
 
 if __name__ == "__main__":

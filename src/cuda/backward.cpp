@@ -270,6 +270,14 @@ bool cuda_backward_scalar_pairs(GateKind gate) {
          gate == GateKind::scalar;
 }
 
+cuda::KeysProducts cuda_backward_keys_products() {
+  const std::string setting =
+      env_setting("FLASHDELTA_BACKWARD_KEYS", {"auto", "tf32", "mixed", "bf16"});
+  return setting == "mixed" ? cuda::KeysProducts::mixed
+         : setting == "bf16" ? cuda::KeysProducts::bf16
+                             : cuda::KeysProducts::tf32;
+}
+
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
   return split_scan(kSegmentsSetting, scans, K, V, chunks, kMapsStep).segments;
 }
@@ -303,6 +311,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
       cuda_backward_scans_mma(p.K) && shared >= cuda::backward_scans_mma_shared_bytes(p.K);
   const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
   const bool scalar_pairs = cuda_backward_scalar_pairs(p.gate);
+  const cuda::KeysProducts keys_products = cuda_backward_keys_products();
   {
     const cuda::BackwardParams b = backward_params(p, a);
     // The per-chunk stages run one block per record (`keys` one per record and key tile); the
@@ -327,6 +336,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     b.scan_cols = scan_cols;
     b.scans_mma = scans_mma;
     b.scalar_pairs = scalar_pairs;
+    b.keys_products = b.bf16_states ? keys_products : cuda::KeysProducts::tf32;
     if (!scans_mma) b.segments = 1;  // the tile scans run whole sequences
     b.transposed_maps = b.segments > 1 && !b.chunk_states.data;
     const Carver regions = layout(b, varlen);

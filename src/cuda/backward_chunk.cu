@@ -421,7 +421,7 @@ __device__ void joint_products(int M, const int (&L)[kJointPairs],
   };
   Acc acc[2][kTiles];
   __syncthreads();
-  over_double_buffered_slices(slices, stage, [&](int s) {
+  over_buffered_slices<2>(slices, stage, [&](int s) {
     if (!rows) return;
 #pragma unroll
     for (int p = 0; p < kJointPairs; ++p) {

@@ -204,17 +204,22 @@ __device__ void stage_operand(const At& at, int O, int extent, int L, int l0, bo
   }
 }
 
-// body(s) for each slice s < slices, with slice s + 1 staged (stage(s + 1): cp.async copies
-// into the other of two buffers) while body(s) runs; a block barrier before and after each
-// body, so body reads its slice once every thread's copies have landed.
-template <class Stage, class Body>
-__device__ void over_double_buffered_slices(int slices, const Stage& stage, const Body& body) {
-  stage(0);
-  commit_async();
+// body(s) for each slice s < slices, with slices s + 1 .. s + kStages - 1 staged (stage(s'):
+// cp.async copies into buffer s' % kStages of kStages) while body(s) runs; a block barrier
+// before and after each body, so body reads its slice once every thread's copies have landed
+// and no copy overwrites a buffer a body still reads.
+template <int kStages, class Stage, class Body>
+__device__ void over_buffered_slices(int slices, const Stage& stage, const Body& body) {
+  static_assert(kStages >= 2, "one slice in flight at least");
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < slices) stage(s);
+    commit_async();  // empty groups too: wait_async counts groups
+  }
   for (int s = 0; s < slices; ++s) {
-    if (s + 1 < slices) stage(s + 1);
+    if (s + kStages - 1 < slices) stage(s + kStages - 1);
     commit_async();
-    wait_async<1>();
+    wait_async<kStages - 1>();
     __syncthreads();
     body(s);
     __syncthreads();
@@ -258,7 +263,7 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
     };
     Acc acc[kTilesPerWarp];
     __syncthreads();
-    over_double_buffered_slices(slices, stage, [&](int s) {
+    over_buffered_slices<2>(slices, stage, [&](int s) {
       if (rows) {
         const float* sa = st.a[s & 1];
         const float* sb = st.b[s & 1];

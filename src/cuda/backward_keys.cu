@@ -3,14 +3,18 @@
 // over the value columns,
 //     A1 = dO S^T,   A2 = v_new dS^T,   A3 = dv_new S^T          (kC x 64 keys each),
 // accumulate together in tensor-core registers over 16-column slices of V (dO, v_new, dv_new,
-// S and dS staged together, double-buffered), and each gradient they feed is written once:
+// S and dS staged together, two or three slices in flight), and each gradient they feed is
+// written once:
 //     dq = A1 e^Gamma,   dk = A2 e^(Gamma_end - Gamma),   dg = A1 qg - A2 kg,   dw = -A3,
 //     d Gamma_end = decay * (sum over V of dS S) + (sum over the chunk's rows of A2 kg),
 // the last from the same staged slices; grads_kernel adds the rest of these gradients'
 // terms. (grads_kernel once ran these products one after another, each its own round of
 // staged slices and its own read-modify-write epilogue: slower, bench/NOTES.md (t).)
 // Products are m16n8k8 tf32 with float32 sums; S and dS' come in bfloat16 where the scans
-// stored them so (BackwardParams::bf16_states), a bfloat16 value being exact in tf32.
+// stored them so (BackwardParams::bf16_states), a bfloat16 value being exact in tf32. With
+// bfloat16 states, KeysProducts::mixed and ::bf16 take some or all of the products to
+// m16n8k16 on bfloat16 operands (cuda/backward_params.h): half the mma per value column and no
+// conversion of S and dS at all.
 #include <cuda_runtime.h>
 
 #include "cuda/backward_common.cuh"
@@ -50,17 +54,25 @@ struct StateOperand<true> {
   __device__ static float value(uint16_t x) { return __uint_as_float(tf32(x)); }
 };
 
-template <bool kBf16>
+// One staged slice. The tf32 form reads its operands element by element (rows padded so a
+// fragment's lanes fall in distinct banks); the bfloat16 forms read a lane's four values of a
+// row at once (quad_products), from unpadded rows: 16 floats (a quarter-warp's 16-byte
+// reads in distinct banks) and 16 bfloat16 (a half-warp's 8-byte reads likewise).
+template <bool kBf16, KeysProducts kOps>
 struct alignas(16) KeysStage {
+  static_assert(kBf16 || kOps == KeysProducts::tf32, "bfloat16 products need bfloat16 states");
   using Op = StateOperand<kBf16>;
-  float a[3][kC][kSliceLd];                           // dO, v_new, dv_new: [token][v]
-  alignas(16) typename Op::T b[2][kKeysTile][Op::kLd];  // S, dS: [key][v]
+  static constexpr bool kQuads = kOps != KeysProducts::tf32;
+  static constexpr int kALd = kQuads ? kVSlice : kSliceLd, kBLd = kQuads ? kVSlice : Op::kLd;
+  float a[3][kC][kALd];                                 // dO, v_new, dv_new: [token][v]
+  alignas(16) typename Op::T b[2][kKeysTile][kBLd];  // S, dS: [key][v]
 };
 
 // Queues values [l0, l0 + kVSlice) of keys [0, keys) of a bfloat16 [key][V] slab into dst
 // (zeros past keys or V): 16-byte copies where V is a multiple of 8, else element by element.
+template <int kLd>
 __device__ void stage_bf16_keys(const uint16_t* src, int keys, int V, int l0,
-                                uint16_t (*dst)[StateOperand<true>::kLd]) {
+                                uint16_t (*dst)[kLd]) {
   constexpr int kRuns = kVSlice / 8;
   const bool runs = V % 8 == 0;
   for (int idx = threadIdx.x; idx < kKeysTile * kRuns; idx += blockDim.x) {
@@ -77,6 +89,59 @@ __device__ void stage_bf16_keys(const uint16_t* src, int keys, int V, int l0,
   }
 }
 
+// The bfloat16 forms' staging of slice values [l0, l0 + kVSlice): thread t copies the same
+// rows and runs of every slice, rows t / 4 and t / 4 + 32 of dO, v_new and dv_new at values
+// 4 (t % 4) .., and key t / 2 of S and dS at values 8 (t % 2) .., with zeros past len, keys
+// and V as the generic stagers give (stage_operand, stage_bf16_keys). Their loops over
+// blockDim.x took a division and a 64-bit product per copy (~25 instructions a copy in the
+// SASS, most of the slice loop's once the products were bfloat16).
+template <class Stage>
+__device__ __forceinline__ void stage_quad_slice(Stage& st, const float* dout, int64_t dout_ld,
+                                                 const float* vn, const float* dvn,
+                                                 int64_t rec_ld, const uint16_t* S,
+                                                 const uint16_t* dS, int len, int keys, int V,
+                                                 int l0, bool delta) {
+  static_assert(Stage::kALd == kVSlice && Stage::kBLd == kVSlice, "unpadded rows");
+  constexpr int kRuns = kVSlice / 4, kRowStep = kKeysThreads / kRuns;
+  static_assert(kC % kRowStep == 0 && kKeysTile * (kVSlice / 8) == kKeysThreads,
+                "whole passes over the rows; one run of 8 per key and thread");
+  const int t = threadIdx.x, q = 4 * (t % kRuns), l = l0 + q;
+  auto values = [&](const float* base, int64_t ld, int m, float (*dst)[kVSlice]) {
+    const float* from = base + m * ld + l;
+    float* d = &dst[m][q];
+    const bool row = m < len;
+    if (l + 3 < V && (reinterpret_cast<uintptr_t>(from) & 15) == 0) {
+      copy_async<16>(d, row ? from : base, row ? 16 : 0);
+      return;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool ok = row && l + e < V;
+      copy_async<4>(d + e, ok ? from + e : base, ok ? 4 : 0);
+    }
+  };
+#pragma unroll
+  for (int m = t / kRuns; m < kC; m += kRowStep) {
+    values(dout, dout_ld, m, st.a[0]);
+    values(vn, rec_ld, m, st.a[1]);
+    if (delta) values(dvn, rec_ld, m, st.a[2]);
+  }
+  const int n = t / 2, r = 8 * (t % 2), lb = l0 + r;
+  auto run = [&](const uint16_t* base, uint16_t (*dst)[kVSlice]) {
+    const uint16_t* from = base + static_cast<int64_t>(n) * V + lb;
+    uint16_t* d = &dst[n][r];
+    if (V % 8 == 0) {
+      const bool ok = n < keys && lb < V;
+      copy_async<16>(d, ok ? from : base, ok ? 16 : 0);
+      return;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) d[e] = n < keys && lb + e < V ? from[e] : uint16_t{0};
+  };
+  run(S, st.b[0]);
+  run(dS, st.b[1]);
+}
+
 // The epilogue's factors of the tile, Gamma, qg and kg [token][key], staged once the products
 // are done (one round trip instead of one per output tile). Rows of 8 mod 32 floats: a
 // lane's two adjacent keys are one 8-byte read, a half-warp's in distinct banks.
@@ -85,18 +150,109 @@ struct KeysFactors {
   float gamma[kC][kFactorLd], qg[kC][kFactorLd], kg[kC][kFactorLd];
 };
 
-template <bool kBf16>
+template <bool kBf16, KeysProducts kOps>
 struct KeysShared {
+  // Slices staged while one is multiplied: the bfloat16 forms' smaller stages fit three in
+  // the factors' place (48 of its 54 KB); the tf32 form keeps two.
+  static constexpr int kStages = KeysStage<kBf16, kOps>::kQuads ? 3 : 2;
   union {
-    KeysStage<kBf16> stage[2];
+    KeysStage<kBf16, kOps> stage[kStages];
     KeysFactors factors;
   };
   float colsum[kKeysWarps][kKeysTile];  // per warp: its rows' sum of A2 kg per key
 };
 
+// The tf32 form's products over one staged slice (warp rows m0 .. m0 + 15).
 template <bool kBf16>
+__device__ __forceinline__ void element_products(const KeysStage<kBf16, KeysProducts::tf32>& st,
+                                                 int m0, int operands, bool delta,
+                                                 Acc (&a1)[kKeyTiles8], Acc (&a2)[kKeyTiles8],
+                                                 Acc (&a3)[kKeyTiles8]) {
+  using Op = StateOperand<kBf16>;
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  auto ea = [&](int which, int m, int k) { return to_tf32(st.a[which][m][k]); };
+#pragma unroll
+  for (int kk = 0; kk < kVSlice; kk += 8) {
+    uint32_t f[3][4] = {};
+#pragma unroll
+    for (int which = 0; which < 3; ++which) {
+      if (which >= operands) continue;
+      f[which][0] = ea(which, m0 + g, kk + c);
+      f[which][1] = ea(which, m0 + g + 8, kk + c);
+      f[which][2] = ea(which, m0 + g, kk + c + 4);
+      f[which][3] = ea(which, m0 + g + 8, kk + c + 4);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kKeyTiles8; ++nt) {
+      const int n = 8 * nt + g;
+      const uint32_t s0 = Op::tf32(st.b[0][n][kk + c]), s1 = Op::tf32(st.b[0][n][kk + c + 4]);
+      const uint32_t d0 = Op::tf32(st.b[1][n][kk + c]), d1 = Op::tf32(st.b[1][n][kk + c + 4]);
+      mma_tf32(a1[nt], f[0], s0, s1);
+      mma_tf32(a2[nt], f[1], d0, d1);
+      if (delta) mma_tf32(a3[nt], f[2], s0, s1);
+    }
+  }
+}
+
+// The bfloat16 forms' products over one staged slice (warp rows m0 .. m0 + 15). A sum over
+// the slice's 16 values may take them in any order as long as both operands agree, so lane
+// (g, c) gives the mma its own four values 4c .. 4c + 3 of each row: one 16-byte read of an
+// A row (float32), one 8-byte read of a B row (bfloat16). m16n8k16: k slots 2c, 2c + 1 hold
+// values 4c, 4c + 1 and slots 2c + 8, 2c + 9 values 4c + 2, 4c + 3 (cuda/mma.cuh's
+// fragments: a[0] / a[2] and b[0] / b[1] are those pairs, the lower value in the low half).
+// The mixed form's A2 is two m16n8k8 tf32 steps: step s has slot c hold value 4c + 2s and
+// slot c + 4 value 4c + 2s + 1.
+template <KeysProducts kOps>
+__device__ __forceinline__ void quad_products(const KeysStage<true, kOps>& st, int m0, bool delta,
+                                              Acc (&a1)[kKeyTiles8], Acc (&a2)[kKeyTiles8],
+                                              Acc (&a3)[kKeyTiles8]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c4 = 4 * (lane % 4);
+  auto row = [&](int which, int m) {
+    return *reinterpret_cast<const float4*>(&st.a[which][m][c4]);
+  };
+  auto bf16_fragment = [](const float4& lo_row, const float4& hi_row, uint32_t (&f)[4]) {
+    f[0] = pack_bf16(lo_row.x, lo_row.y);
+    f[1] = pack_bf16(hi_row.x, hi_row.y);
+    f[2] = pack_bf16(lo_row.z, lo_row.w);
+    f[3] = pack_bf16(hi_row.z, hi_row.w);
+  };
+  uint32_t f_dout[4], f_dvn[4] = {}, f_vn[4] = {}, t_vn[2][4] = {};
+  bf16_fragment(row(0, m0 + g), row(0, m0 + g + 8), f_dout);
+  if (delta) bf16_fragment(row(2, m0 + g), row(2, m0 + g + 8), f_dvn);
+  {
+    const float4 lo = row(1, m0 + g), hi = row(1, m0 + g + 8);
+    if constexpr (kOps == KeysProducts::bf16) {
+      bf16_fragment(lo, hi, f_vn);
+    } else {
+      const uint32_t v[2][4] = {{to_tf32(lo.x), to_tf32(hi.x), to_tf32(lo.y), to_tf32(hi.y)},
+                                {to_tf32(lo.z), to_tf32(hi.z), to_tf32(lo.w), to_tf32(hi.w)}};
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) t_vn[s][r] = v[s][r];
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < kKeyTiles8; ++nt) {
+    const int n = 8 * nt + g;
+    const uint2 sq = *reinterpret_cast<const uint2*>(&st.b[0][n][c4]);
+    const uint2 dq = *reinterpret_cast<const uint2*>(&st.b[1][n][c4]);
+    mma_bf16(a1[nt], f_dout, sq.x, sq.y);
+    if (delta) mma_bf16(a3[nt], f_dvn, sq.x, sq.y);
+    if constexpr (kOps == KeysProducts::bf16) {
+      mma_bf16(a2[nt], f_vn, dq.x, dq.y);
+    } else {
+      // A bfloat16 value in the low or high half, as the tf32 bits of that value.
+      mma_tf32(a2[nt], t_vn[0], dq.x << 16, dq.x & 0xffff0000u);
+      mma_tf32(a2[nt], t_vn[1], dq.y << 16, dq.y & 0xffff0000u);
+    }
+  }
+}
+
+template <bool kBf16, KeysProducts kOps>
 __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams b) {
   using Op = StateOperand<kBf16>;
+  using Stage = KeysStage<kBf16, kOps>;
   const int64_t tiles = key_tiles(b.p.K);
   const int64_t rec = blockIdx.x / tiles, hv = rec % b.p.HV;
   const int k0 = static_cast<int>(blockIdx.x % tiles) * kKeysTile;
@@ -108,7 +264,7 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   const int Vi = static_cast<int>(V);
   const BackwardWorkspace& ws = b.ws;
   extern __shared__ __align__(16) unsigned char smem[];
-  KeysShared<kBf16>& sh = *reinterpret_cast<KeysShared<kBf16>*>(smem);
+  KeysShared<kBf16, kOps>& sh = *reinterpret_cast<KeysShared<kBf16, kOps>*>(smem);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int m0 = 16 * warp;
 
@@ -118,24 +274,29 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   // The tile's keys, stride V.
   const typename Op::T* S = Op::slab(ws.states, ws.states16) + rec * K * V + k0 * V;
   const typename Op::T* dS = Op::slab(ws.dstates, ws.dstates16) + rec * K * V + k0 * V;
+  constexpr int kStages = KeysShared<kBf16, kOps>::kStages;
   auto stage = [&](int s) {
-    KeysStage<kBf16>& st = sh.stage[s & 1];
+    Stage& st = sh.stage[s % kStages];
     const int l0 = s * kVSlice;
+    if constexpr (Stage::kQuads) {
+      stage_quad_slice(st, dout, HV * V, vn, dvn, V, S, dS, len, keys, Vi, l0, b.p.delta);
+      return;
+    }
     stage_operand<kVSlice, true>([&](int m, int l) { return dout + m * HV * V + l; }, len, kC,
-                                 Vi, l0, false, &st.a[0][0][0], kSliceLd);
+                                 Vi, l0, false, &st.a[0][0][0], Stage::kALd);
     stage_operand<kVSlice, true>([&](int m, int l) { return vn + m * V + l; }, len, kC, Vi, l0,
-                                 false, &st.a[1][0][0], kSliceLd);
+                                 false, &st.a[1][0][0], Stage::kALd);
     if (b.p.delta)
       stage_operand<kVSlice, true>([&](int m, int l) { return dvn + m * V + l; }, len, kC, Vi,
-                                   l0, false, &st.a[2][0][0], kSliceLd);
+                                   l0, false, &st.a[2][0][0], Stage::kALd);
     if constexpr (kBf16) {
-      stage_bf16_keys(S, keys, Vi, l0, st.b[0]);
-      stage_bf16_keys(dS, keys, Vi, l0, st.b[1]);
+      stage_bf16_keys<Stage::kBLd>(S, keys, Vi, l0, st.b[0]);
+      stage_bf16_keys<Stage::kBLd>(dS, keys, Vi, l0, st.b[1]);
     } else {
       stage_operand<kVSlice, true>([&](int n, int l) { return S + n * V + l; }, keys,
-                                   kKeysTile, Vi, l0, false, &st.b[0][0][0], kSliceLd);
+                                   kKeysTile, Vi, l0, false, &st.b[0][0][0], Stage::kBLd);
       stage_operand<kVSlice, true>([&](int n, int l) { return dS + n * V + l; }, keys,
-                                   kKeysTile, Vi, l0, false, &st.b[1][0][0], kSliceLd);
+                                   kKeysTile, Vi, l0, false, &st.b[1][0][0], Stage::kBLd);
     }
   };
 
@@ -145,34 +306,28 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   float dss = 0.f;
   const int slices = (Vi + kVSlice - 1) / kVSlice;
   const int operands = b.p.delta ? 3 : 2;  // dv_new is staged for the delta rule only
-  over_double_buffered_slices(slices, stage, [&](int s) {
-    const KeysStage<kBf16>& st = sh.stage[s & 1];
-    auto ea = [&](int which, int m, int k) { return to_tf32(st.a[which][m][k]); };
+  over_buffered_slices<kStages>(slices, stage, [&](int s) {
+    const Stage& st = sh.stage[s % kStages];
+    if constexpr (Stage::kQuads)
+      quad_products(st, m0, b.p.delta, a1, a2, a3);
+    else
+      element_products(st, m0, operands, b.p.delta, a1, a2, a3);
+    if constexpr (Stage::kQuads) {
+      // The same sum in the same order, the thread's 8 values of each row in one 16-byte read.
+      const uint4 sv = *reinterpret_cast<const uint4*>(&st.b[0][dss_key][dss_half * 8]);
+      const uint4 dv = *reinterpret_cast<const uint4*>(&st.b[1][dss_key][dss_half * 8]);
+      const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
 #pragma unroll
-    for (int kk = 0; kk < kVSlice; kk += 8) {
-      uint32_t f[3][4] = {};
-#pragma unroll
-      for (int which = 0; which < 3; ++which) {
-        if (which >= operands) continue;
-        f[which][0] = ea(which, m0 + g, kk + c);
-        f[which][1] = ea(which, m0 + g + 8, kk + c);
-        f[which][2] = ea(which, m0 + g, kk + c + 4);
-        f[which][3] = ea(which, m0 + g + 8, kk + c + 4);
+      for (int j = 0; j < 4; ++j) {
+        dss = fmaf(__uint_as_float(dw[j] << 16), __uint_as_float(sw[j] << 16), dss);
+        dss = fmaf(__uint_as_float(dw[j] & 0xffff0000u), __uint_as_float(sw[j] & 0xffff0000u), dss);
       }
+    } else {
 #pragma unroll
-      for (int nt = 0; nt < kKeyTiles8; ++nt) {
-        const int n = 8 * nt + g;
-        const uint32_t s0 = Op::tf32(st.b[0][n][kk + c]), s1 = Op::tf32(st.b[0][n][kk + c + 4]);
-        const uint32_t d0 = Op::tf32(st.b[1][n][kk + c]), d1 = Op::tf32(st.b[1][n][kk + c + 4]);
-        mma_tf32(a1[nt], f[0], s0, s1);
-        mma_tf32(a2[nt], f[1], d0, d1);
-        if (b.p.delta) mma_tf32(a3[nt], f[2], s0, s1);
+      for (int j = 0; j < kVSlice / 2; ++j) {
+        const int l = dss_half * (kVSlice / 2) + j;
+        dss = fmaf(Op::value(st.b[1][dss_key][l]), Op::value(st.b[0][dss_key][l]), dss);
       }
-    }
-#pragma unroll
-    for (int j = 0; j < kVSlice / 2; ++j) {
-      const int l = dss_half * (kVSlice / 2) + j;
-      dss = fmaf(Op::value(st.b[1][dss_key][l]), Op::value(st.b[0][dss_key][l]), dss);
     }
   });
   wait_async<0>();  // the slice loop ended with a barrier: the stage is free
@@ -232,28 +387,36 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   }
 }
 
-template <bool kBf16>
+template <bool kBf16, KeysProducts kOps = KeysProducts::tf32>
 void launch_keys(const BackwardParams& b, int64_t blocks, cudaStream_t stream) {
-  set_shared_bytes(keys_kernel<kBf16>, sizeof(KeysShared<kBf16>));
-  keys_kernel<kBf16><<<static_cast<unsigned>(blocks), kKeysThreads, sizeof(KeysShared<kBf16>),
-                       stream>>>(b);
+  constexpr int kBytes = sizeof(KeysShared<kBf16, kOps>);
+  set_shared_bytes(keys_kernel<kBf16, kOps>, kBytes);
+  keys_kernel<kBf16, kOps><<<static_cast<unsigned>(blocks), kKeysThreads, kBytes, stream>>>(b);
 }
+
+// The factors' union member sizes every form alike.
+template <bool kBf16, KeysProducts kOps>
+constexpr bool kKeysSizedByFactors =
+    sizeof(KeysShared<kBf16, kOps>) == sizeof(KeysShared<false, KeysProducts::tf32>);
+static_assert(kKeysSizedByFactors<true, KeysProducts::tf32> &&
+                  kKeysSizedByFactors<true, KeysProducts::mixed> &&
+                  kKeysSizedByFactors<true, KeysProducts::bf16>,
+              "backward_keys_shared_bytes covers every form");
 
 }  // namespace
 
-int64_t backward_keys_shared_bytes() {
-  return sizeof(KeysShared<false>) > sizeof(KeysShared<true>) ? sizeof(KeysShared<false>)
-                                                              : sizeof(KeysShared<true>);
-}
+int64_t backward_keys_shared_bytes() { return sizeof(KeysShared<false, KeysProducts::tf32>); }
 
 void launch_backward_keys(const BackwardParams& b, void* stream) {
   const int64_t blocks = b.max_chunks * b.p.HV * key_tiles(b.p.K);
   if (blocks == 0) return;
   const auto s = static_cast<cudaStream_t>(stream);
-  if (b.bf16_states)
-    launch_keys<true>(b, blocks, s);
-  else
-    launch_keys<false>(b, blocks, s);
+  if (!b.bf16_states) return launch_keys<false>(b, blocks, s);
+  switch (b.keys_products) {
+    case KeysProducts::tf32: return launch_keys<true>(b, blocks, s);
+    case KeysProducts::mixed: return launch_keys<true, KeysProducts::mixed>(b, blocks, s);
+    case KeysProducts::bf16: return launch_keys<true, KeysProducts::bf16>(b, blocks, s);
+  }
 }
 
 }  // namespace flashdelta::detail::cuda

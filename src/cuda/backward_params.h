@@ -76,6 +76,18 @@ struct BackwardWorkspace {
 // Keys per block of the `keys` stage.
 inline constexpr int kKeysTile = 64;
 
+// The operands of the `keys` stage's three products over V (cuda/backward_keys.cu), A1 = dO S^T,
+// A2 = v_new dS^T and A3 = dv_new S^T, where the states are bfloat16 (bf16_states; float32
+// states always take tf32):
+//   tf32   all three m16n8k8 on tf32 operands (dO, v_new, dv_new rounded to tf32);
+//   mixed  A1 and A3 m16n8k16 on bfloat16 operands (dO exact for bfloat16 gradients in,
+//          dv_new rounded), A2 in tf32 as above;
+//   bf16   all three on bfloat16 operands.
+// bench/model/backward_rounding.py (bench/results/backward-rounding-model-2026-12-05b.txt,
+// float32 outputs, training inputs): mixed leaves every gradient's error as tf32's to two
+// digits; bf16 moves dk 1.3e-3 -> 2.1e-3 and dg 1.7e-3 -> 3.1e-3 (fla: 3.6e-3, 5.8e-3).
+enum class KeysProducts : int { tf32, mixed, bf16 };
+
 // Value columns per block of the sequential scans, widest first (BackwardParams::scan_cols).
 inline constexpr int kScanColumnWidths[] = {32, 16, 8};
 
@@ -97,6 +109,8 @@ struct BackwardParams {
   bool bf16_states = false;
   // A scalar gate's records and grads in their short form (cuda_backward_scalar_pairs).
   bool scalar_pairs = false;
+  // The `keys` stage's products (cuda_backward_keys_products; tf32 unless bf16_states).
+  KeysProducts keys_products = KeysProducts::tf32;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;
   TokenTensor d_o;

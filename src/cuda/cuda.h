@@ -92,6 +92,14 @@ bool cuda_backward_scans_mma(int64_t K);
 // runs the vector gate's form for every gate. Any other value throws Error(invalid_argument)
 // naming the variable.
 bool cuda_backward_scalar_pairs(GateKind gate);
+namespace cuda {
+enum class KeysProducts : int;  // cuda/backward_params.h
+}
+// The operands of the backward's `keys` products where its states are bfloat16
+// (backward_bf16_states; cuda::KeysProducts): FLASHDELTA_BACKWARD_KEYS `tf32` (unset, empty or
+// `auto`), `mixed` or `bf16` (opt-in until measured on a GPU). Any other value throws
+// Error(invalid_argument) naming the variable.
+cuda::KeysProducts cuda_backward_keys_products();
 // Segments each sequence of `chunks` chunks is split into by the scans in registers
 // (K <= 128; 1 otherwise), for `scans` (sequence, value head) pairs of V columns:
 // split_scan (cuda/host_params.h: a device-independent model unless forced) under

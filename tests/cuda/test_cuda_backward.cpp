@@ -7,8 +7,8 @@
 // K <= 128, and the tile scans at every width: FLASHDELTA_BACKWARD_SCANS, _SCAN_COLUMNS), their
 // selection on the host too; the key gradients' products over V (the `keys` stage) on every
 // case; sequences split into segments (FLASHDELTA_BACKWARD_SCAN_SEGMENTS); the chunk states in
-// bfloat16 for 16-bit inputs and their rule (FLASHDELTA_BACKWARD_STATES). Skipped on machines
-// without a GPU.
+// bfloat16 for 16-bit inputs and their rule (FLASHDELTA_BACKWARD_STATES); the keys stage's
+// products on bfloat16 operands (FLASHDELTA_BACKWARD_KEYS). Skipped on machines without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/backward_params.h"
 #include "cuda/cuda.h"
 #include "cuda/device_mirror.h"
 #include "cuda/forward_check.h"
@@ -544,6 +545,84 @@ TEST(CudaBackward, ScalarGatePairsMatchTheGeneralForm) {
           << describe(c) << ": d" << kGradInputs[i].name << " against the general form";
     }
     EXPECT_TRUE(any_differs) << describe(c) << ": the short form did not run";
+  }
+}
+
+constexpr const char* kKeys = "FLASHDELTA_BACKWARD_KEYS";
+
+// Host only: the keys stage's products by the environment (tf32 unless asked).
+TEST(CudaBackwardKeys, FollowsTheEnvironmentVariable) {
+  using detail::cuda::KeysProducts;
+  for (const char* tf32 : {static_cast<const char*>(nullptr), "", "auto", "tf32"}) {
+    const ScopedEnv setting(kKeys, tf32);
+    EXPECT_EQ(detail::cuda_backward_keys_products(), KeysProducts::tf32);
+  }
+  {
+    const ScopedEnv mixed(kKeys, "mixed");
+    EXPECT_EQ(detail::cuda_backward_keys_products(), KeysProducts::mixed);
+  }
+  {
+    const ScopedEnv bf16(kKeys, "bf16");
+    EXPECT_EQ(detail::cuda_backward_keys_products(), KeysProducts::bf16);
+  }
+  for (const char* bad : {"BF16", "f32", "bfloat16"})
+    expect_setting_rejected(kKeys, bad, [] { detail::cuda_backward_keys_products(); });
+}
+
+// The keys stage's products on bfloat16 operands (FLASHDELTA_BACKWARD_KEYS=mixed and bf16,
+// their permuted k slots and three staged slices) against the reference and the tf32 form:
+// GVA with the fused transforms, a partial key tile with V not a multiple of 8 (bfloat16
+// states staged element by element) and a partial last slice, varlen with empty and one-token
+// sequences on float16 and V-first states, the linear write (two products), K = V = 256, and
+// one or two slices of V (fewer than the stages: an empty first group, nothing staged in the
+// loop); bitwise the same from run to run. The states are bfloat16 here whatever the ctest
+// pass (float32 states take the tf32 form). d_o is float32 noise, not exact in bfloat16: both
+// forms round it, so every case differs from the tf32 form somewhere.
+TEST(CudaBackward, KeysProductsOnBfloat16OperandsMatchTheReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv states(kStates, nullptr);
+  const CaseConfig cases[] = {
+      {.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+       .qk_l2norm = true, .beta_sigmoid = true, .gate_in_kernel = true, .seed = 8400},
+      {.T = 130, .H = 1, .HV = 2, .K = 40, .V = 36, .dtype = DType::bf16, .seed = 8401},
+      {.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4, .K = 64, .V = 40,
+       .dtype = DType::f16, .seqlens = {0, 1, 200, 65}, .layout = StateLayout::v_first,
+       .seed = 8402},
+      {.mechanism = Mechanism::gla, .B = 2, .T = 150, .K = 64, .V = 64, .dtype = DType::bf16,
+       .seed = 8403},
+      {.T = 70, .H = 1, .HV = 1, .K = 256, .V = 256, .dtype = DType::bf16, .seed = 8404},
+      {.T = 100, .H = 1, .HV = 2, .K = 64, .V = 12, .dtype = DType::bf16, .seed = 8405},
+      {.mechanism = Mechanism::deltanet, .T = 90, .K = 32, .V = 24, .dtype = DType::bf16,
+       .seed = 8406}};
+  for (const CaseConfig& c : cases) {
+    const BackwardCase b = make_backward_case(c);
+    ASSERT_TRUE(bf16_states(b)) << describe(c);
+    const Gradients ref = reference_gradients(b);
+    Gradients tf32;
+    {
+      const ScopedEnv forced(kKeys, "tf32");
+      tf32 = cuda_gradients(b);
+    }
+    for (const char* form : {"mixed", "bf16"}) {
+      const ScopedEnv keys(kKeys, form);
+      const std::string what = describe(c) + ", keys " + form;
+      const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
+      bool any_differs = false;
+      for (size_t i = 0; i < kNumSlots; ++i) {
+        EXPECT_EQ(first.t[i].bytes, second.t[i].bytes)
+            << what << ": d" << kGradInputs[i].name << " differs from run to run";
+        if (ref.t[i].bytes.empty() || !ref.t[i].view.present()) continue;
+        const double tol = tolerance(i, DType::f32, true);
+        EXPECT_LT(rel_error(first.values(i), ref.values(i)), tol)
+            << what << ": d" << kGradInputs[i].name << " relative error";
+        any_differs |= first.t[i].bytes != tf32.t[i].bytes;
+        // The forms differ by the operands' bfloat16 roundings: a slot mapped wrongly would
+        // be an error of the gradient's own size.
+        EXPECT_LT(rel_error(first.values(i), tf32.values(i)), tol)
+            << what << ": d" << kGradInputs[i].name << " against the tf32 form";
+      }
+      EXPECT_TRUE(any_differs) << what << ": the form did not run";
+    }
   }
 }
 
