@@ -348,7 +348,11 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   }
   dss += __shfl_xor_sync(0xffffffffu, dss, 1);  // both halves of the key's columns
 
-  // The gradients, one output tile at a time, their factors from shared memory.
+  // The gradients, one output tile at a time, their factors from shared memory. The bfloat16
+  // forms take e^x by ex2.approx (__expf: a few ulp, against tf32's 2^-11 and their own
+  // 2^-8; exponents <= 0, results below 2^-126 flushed to 0), where expf's range reduction
+  // was ~20 instructions an element, 64 a thread: as many as half its slice loop.
+  const auto exp_of = [](float x) { return Stage::kQuads ? __expf(x) : expf(x); };
   const KeysFactors& f = sh.factors;
   float kg_colsum[kKeyTiles8][2] = {};  // this lane's rows' A2 kg, per key 8 nt + 2c + e
 #pragma unroll
@@ -361,8 +365,8 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
       // Each product rounded before the difference (never contracted into an fma); the A2 kg
       // subtracted is the one summed into d Gamma_end.
       const float t = __fmul_rn(a2[nt].d[r], f.kg[m][n]);
-      x.k_row(ws.dq, m)[key] = a1[nt].d[r] * expf(gamma);
-      x.k_row(ws.dk, m)[key] = a2[nt].d[r] * expf(f.gamma[len - 1][n] - gamma);
+      x.k_row(ws.dq, m)[key] = a1[nt].d[r] * exp_of(gamma);
+      x.k_row(ws.dk, m)[key] = a2[nt].d[r] * exp_of(f.gamma[len - 1][n] - gamma);
       x.k_row(ws.dg, m)[key] = __fmul_rn(a1[nt].d[r], f.qg[m][n]) - t;
       if (b.p.delta) x.k_rec(ws.dw, m)[key] = -a3[nt].d[r];
       kg_colsum[nt][r % 2] += t;
