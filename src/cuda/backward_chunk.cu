@@ -4,7 +4,9 @@
 // gradients' products over V and d Gamma_end, cuda/backward_keys.cu) to the gradients of the
 // transformed inputs. The math is bench/model/chunk_backward.py term by term; Gamma is
 // natural-log here and every e^(Gamma_i - Gamma_j) is formed pairwise (an exponent <= 0 for
-// j <= i: no factorisation, nothing to overflow). Global operands pass through shared memory
+// j <= i: no factorisation, nothing to overflow). Per-element exponentials are __expf
+// (ex2.approx: a few ulp, against tf32's 2^-11; results below 2^-126 flushed to 0): expf's
+// range reduction is ~20 instructions an element. Global operands pass through shared memory
 // in coalesced slices (staged_product, the key slices of the pairwise sums): a thread never
 // waits on a chain of its own global loads.
 // A scalar gate (BackwardParams::scalar_pairs) takes a short form of both kernels
@@ -152,10 +154,10 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
     float out[4][4];  // gamma, qg, kg, kb
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float g = s.g[i][cc + e], ex = expf(g), kv = s.k[i][cc + e];
+      const float g = s.g[i][cc + e], ex = __expf(g), kv = s.k[i][cc + e];
       out[0][e] = g;
       out[1][e] = s.q[i][cc + e] * ex;
-      out[2][e] = kv * expf(s.g[len - 1][cc + e] - g);
+      out[2][e] = kv * __expf(s.g[len - 1][cc + e] - g);
       out[3][e] = beta[i] * kv * ex;
     }
     float* const dst[4] = {x.k_rec(b.ws.gamma, i) + c, x.k_rec(b.ws.qg, i) + c,
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   // failed, the diagonal pairs' exact sums added to what the tiles wrote.
   auto put = [&](int which, int i, int j, float v) {
     const bool row = i < len;
-    if (kScalar && row && j <= i) v *= expf(sh.slice.g[i][0] - sh.slice.g[j][0]);
+    if (kScalar && row && j <= i) v *= __expf(sh.slice.g[i][0] - sh.slice.g[j][0]);
     if (which == 0) {
       aqk[i * kC + j] = row && j <= i ? v : 0.f;
     } else {
@@ -647,7 +649,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
 #pragma unroll
       for (int r = 2 * h; r < 2 * h + 2; ++r) {
         const int n = n0 + acc_col(r);
-        const float e = m < len ? expf(kScalar ? gamma[m] : s.g[m][n]) * acc.d[r] : 0.f;
+        const float e = m < len ? __expf(kScalar ? gamma[m] : s.g[m][n]) * acc.d[r] : 0.f;
         pr.p2[m][n] = beta[m] * e;
         share = fmaf(s.k[m][n], e, share);
       }
@@ -806,7 +808,7 @@ __device__ void scalar_gate_pairs(const ChunkRows& x, const float* aqk, const fl
       const float m = dq * a[r][h] + dk * kd[r][h];
       row += m;
       col[h] += m;
-      const float d = expf(gamma[i] - gamma[j]);
+      const float d = __expf(gamma[i] - gamma[j]);
       daqk[i][j] = dq * d;
       dakk[i][j] = dk * d;
     }
