@@ -63,8 +63,11 @@
 #                                  (default "configure build bench-chunk"),
 #                                  BASELINE_BUILD_TARGETS (default _C; the decode tool for
 #                                  its kernel-bench: flashdelta_cuda_decode_bench),
-#                                  BASELINE_BENCH_CHUNK_ARGS, BASELINE_BENCH_ARGS and
-#                                  BASELINE_KERNEL_BENCH_ARGS (defaults: this run's),
+#                                  BASELINE_BENCH_CHUNK_ARGS, BASELINE_BENCH_ARGS,
+#                                  BASELINE_KERNEL_BENCH_ARGS,
+#                                  BASELINE_PROFILE_BACKWARD_ARGS and
+#                                  BASELINE_BENCH_BACKWARD_ARGS (defaults: this run's;
+#                                  name variants of this tree's in neither),
 #                                  BASELINE_KERNEL_BENCH_VARIANTS (default none: a variable
 #                                  of this tree may mean nothing there) and
 #                                  FLASHDELTA_COMMIT=BASELINE_COMMIT; needs deps earlier in
@@ -303,10 +306,13 @@ stage_baseline() {
     BENCH_ARGS=${BASELINE_BENCH_ARGS:-$BENCH_ARGS} \
     KERNEL_BENCH_ARGS=${BASELINE_KERNEL_BENCH_ARGS:-$KERNEL_BENCH_ARGS} \
     KERNEL_BENCH_VARIANTS=${BASELINE_KERNEL_BENCH_VARIANTS:-} \
+    PROFILE_BACKWARD_ARGS=${BASELINE_PROFILE_BACKWARD_ARGS:-$PROFILE_BACKWARD_ARGS} \
+    BENCH_BACKWARD_ARGS=${BASELINE_BENCH_BACKWARD_ARGS:-$BENCH_BACKWARD_ARGS} \
     BUDGET_S=$((STAGE_TIMEOUT - 10)) scripts/device-run.sh >/dev/null 2>&1)
   rc=$?
   grep -E '^(== |-- |  [a-z])' "$OUT/baseline/device-run.log"
-  cat "$OUT/baseline/bench_chunk.txt" "$OUT/baseline/bench_decode.txt" 2>/dev/null
+  cat "$OUT/baseline/bench_chunk.txt" "$OUT/baseline/bench_decode.txt" \
+    "$OUT/baseline/profile_backward.txt" 2>/dev/null
   sed -n '/^== kernel-bench/,/^-- kernel-bench/p' "$OUT/baseline/device-run.log"
   tar czf "$OUT/baseline.tgz" -C "$OUT" baseline && rm -rf "$OUT/baseline"
   return $rc
