@@ -235,16 +235,16 @@ __device__ __forceinline__ void quad_products(const KeysStage<true, kOps>& st, i
 #pragma unroll
   for (int nt = 0; nt < kKeyTiles8; ++nt) {
     const int n = 8 * nt + g;
-    const uint2 sq = *reinterpret_cast<const uint2*>(&st.b[0][n][c4]);
-    const uint2 dq = *reinterpret_cast<const uint2*>(&st.b[1][n][c4]);
-    mma_bf16(a1[nt], f_dout, sq.x, sq.y);
-    if (delta) mma_bf16(a3[nt], f_dvn, sq.x, sq.y);
+    const uint2 s4 = *reinterpret_cast<const uint2*>(&st.b[0][n][c4]);   // S, 4 values
+    const uint2 ds4 = *reinterpret_cast<const uint2*>(&st.b[1][n][c4]);  // dS
+    mma_bf16(a1[nt], f_dout, s4.x, s4.y);
+    if (delta) mma_bf16(a3[nt], f_dvn, s4.x, s4.y);
     if constexpr (kOps == KeysProducts::bf16) {
-      mma_bf16(a2[nt], f_vn, dq.x, dq.y);
+      mma_bf16(a2[nt], f_vn, ds4.x, ds4.y);
     } else {
       // A bfloat16 value in the low or high half, as the tf32 bits of that value.
-      mma_tf32(a2[nt], t_vn[0], dq.x << 16, dq.x & 0xffff0000u);
-      mma_tf32(a2[nt], t_vn[1], dq.y << 16, dq.y & 0xffff0000u);
+      mma_tf32(a2[nt], t_vn[0], ds4.x << 16, ds4.x & 0xffff0000u);
+      mma_tf32(a2[nt], t_vn[1], ds4.y << 16, ds4.y & 0xffff0000u);
     }
   }
 }
