@@ -89,12 +89,40 @@ __device__ void stage_bf16_keys(const uint16_t* src, int keys, int V, int l0,
   }
 }
 
-// The bfloat16 forms' staging of slice values [l0, l0 + kVSlice): thread t copies the same
-// rows and runs of every slice, rows t / 4 and t / 4 + 32 of dO, v_new and dv_new at values
-// 4 (t % 4) .., and key t / 2 of S and dS at values 8 (t % 2) .., with zeros past len, keys
-// and V as the generic stagers give (stage_operand, stage_bf16_keys). Their loops over
-// blockDim.x took a division and a 64-bit product per copy (~25 instructions a copy in the
-// SASS, most of the slice loop's once the products were bfloat16).
+// Queues columns [c0, c0 + kWidth) of rows [0, kC) of a float32 row-major array (row stride
+// ld) into dst, zeros past `rows` and `cols`, for the bfloat16 forms. Thread t copies the run
+// of columns c0 + 4 (t % (kWidth / 4)) .. of rows t / (kWidth / 4) + i kKeysThreads /
+// (kWidth / 4): one range test for the run, one address per row. (stage_operand's loop over
+// blockDim.x took a division and a 64-bit product per copy: ~25 instructions a copy in the
+// SASS, most of the slice loop's once the products were bfloat16.)
+template <int kWidth, int kDstLd>
+__device__ __forceinline__ void stage_row_runs(const float* base, int64_t ld, int rows, int cols,
+                                               int c0, float (*dst)[kDstLd]) {
+  constexpr int kRuns = kWidth / 4, kRowStep = kKeysThreads / kRuns;
+  static_assert(kKeysThreads % kRuns == 0 && kC % kRowStep == 0, "whole passes over the rows");
+  const int t = threadIdx.x, q = 4 * (t % kRuns), c = c0 + q;
+  const int64_t step = kRowStep * ld;
+  const float* from = base + (t / kRuns) * ld + c;
+  // A loop, not unrolled: each row's fallback copies would be repeated in the code.
+#pragma unroll 1
+  for (int m = t / kRuns; m < kC; m += kRowStep, from += step) {
+    float* d = &dst[m][q];
+    const bool row = m < rows;
+    if (c + 3 < cols && (reinterpret_cast<uintptr_t>(from) & 15) == 0) {
+      copy_async<16>(d, row ? from : base, row ? 16 : 0);
+      continue;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool ok = row && c + e < cols;
+      copy_async<4>(d + e, ok ? from + e : base, ok ? 4 : 0);
+    }
+  }
+}
+
+// The bfloat16 forms' staging of slice values [l0, l0 + kVSlice): rows of dO, v_new and dv_new
+// by stage_row_runs; key t / 2 of S and dS at values 8 (t % 2) .., zeros past keys and V as
+// stage_bf16_keys gives.
 template <class Stage>
 __device__ __forceinline__ void stage_quad_slice(Stage& st, const float* dout, int64_t dout_ld,
                                                  const float* vn, const float* dvn,
@@ -102,30 +130,11 @@ __device__ __forceinline__ void stage_quad_slice(Stage& st, const float* dout, i
                                                  const uint16_t* dS, int len, int keys, int V,
                                                  int l0, bool delta) {
   static_assert(Stage::kALd == kVSlice && Stage::kBLd == kVSlice, "unpadded rows");
-  constexpr int kRuns = kVSlice / 4, kRowStep = kKeysThreads / kRuns;
-  static_assert(kC % kRowStep == 0 && kKeysTile * (kVSlice / 8) == kKeysThreads,
-                "whole passes over the rows; one run of 8 per key and thread");
-  const int t = threadIdx.x, q = 4 * (t % kRuns), l = l0 + q;
-  auto values = [&](const float* base, int64_t ld, int m, float (*dst)[kVSlice]) {
-    const float* from = base + m * ld + l;
-    float* d = &dst[m][q];
-    const bool row = m < len;
-    if (l + 3 < V && (reinterpret_cast<uintptr_t>(from) & 15) == 0) {
-      copy_async<16>(d, row ? from : base, row ? 16 : 0);
-      return;
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool ok = row && l + e < V;
-      copy_async<4>(d + e, ok ? from + e : base, ok ? 4 : 0);
-    }
-  };
-#pragma unroll
-  for (int m = t / kRuns; m < kC; m += kRowStep) {
-    values(dout, dout_ld, m, st.a[0]);
-    values(vn, rec_ld, m, st.a[1]);
-    if (delta) values(dvn, rec_ld, m, st.a[2]);
-  }
+  static_assert(kKeysTile * (kVSlice / 8) == kKeysThreads, "one run of 8 per key and thread");
+  stage_row_runs<kVSlice>(dout, dout_ld, len, V, l0, st.a[0]);
+  stage_row_runs<kVSlice>(vn, rec_ld, len, V, l0, st.a[1]);
+  if (delta) stage_row_runs<kVSlice>(dvn, rec_ld, len, V, l0, st.a[2]);
+  const int t = threadIdx.x;
   const int n = t / 2, r = 8 * (t % 2), lb = l0 + r;
   auto run = [&](const uint16_t* base, uint16_t (*dst)[kVSlice]) {
     const uint16_t* from = base + static_cast<int64_t>(n) * V + lb;
@@ -335,6 +344,11 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   {
     KeysFactors& f = sh.factors;
     const auto stage_factors = [&](const float* buf, float (&dst)[kC][kFactorLd]) {
+      if constexpr (Stage::kQuads) {
+        stage_row_runs<kKeysTile>(x.k_rec(const_cast<float*>(buf), 0) + k0, K, len, keys, 0,
+                                  dst);
+        return;
+      }
       stage_operand<kKeysTile, true>(
           [&](int m, int n) { return x.k_rec(const_cast<float*>(buf), m) + k0 + n; }, len, kC,
           keys, 0, false, &dst[0][0], kFactorLd);
