@@ -5,8 +5,8 @@
 // transformed inputs. The math is bench/model/chunk_backward.py term by term; Gamma is
 // natural-log here and every e^(Gamma_i - Gamma_j) is formed pairwise (an exponent <= 0 for
 // j <= i: no factorisation, nothing to overflow). Per-element exponentials are __expf
-// (ex2.approx: a few ulp, against tf32's 2^-11; results below 2^-126 flushed to 0): expf's
-// range reduction is ~20 instructions an element. Global operands pass through shared memory
+// (ex2.approx of x log2 e: a few ulp, against tf32's 2^-11; without -ftz it keeps subnormal
+// results, three instructions more): expf's range reduction is ~20 instructions an element. Global operands pass through shared memory
 // in coalesced slices (staged_product, the key slices of the pairwise sums): a thread never
 // waits on a chain of its own global loads.
 // A scalar gate (BackwardParams::scalar_pairs) takes a short form of both kernels

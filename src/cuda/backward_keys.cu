@@ -108,8 +108,11 @@ __device__ __forceinline__ void stage_row_runs(const float* base, int64_t ld, in
   for (int m = t / kRuns; m < kC; m += kRowStep, from += step) {
     float* d = &dst[m][q];
     const bool row = m < rows;
-    if (c + 3 < cols && (reinterpret_cast<uintptr_t>(from) & 15) == 0) {
-      copy_async<16>(d, row ? from : base, row ? 16 : 0);
+    // The address passed is the one tested: a zero-filling copy takes the base, whose
+    // alignment can differ from the row's (V not a multiple of 4).
+    const float* src = row ? from : base;
+    if (c + 3 < cols && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+      copy_async<16>(d, src, row ? 16 : 0);
       continue;
     }
 #pragma unroll
@@ -363,10 +366,12 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   dss += __shfl_xor_sync(0xffffffffu, dss, 1);  // both halves of the key's columns
 
   // The gradients, one output tile at a time, their factors from shared memory. The bfloat16
-  // forms take e^x by ex2.approx (__expf: a few ulp, against tf32's 2^-11 and their own
-  // 2^-8; exponents <= 0, results below 2^-126 flushed to 0), where expf's range reduction
-  // was ~20 instructions an element, 64 a thread: as many as half its slice loop.
-  const auto exp_of = [](float x) { return Stage::kQuads ? __expf(x) : expf(x); };
+  // forms take e^x as 2^(x log2 e) by ex2.approx.ftz (a few ulp, against tf32's 2^-11 and their
+  // own 2^-8; exponents <= 0, results below 2^-126 flushed to 0), where expf's range
+  // reduction was ~20 instructions an element, 64 a thread: as many as half its slice loop.
+  const auto exp_of = [](float x) {
+    return Stage::kQuads ? exp2_approx(x * kLog2e) : expf(x);
+  };
   const KeysFactors& f = sh.factors;
   float kg_colsum[kKeyTiles8][2] = {};  // this lane's rows' A2 kg, per key 8 nt + 2c + e
 #pragma unroll
