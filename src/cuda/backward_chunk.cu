@@ -6,9 +6,9 @@
 // natural-log here and every e^(Gamma_i - Gamma_j) is formed pairwise (an exponent <= 0 for
 // j <= i: no factorisation, nothing to overflow). Per-element exponentials are __expf
 // (ex2.approx of x log2 e: a few ulp, against tf32's 2^-11; without -ftz it keeps subnormal
-// results, three instructions more): expf's range reduction is ~20 instructions an element. Global operands pass through shared memory
-// in coalesced slices (staged_product, the key slices of the pairwise sums): a thread never
-// waits on a chain of its own global loads.
+// results, three instructions more): expf's range reduction is ~20 instructions an element.
+// Global operands pass through shared memory in coalesced slices (staged_product, the key
+// slices of the pairwise sums): a thread never waits on a chain of its own global loads.
 // A scalar gate (BackwardParams::scalar_pairs) takes a short form of both kernels
 // (kScalar): its decay is one number per token pair, so A's entries are plain products
 // times that number, and the pairs' share of d Gamma is one C x C matrix's row sums minus
