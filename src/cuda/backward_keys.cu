@@ -70,23 +70,22 @@ struct alignas(16) KeysStage {
 
 // Queues values [l0, l0 + kVSlice) of keys [0, keys) of a bfloat16 [key][V] slab into dst
 // (zeros past keys or V): 16-byte copies where V is a multiple of 8, else element by element.
+// One run of 8 values per thread: key t / 2, values 8 (t % 2) ...
 template <int kLd>
 __device__ void stage_bf16_keys(const uint16_t* src, int keys, int V, int l0,
                                 uint16_t (*dst)[kLd]) {
   constexpr int kRuns = kVSlice / 8;
-  const bool runs = V % 8 == 0;
-  for (int idx = threadIdx.x; idx < kKeysTile * kRuns; idx += blockDim.x) {
-    const int n = idx / kRuns, l = l0 + idx % kRuns * 8;
-    uint16_t* d = &dst[n][idx % kRuns * 8];
-    const uint16_t* from = src + static_cast<int64_t>(n) * V + l;
-    if (runs) {
-      const bool ok = n < keys && l < V;
-      copy_async<16>(d, ok ? from : src, ok ? 16 : 0);
-      continue;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) d[e] = n < keys && l + e < V ? from[e] : uint16_t{0};
+  static_assert(kKeysTile * kRuns == kKeysThreads, "one run per thread");
+  const int n = threadIdx.x / kRuns, r = threadIdx.x % kRuns * 8, l = l0 + r;
+  uint16_t* d = &dst[n][r];
+  const uint16_t* from = src + static_cast<int64_t>(n) * V + l;
+  if (V % 8 == 0) {
+    const bool ok = n < keys && l < V;
+    copy_async<16>(d, ok ? from : src, ok ? 16 : 0);
+    return;
   }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) d[e] = n < keys && l + e < V ? from[e] : uint16_t{0};
 }
 
 // Queues columns [c0, c0 + kWidth) of rows [0, kC) of a float32 row-major array (row stride
@@ -124,8 +123,7 @@ __device__ __forceinline__ void stage_row_runs(const float* base, int64_t ld, in
 }
 
 // The bfloat16 forms' staging of slice values [l0, l0 + kVSlice): rows of dO, v_new and dv_new
-// by stage_row_runs; key t / 2 of S and dS at values 8 (t % 2) .., zeros past keys and V as
-// stage_bf16_keys gives.
+// by stage_row_runs, S and dS by stage_bf16_keys (one run of 8 values per thread).
 template <class Stage>
 __device__ __forceinline__ void stage_quad_slice(Stage& st, const float* dout, int64_t dout_ld,
                                                  const float* vn, const float* dvn,
@@ -133,25 +131,11 @@ __device__ __forceinline__ void stage_quad_slice(Stage& st, const float* dout, i
                                                  const uint16_t* dS, int len, int keys, int V,
                                                  int l0, bool delta) {
   static_assert(Stage::kALd == kVSlice && Stage::kBLd == kVSlice, "unpadded rows");
-  static_assert(kKeysTile * (kVSlice / 8) == kKeysThreads, "one run of 8 per key and thread");
   stage_row_runs<kVSlice>(dout, dout_ld, len, V, l0, st.a[0]);
   stage_row_runs<kVSlice>(vn, rec_ld, len, V, l0, st.a[1]);
   if (delta) stage_row_runs<kVSlice>(dvn, rec_ld, len, V, l0, st.a[2]);
-  const int t = threadIdx.x;
-  const int n = t / 2, r = 8 * (t % 2), lb = l0 + r;
-  auto run = [&](const uint16_t* base, uint16_t (*dst)[kVSlice]) {
-    const uint16_t* from = base + static_cast<int64_t>(n) * V + lb;
-    uint16_t* d = &dst[n][r];
-    if (V % 8 == 0) {
-      const bool ok = n < keys && lb < V;
-      copy_async<16>(d, ok ? from : base, ok ? 16 : 0);
-      return;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) d[e] = n < keys && lb + e < V ? from[e] : uint16_t{0};
-  };
-  run(S, st.b[0]);
-  run(dS, st.b[1]);
+  stage_bf16_keys<kVSlice>(S, keys, V, l0, st.b[0]);
+  stage_bf16_keys<kVSlice>(dS, keys, V, l0, st.b[1]);
 }
 
 // The epilogue's factors of the tile, Gamma, qg and kg [token][key], staged once the products
