@@ -304,21 +304,22 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   const int operands = b.p.delta ? 3 : 2;  // dv_new is staged for the delta rule only
   over_buffered_slices<kStages>(slices, stage, [&](int s) {
     const Stage& st = sh.stage[s % kStages];
-    if constexpr (Stage::kQuads)
-      quad_products(st, m0, b.p.delta, a1, a2, a3);
-    else
-      element_products(st, m0, operands, b.p.delta, a1, a2, a3);
     if constexpr (Stage::kQuads) {
-      // The same sum in the same order, the thread's 8 values of each row in one 16-byte read.
+      quad_products(st, m0, b.p.delta, a1, a2, a3);
+      // dS . S as below, the same sum in the same order, the thread's 8 values of each row in
+      // one 16-byte read (value 2j in word j's low half, 2j + 1 in its high half).
       const uint4 sv = *reinterpret_cast<const uint4*>(&st.b[0][dss_key][dss_half * 8]);
       const uint4 dv = *reinterpret_cast<const uint4*>(&st.b[1][dss_key][dss_half * 8]);
       const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+      const auto value = [](uint32_t w, int h) {
+        return __uint_as_float(h ? w & 0xffff0000u : w << 16);
+      };
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        dss = fmaf(__uint_as_float(dw[j] << 16), __uint_as_float(sw[j] << 16), dss);
-        dss = fmaf(__uint_as_float(dw[j] & 0xffff0000u), __uint_as_float(sw[j] & 0xffff0000u), dss);
-      }
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) dss = fmaf(value(dw[j], h), value(sw[j], h), dss);
     } else {
+      element_products(st, m0, operands, b.p.delta, a1, a2, a3);
 #pragma unroll
       for (int j = 0; j < kVSlice / 2; ++j) {
         const int l = dss_half * (kVSlice / 2) + j;
