@@ -573,9 +573,10 @@ TEST(CudaBackwardKeys, FollowsTheEnvironmentVariable) {
 // their permuted k slots and three staged slices) against the reference and the tf32 form:
 // GVA with the fused transforms, a partial key tile with V not a multiple of 8 (bfloat16
 // states staged element by element) and a partial last slice, varlen with empty and one-token
-// sequences on float16 and V-first states, the linear write (two products), K = V = 256, and
+// sequences on float16 and V-first states, the linear write (two products), K = V = 256,
 // one or two slices of V (fewer than the stages: an empty first group, nothing staged in the
-// loop); bitwise the same from run to run. The states are bfloat16 here whatever the ctest
+// loop), and V = 33 with a short last chunk (rows not 16-byte aligned, zero fills past it);
+// bitwise the same from run to run. The states are bfloat16 here whatever the ctest
 // pass (float32 states take the tf32 form). d_o is float32 noise, not exact in bfloat16: both
 // forms round it, so every case differs from the tf32 form somewhere.
 TEST(CudaBackward, KeysProductsOnBfloat16OperandsMatchTheReference) {
@@ -593,7 +594,8 @@ TEST(CudaBackward, KeysProductsOnBfloat16OperandsMatchTheReference) {
       {.T = 70, .H = 1, .HV = 1, .K = 256, .V = 256, .dtype = DType::bf16, .seed = 8404},
       {.T = 100, .H = 1, .HV = 2, .K = 64, .V = 12, .dtype = DType::bf16, .seed = 8405},
       {.mechanism = Mechanism::deltanet, .T = 90, .K = 32, .V = 24, .dtype = DType::bf16,
-       .seed = 8406}};
+       .seed = 8406},
+      {.T = 75, .H = 1, .HV = 2, .K = 48, .V = 33, .dtype = DType::bf16, .seed = 8407}};
   for (const CaseConfig& c : cases) {
     const BackwardCase b = make_backward_case(c);
     ASSERT_TRUE(bf16_states(b)) << describe(c);
