@@ -161,12 +161,13 @@ struct KeysShared {
 // The tf32 form's products over one staged slice (warp rows m0 .. m0 + 15).
 template <bool kBf16>
 __device__ __forceinline__ void element_products(const KeysStage<kBf16, KeysProducts::tf32>& st,
-                                                 int m0, int operands, bool delta,
+                                                 int m0, bool delta,
                                                  Acc (&a1)[kKeyTiles8], Acc (&a2)[kKeyTiles8],
                                                  Acc (&a3)[kKeyTiles8]) {
   using Op = StateOperand<kBf16>;
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   auto ea = [&](int which, int m, int k) { return to_tf32(st.a[which][m][k]); };
+  const int operands = delta ? 3 : 2;  // dv_new is staged for the delta rule only
 #pragma unroll
   for (int kk = 0; kk < kVSlice; kk += 8) {
     uint32_t f[3][4] = {};
@@ -212,22 +213,15 @@ __device__ __forceinline__ void quad_products(const KeysStage<true, kOps>& st, i
     f[2] = pack_bf16(lo_row.z, lo_row.w);
     f[3] = pack_bf16(hi_row.z, hi_row.w);
   };
-  uint32_t f_dout[4], f_dvn[4] = {}, f_vn[4] = {}, t_vn[2][4] = {};
+  uint32_t f_dout[4], f_dvn[4] = {}, f_vn[4] = {};
   bf16_fragment(row(0, m0 + g), row(0, m0 + g + 8), f_dout);
   if (delta) bf16_fragment(row(2, m0 + g), row(2, m0 + g + 8), f_dvn);
-  {
-    const float4 lo = row(1, m0 + g), hi = row(1, m0 + g + 8);
-    if constexpr (kOps == KeysProducts::bf16) {
-      bf16_fragment(lo, hi, f_vn);
-    } else {
-      const uint32_t v[2][4] = {{to_tf32(lo.x), to_tf32(hi.x), to_tf32(lo.y), to_tf32(hi.y)},
-                                {to_tf32(lo.z), to_tf32(hi.z), to_tf32(lo.w), to_tf32(hi.w)}};
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) t_vn[s][r] = v[s][r];
-    }
-  }
+  const float4 vn_lo = row(1, m0 + g), vn_hi = row(1, m0 + g + 8);
+  if constexpr (kOps == KeysProducts::bf16) bf16_fragment(vn_lo, vn_hi, f_vn);
+  // The mixed form's tf32 fragments of v_new (unused, and dropped, in the bf16 form).
+  const uint32_t t_vn[2][4] = {
+      {to_tf32(vn_lo.x), to_tf32(vn_hi.x), to_tf32(vn_lo.y), to_tf32(vn_hi.y)},
+      {to_tf32(vn_lo.z), to_tf32(vn_hi.z), to_tf32(vn_lo.w), to_tf32(vn_hi.w)}};
 #pragma unroll
   for (int nt = 0; nt < kKeyTiles8; ++nt) {
     const int n = 8 * nt + g;
@@ -301,7 +295,6 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   const int dss_key = threadIdx.x / 2, dss_half = threadIdx.x % 2;
   float dss = 0.f;
   const int slices = (Vi + kVSlice - 1) / kVSlice;
-  const int operands = b.p.delta ? 3 : 2;  // dv_new is staged for the delta rule only
   over_buffered_slices<kStages>(slices, stage, [&](int s) {
     const Stage& st = sh.stage[s % kStages];
     if constexpr (Stage::kQuads) {
@@ -319,7 +312,7 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
 #pragma unroll
         for (int h = 0; h < 2; ++h) dss = fmaf(value(dw[j], h), value(sw[j], h), dss);
     } else {
-      element_products(st, m0, operands, b.p.delta, a1, a2, a3);
+      element_products(st, m0, b.p.delta, a1, a2, a3);
 #pragma unroll
       for (int j = 0; j < kVSlice / 2; ++j) {
         const int l = dss_half * (kVSlice / 2) + j;
