@@ -88,40 +88,6 @@ __device__ void stage_bf16_keys(const uint16_t* src, int keys, int V, int l0,
   for (int e = 0; e < 8; ++e) d[e] = n < keys && l + e < V ? from[e] : uint16_t{0};
 }
 
-// Queues columns [c0, c0 + kWidth) of rows [0, kC) of a float32 row-major array (row stride
-// ld) into dst, zeros past `rows` and `cols`, for the bfloat16 forms. Thread t copies the run
-// of columns c0 + 4 (t % (kWidth / 4)) .. of rows t / (kWidth / 4) + i kKeysThreads /
-// (kWidth / 4): one range test for the run, one address per row. (stage_operand's loop over
-// blockDim.x took a division and a 64-bit product per copy: ~25 instructions a copy in the
-// SASS, most of the slice loop's once the products were bfloat16.)
-template <int kWidth, int kDstLd>
-__device__ __forceinline__ void stage_row_runs(const float* base, int64_t ld, int rows, int cols,
-                                               int c0, float (*dst)[kDstLd]) {
-  constexpr int kRuns = kWidth / 4, kRowStep = kKeysThreads / kRuns;
-  static_assert(kKeysThreads % kRuns == 0 && kC % kRowStep == 0, "whole passes over the rows");
-  const int t = threadIdx.x, q = 4 * (t % kRuns), c = c0 + q;
-  const int64_t step = kRowStep * ld;
-  const float* from = base + (t / kRuns) * ld + c;
-  // A loop, not unrolled: each row's fallback copies would be repeated in the code.
-#pragma unroll 1
-  for (int m = t / kRuns; m < kC; m += kRowStep, from += step) {
-    float* d = &dst[m][q];
-    const bool row = m < rows;
-    // The address passed is the one tested: a zero-filling copy takes the base, whose
-    // alignment can differ from the row's (V not a multiple of 4).
-    const float* src = row ? from : base;
-    if (c + 3 < cols && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
-      copy_async<16>(d, src, row ? 16 : 0);
-      continue;
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool ok = row && c + e < cols;
-      copy_async<4>(d + e, ok ? from + e : base, ok ? 4 : 0);
-    }
-  }
-}
-
 // The bfloat16 forms' staging of slice values [l0, l0 + kVSlice): rows of dO, v_new and dv_new
 // by stage_row_runs, S and dS by stage_bf16_keys (one run of 8 values per thread).
 template <class Stage>
@@ -131,9 +97,9 @@ __device__ __forceinline__ void stage_quad_slice(Stage& st, const float* dout, i
                                                  const uint16_t* dS, int len, int keys, int V,
                                                  int l0, bool delta) {
   static_assert(Stage::kALd == kVSlice && Stage::kBLd == kVSlice, "unpadded rows");
-  stage_row_runs<kVSlice>(dout, dout_ld, len, V, l0, st.a[0]);
-  stage_row_runs<kVSlice>(vn, rec_ld, len, V, l0, st.a[1]);
-  if (delta) stage_row_runs<kVSlice>(dvn, rec_ld, len, V, l0, st.a[2]);
+  stage_row_runs<kKeysThreads, kVSlice, kC>(dout, dout_ld, len, V, l0, st.a[0]);
+  stage_row_runs<kKeysThreads, kVSlice, kC>(vn, rec_ld, len, V, l0, st.a[1]);
+  if (delta) stage_row_runs<kKeysThreads, kVSlice, kC>(dvn, rec_ld, len, V, l0, st.a[2]);
   stage_bf16_keys<kVSlice>(S, keys, V, l0, st.b[0]);
   stage_bf16_keys<kVSlice>(dS, keys, V, l0, st.b[1]);
 }
@@ -326,8 +292,8 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
     KeysFactors& f = sh.factors;
     const auto stage_factors = [&](const float* buf, float (&dst)[kC][kFactorLd]) {
       if constexpr (Stage::kQuads) {
-        stage_row_runs<kKeysTile>(x.k_rec(const_cast<float*>(buf), 0) + k0, K, len, keys, 0,
-                                  dst);
+        stage_row_runs<kKeysThreads, kKeysTile, kC>(x.k_rec(const_cast<float*>(buf), 0) + k0, K,
+                                                    len, keys, 0, dst);
         return;
       }
       stage_operand<kKeysTile, true>(

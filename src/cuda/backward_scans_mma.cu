@@ -416,17 +416,25 @@ __device__ void for_each_token(const Acc (&t)[kTokenTiles], const BackwardParams
   }
 }
 
+// Queues a record's kC x K float32 [token][key] rows (`len` of them) into a stage, zeros past
+// len and K.
+template <int KP, int kLd>
+__device__ __forceinline__ void stage_key_rows(const float* src, int64_t K, int len,
+                                               float (*dst)[kLd]) {
+  stage_row_runs<kMmaThreads, KP, kC>(src, K, len, static_cast<int>(K), 0, dst);
+}
+
 // Queues the states scan's operands of chunk ci (len tokens): those of v_new (w, u) and
 // those of the update (kg, decay).
 template <int KP>
 __device__ void stage_states_operands(const BackwardParams& b, const MmaScanBlock& blk,
                                       int64_t ci, int len, StatesShared<KP>& sh) {
   const int64_t K = b.p.K, V = b.p.V, rec = blk.record(b, ci);
-  if (b.p.delta) stage_rows(&sh.w[0][0], KP + 8, kC, KP, b.ws.w + rec * kC * K, K, len, int(K));
+  if (b.p.delta) stage_key_rows<KP>(b.ws.w + rec * kC * K, K, len, sh.w);
   if (!blk.map)
-    stage_rows(&sh.u[0][0], kMmaColumns + 4, kC, kMmaColumns, b.ws.u + rec * kC * V + blk.j0, V,
-               len, blk.cols());
-  stage_rows(&sh.kg[0][0], KP + 4, kC, KP, b.ws.kg + rec * kC * K, K, len, int(K));
+    stage_row_runs<kMmaThreads, kMmaColumns, kC>(b.ws.u + rec * kC * V + blk.j0, V, len,
+                                                 blk.cols(), 0, sh.u);
+  stage_key_rows<KP>(b.ws.kg + rec * kC * K, K, len, sh.kg);
   stage_decay<KP>(b, rec, sh.decay);
 }
 // L2 prefetches of chunk ci's operands (none past the segment).
@@ -512,15 +520,15 @@ template <int KP>
 __device__ void stage_dstates_operands(const BackwardParams& b, const MmaScanBlock& blk,
                                        int64_t ci, int len, DstatesShared<KP>& sh) {
   const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV, rec = blk.record(b, ci);
-  stage_rows(&sh.kg[0][0], KP + 8, kC, KP, b.ws.kg + rec * kC * K, K, len, int(K));
+  stage_key_rows<KP>(b.ws.kg + rec * kC * K, K, len, sh.kg);
   if (!blk.map) {  // the dO terms; a map's columns have none
-    stage_rows(&sh.aqk[0][0], kC + 4, kC, kC, b.ws.aqk + rec * kC * kC, kC, len, kC);
-    stage_rows(&sh.dout[0][0], kMmaColumns + 4, kC, kMmaColumns,
-               b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0, HV * V, len,
-               blk.cols());
-    stage_rows(&sh.qg[0][0], KP + 4, kC, KP, b.ws.qg + rec * kC * K, K, len, int(K));
+    stage_row_runs<kMmaThreads, kC, kC>(b.ws.aqk + rec * kC * kC, kC, len, kC, 0, sh.aqk);
+    stage_row_runs<kMmaThreads, kMmaColumns, kC>(
+        b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0, HV * V, len, blk.cols(), 0,
+        sh.dout);
+    stage_key_rows<KP>(b.ws.qg + rec * kC * K, K, len, sh.qg);
   }
-  if (b.p.delta) stage_rows(&sh.w[0][0], KP + 4, kC, KP, b.ws.w + rec * kC * K, K, len, int(K));
+  if (b.p.delta) stage_key_rows<KP>(b.ws.w + rec * kC * K, K, len, sh.w);
   stage_decay<KP>(b, rec, sh.decay);
 }
 // L2 prefetches of chunk ci's operands (none before the segment).

@@ -337,4 +337,39 @@ __device__ inline void stage_rows(float* dst, int ld, int height, int width, con
   }
 }
 
+// stage_rows for blocks of exactly kThreads threads and a block of kHeight rows x kWidth
+// floats known at compile time: columns [c0, c0 + kWidth) of the source rows into dst (zeros
+// past `rows` and `cols`). Thread t copies the run of columns c0 + 4 (t % (kWidth / 4)) .. of
+// rows t / (kWidth / 4) + i kThreads / (kWidth / 4): one range test for the run, one address
+// per row advanced by an add. (stage_rows' loop over blockDim.x takes a division and a 64-bit
+// product per copy: ~25 instructions a 16-byte copy in the SASS, ~14 here.)
+template <int kThreads, int kWidth, int kHeight, int kLd>
+__device__ __forceinline__ void stage_row_runs(const float* base, int64_t ld, int rows, int cols,
+                                               int c0, float (*dst)[kLd]) {
+  constexpr int kRuns = kWidth / 4, kRowStep = kThreads / kRuns;
+  static_assert(kWidth % 4 == 0 && kWidth <= kLd, "whole runs inside the rows");
+  static_assert(kThreads % kRuns == 0 && kHeight % kRowStep == 0, "whole passes over the rows");
+  const int t = threadIdx.x, q = 4 * (t % kRuns), c = c0 + q;
+  const int64_t step = kRowStep * ld;
+  const float* from = base + (t / kRuns) * ld + c;
+  // A loop, not unrolled: each row's fallback copies would be repeated in the code.
+#pragma unroll 1
+  for (int m = t / kRuns; m < kHeight; m += kRowStep, from += step) {
+    float* d = &dst[m][q];
+    const bool row = m < rows;
+    // The address passed is the one tested: a zero-filling copy takes the base, whose
+    // alignment can differ from the row's (a row length not a multiple of 4).
+    const float* src = row ? from : base;
+    if (c + 3 < cols && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+      copy_async<16>(d, src, row ? 16 : 0);
+      continue;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool ok = row && c + e < cols;
+      copy_async<4>(d + e, ok ? from + e : base, ok ? 4 : 0);
+    }
+  }
+}
+
 }  // namespace flashdelta::detail::cuda
