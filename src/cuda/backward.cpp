@@ -265,6 +265,15 @@ bool cuda_backward_scans_mma(int64_t K) {
   return env_setting("FLASHDELTA_BACKWARD_SCANS", {"tiles", "mma"}) != "tiles" && K <= 128;
 }
 
+int cuda_backward_mma_columns(int64_t scans, int64_t V, int64_t segments, int sms,
+                              bool wide_fits) {
+  const std::string setting =
+      env_setting("FLASHDELTA_BACKWARD_MMA_COLUMNS", {"auto", "64", "128"});
+  if (segments != 1 || !wide_fits || setting == "64") return 64;
+  if (setting == "128") return 128;
+  return V > 64 && scans * ((V + 63) / 64) > sms ? 128 : 64;
+}
+
 bool cuda_backward_scalar_pairs(GateKind gate) {
   return env_setting("FLASHDELTA_BACKWARD_GATE_PAIRS", {"auto", "general"}) != "general" &&
          gate == GateKind::scalar;
@@ -308,8 +317,15 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   // The scans in registers unless the tile scans are asked for or the GPU lacks their shared
   // memory (170 KB at K = 128).
   const bool scans_mma =
-      cuda_backward_scans_mma(p.K) && shared >= cuda::backward_scans_mma_shared_bytes(p.K);
-  const int scan_cols = cuda_backward_scan_columns(p.N * pass_heads * p.group, p.V, sm_count());
+      cuda_backward_scans_mma(p.K) && shared >= cuda::backward_scans_mma_shared_bytes(p.K, 64);
+  const int64_t pass_scans = p.N * pass_heads * p.group;
+  const int scan_cols = cuda_backward_scan_columns(pass_scans, p.V, sm_count());
+  // A pass with fewer heads than the first may split its sequences: the launch then takes
+  // 64 columns whatever this says.
+  const int mma_cols = cuda_backward_mma_columns(
+      pass_scans, p.V,
+      cuda_backward_scan_segments(pass_scans, p.K, p.V, (p.T + cuda::kChunk - 1) / cuda::kChunk),
+      sm_count(), scans_mma && shared >= cuda::backward_scans_mma_shared_bytes(p.K, 128));
   const bool scalar_pairs = cuda_backward_scalar_pairs(p.gate);
   const cuda::KeysProducts keys_products = cuda_backward_keys_products();
   {
@@ -335,6 +351,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     cuda::BackwardParams b = backward_params(ps, as);
     b.scan_cols = scan_cols;
     b.scans_mma = scans_mma;
+    b.mma_cols = mma_cols;
     b.scalar_pairs = scalar_pairs;
     b.keys_products = b.bf16_states ? keys_products : cuda::KeysProducts::tf32;
     if (!scans_mma) b.segments = 1;  // the tile scans run whole sequences

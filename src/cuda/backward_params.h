@@ -16,9 +16,9 @@
 //             (BackwardArgs::chunk_states) per (chunk, value head) in parallel, the given
 //             state and v_new
 //   dstates   the same, chunks in reverse: the state gradient leaving every chunk and dv_new
-// With scans_mma (K <= 128) the two scans run per (sequence, value head, 64 columns) with the
-// state in tensor-core accumulators (cuda/backward_scans_mma.cu); when those blocks are too
-// few to fill the GPU, per segment of each sequence too, after a pass that gives every
+// With scans_mma (K <= 128) the two scans run per (sequence, value head, mma_cols columns)
+// with the state in tensor-core accumulators (cuda/backward_scans_mma.cu); when those blocks
+// are too few to fill the GPU, per segment of each sequence too, after a pass that gives every
 // segment's affine map (segment_maps).
 //   keys      per (chunk, value head, 64-key tile), in parallel: the key gradients' products
 //             over V and d Gamma_end, each gradient written once (cuda/backward_keys.cu)
@@ -95,6 +95,9 @@ struct BackwardParams {
   RecurrentParams p;  // sizes, options, q k v g beta, A_log, dt_bias, cu_seqlens, state_in
   int scan_cols = kScanColumnWidths[0];  // one of kScanColumnWidths (backward_scan_columns)
   bool scans_mma = false;                // the scans in registers (K <= 128)
+  // Value columns per block of the scans in registers: 64 (8 warps), or 128 (16 warps) where
+  // 64-column blocks would take more than one wave; 64 where sequences are split.
+  int mma_cols = 64;
   // The scans in registers split each sequence into `segments` runs of segment_chunks chunks
   // (1: not split; cuda/backward_scans_mma.cu).
   int64_t segments = 1, segment_chunks = 0;
@@ -134,7 +137,7 @@ struct BackwardParams {
 // device offers it before launching anything).
 int64_t backward_chunk_shared_bytes();
 int64_t backward_scan_shared_bytes();
-int64_t backward_scans_mma_shared_bytes(int64_t K);  // K <= 128
+int64_t backward_scans_mma_shared_bytes(int64_t K, int cols);  // K <= 128, cols 64 or 128
 int64_t backward_keys_shared_bytes();
 
 void launch_backward_inputs(const BackwardParams& b, void* stream);

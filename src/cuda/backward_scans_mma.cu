@@ -38,43 +38,56 @@
 namespace flashdelta::detail::cuda {
 namespace {
 
-constexpr int kMmaColumns = 64;  // value columns per block, 16 per pair of warps
-constexpr int kKeyHalves = 2;    // warps per 16 columns, each over its share of the keys
-constexpr int kMmaWarps = kMmaColumns / 16 * kKeyHalves;
-constexpr int kMmaThreads = 32 * kMmaWarps;
+constexpr int kKeyHalves = 2;  // warps per 16 columns, each over its share of the keys
 constexpr int kTokenTiles = kC / 8;
 
-// A warp's partial sums of a 16-column x kC-token tile, for its partner to add.
-using Exchange = float4[kMmaWarps][kTokenTiles][32];
+// A block of kCols value columns (BackwardParams::mma_cols), 16 per pair of warps: 64
+// columns in 8 warps, or 128 in 16 (two 64-column blocks' work on one stage of the record's
+// key rows, for one wave where 64-column blocks would take two).
+template <int kCols>
+struct ScanShape {
+  static_assert(kCols == 64 || kCols == 128, "the scans' block widths");
+  static constexpr int kColumnWarps = kCols / 16;  // warp w's partner is w ^ kColumnWarps
+  static constexpr int kWarps = kColumnWarps * kKeyHalves;
+  static constexpr int kThreads = 32 * kWarps;
+};
 
-__host__ __device__ inline int64_t mma_column_tiles(int64_t V) {
-  return (V + kMmaColumns - 1) / kMmaColumns;
+// kWarps warps' partial sums of their 16-column x kC-token tiles, for the partners to add.
+template <int kWarps>
+using WarpSums = float4[kWarps][kTokenTiles][32];
+template <int kCols>
+using Exchange = WarpSums<ScanShape<kCols>::kWarps>;
+constexpr int kExchangeSlice = kTokenTiles * 32 * sizeof(float4);  // bytes per warp
+
+__host__ __device__ inline int64_t mma_column_tiles(int64_t V, int cols = 64) {
+  return (V + cols - 1) / cols;
 }
 
 // One chunk's operands. Row lengths are 4 mod 32 floats where a lane reads rows 2c and 2c + 1
 // at column g (the 32 lanes in distinct banks), 8 mod 32 where it reads a float2 at (row g,
 // column 2c).
-template <int KP>
+template <int KP, int kCols>
 struct alignas(16) StatesShared {
-  float w[kC][KP + 8];           // [token][key]
-  float kg[kC][KP + 4];          // [token][key]
-  float u[kC][kMmaColumns + 4];  // [token][column]
+  float w[kC][KP + 8];     // [token][key]
+  float kg[kC][KP + 4];    // [token][key]
+  float u[kC][kCols + 4];  // [token][column]
   float decay[KP];
-  Exchange xch;
+  Exchange<kCols> xch;
 };
 
 // dO rows of a block's columns.
-using DoutTile = float[kC][kMmaColumns + 4];  // [token][column]
+template <int kCols>
+using DoutTile = float[kC][kCols + 4];  // [token][column]
 
-template <int KP>
+template <int KP, int kCols>
 struct alignas(16) DstatesShared {
   float kg[kC][KP + 8];   // [token][key]
   float qg[kC][KP + 4];   // [token][key]
   float w[kC][KP + 4];    // [token][key]
   float aqk[kC][kC + 4];  // [r][i], zero right of the diagonal
-  DoutTile dout;
+  DoutTile<kCols> dout;
   float decay[KP];
-  Exchange xch;
+  Exchange<kCols> xch;
 };
 
 // Queues the record's decay per key into dst (zeros past K), with the stage's copies.
@@ -90,7 +103,8 @@ __device__ void stage_decay(const BackwardParams& b, int64_t rec, float* dst) {
 
 // The A fragment of dO^T (the warp's 16 columns from `col0` x tokens 8 kt ..) in the
 // permuted k order.
-__device__ __forceinline__ void dout_fragment(const DoutTile& dout, int kt, int col0,
+template <int kCols>
+__device__ __forceinline__ void dout_fragment(const DoutTile<kCols>& dout, int kt, int col0,
                                               uint32_t (&a)[4]) {
   const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4, t = 8 * kt + 2 * c;
   a[0] = to_tf32(dout[t][col0 + g]);
@@ -127,29 +141,30 @@ __host__ __device__ inline int64_t dstates_ends_tiles(const BackwardParams& b) {
   return b.transposed_maps ? mma_column_tiles(b.p.V) : map_column_tiles(b.p.K, b.p.V);
 }
 
-// The scans' block: sequence n, value head hv, segment seg (its chunks [c0, c1)), 64 columns
-// from j0 of V or, in the segment-ends kernel, of the identity (`map`); this warp's 16 from
-// jw, and its share `half` of the keys. Warps w and w ^ 4 carry the same columns. Blocks are
-// numbered ((n * HV + hv) * segments + seg) * tiles + tile.
+// The scans' block: sequence n, value head hv, segment seg (its chunks [c0, c1)), `columns`
+// columns (ScanShape) from j0 of V or, in the segment-ends kernel, of the identity (`map`);
+// this warp's 16 from jw, and its share `half` of the keys. Warps w and w ^ (columns / 16)
+// carry the same columns. Blocks are numbered ((n * HV + hv) * segments + seg) * tiles + tile.
 struct MmaScanBlock : ScanChunks {
-  static_assert(kKeyHalves == 2 && kMmaColumns == 64, "warp w's partner is w ^ 4");
+  static_assert(kKeyHalves == 2, "a warp and its partner");
   int64_t j0, jw;
-  int wc;    // the warp's first column in the block's tile
-  int half;  // 0: keys [0, KP / 2), 1: the rest
-  bool map;  // the identity's columns: P of the segment map
+  int columns;  // the block's width, a compile-time constant where the kernel inlines this
+  int wc;       // the warp's first column in the block's tile
+  int half;     // 0: keys [0, KP / 2), 1: the rest
+  bool map;     // the identity's columns: P of the segment map
   int64_t width;  // V, or K for the identity's columns
   int64_t seg, c0, c1;
   int64_t used;  // segments of the sequence that hold chunks
 
-  __device__ MmaScanBlock(const BackwardParams& b, int64_t tiles)
-      : ScanChunks(b, tiles * b.segments) {
-    const int warp = static_cast<int>(threadIdx.x / 32);
-    const int64_t tile = blockIdx.x % tiles, value_tiles = mma_column_tiles(b.p.V);
+  __device__ MmaScanBlock(const BackwardParams& b, int64_t tiles, int block_columns)
+      : ScanChunks(b, tiles * b.segments), columns(block_columns) {
+    const int warp = static_cast<int>(threadIdx.x / 32), column_warps = columns / 16;
+    const int64_t tile = blockIdx.x % tiles, value_tiles = mma_column_tiles(b.p.V, columns);
     map = tile >= value_tiles;
     width = map ? b.p.K : b.p.V;
-    j0 = (map ? tile - value_tiles : tile) * kMmaColumns;
-    wc = 16 * (warp % 4);
-    half = warp / 4;
+    j0 = (map ? tile - value_tiles : tile) * columns;
+    wc = 16 * (warp % column_warps);
+    half = warp / column_warps;
     jw = j0 + wc;
     seg = blockIdx.x / tiles % b.segments;
     const int64_t per = b.segments > 1 ? b.segment_chunks : chunks.count;
@@ -159,7 +174,7 @@ struct MmaScanBlock : ScanChunks {
   }
   // Columns of the block's tile inside its width.
   __device__ int cols() const {
-    return static_cast<int>(width - j0 < kMmaColumns ? width - j0 : kMmaColumns);
+    return static_cast<int>(width - j0 < columns ? width - j0 : columns);
   }
   // Segment s's map: K rows of V + K floats.
   __device__ float* segment_map(const BackwardParams& b, int64_t s) const {
@@ -210,8 +225,10 @@ struct MmaState {
   // bfloat16 ones would be half sectors (states 0.758 -> 0.844 ms a B8 step, bench/NOTES.md
   // (ao)), so those pass through the warp's slice of the exchange, free here (the chunk's
   // barrier is behind, vn's exchange ahead), and leave as 16-byte runs.
+  template <int kWarps>
   __device__ void store_record_while_staging(const BackwardParams& b, const MmaScanBlock& blk,
-                                             bool store, const StateSlab& out, Exchange& xch) {
+                                             bool store, const StateSlab& out,
+                                             WarpSums<kWarps>& xch) {
     commit_async();
     const int64_t V = b.p.V;
     if (store && out.b16)
@@ -227,7 +244,7 @@ struct MmaState {
   // or misaligned.
   __device__ void store_bf16_by_runs(const BackwardParams& b, const MmaScanBlock& blk,
                                      uint16_t* slab, uint16_t* tile) {
-    static_assert(kKeys * 16 * 2 <= sizeof(Exchange) / kMmaWarps, "a warp's slice");
+    static_assert(kKeys * 16 * 2 <= kExchangeSlice, "a warp's slice");
     const int64_t V = b.p.V;
     if (V % 8 != 0 || blk.jw + 16 > V) {
       for_each(b, blk, [&](float& x, int key, int64_t col) { slab[key * V + col] = bf16_bits(x); });
@@ -308,16 +325,19 @@ __device__ __forceinline__ void state_times_rows(Acc (&tokens)[kTokenTiles],
 
 // Adds the partner warp's partial sums (the other keys) to a 16-column x kC-token tile; both
 // warps end with the same sums (a + b == b + a in floating point).
-__device__ void add_partner(Acc (&t)[kTokenTiles], Exchange& xch) {
+template <int kWarps>
+__device__ void add_partner(Acc (&t)[kTokenTiles], WarpSums<kWarps>& xch) {
+  constexpr int kPairs = kWarps / kKeyHalves;  // warp w's partner is w ^ kPairs
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int nt = 0; nt < kTokenTiles; ++nt)
     xch[warp][nt][lane] = make_float4(t[nt].d[0], t[nt].d[1], t[nt].d[2], t[nt].d[3]);
-  // The pair's own barrier (ids 1-4; 0 is __syncthreads): 64 threads.
-  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + warp % 4) : "memory");
+  // The pair's own barrier (ids 1 .. kPairs; 0 is __syncthreads): 64 threads.
+  static_assert(kPairs < 16, "named barriers");
+  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + warp % kPairs) : "memory");
 #pragma unroll
   for (int nt = 0; nt < kTokenTiles; ++nt) {
-    const float4 p = xch[warp ^ 4][nt][lane];
+    const float4 p = xch[warp ^ kPairs][nt][lane];
     t[nt].d[0] += p.x, t[nt].d[1] += p.y, t[nt].d[2] += p.z, t[nt].d[3] += p.w;
   }
 }
@@ -327,9 +347,9 @@ __device__ void add_partner(Acc (&t)[kTokenTiles], Exchange& xch) {
 // product(t) and summed with the partner's; each warp keeps the rows of its own keys, then
 // adds e (the map's first V columns). Starts and ends with a block barrier: the stage and
 // the exchange are free after.
-template <int KP, class StageRound, class Product>
+template <int KP, int kWarps, class StageRound, class Product>
 __device__ void carry_rounds(const BackwardParams& b, const MmaScanBlock& blk, int64_t s,
-                             MmaState<KP>& S, Exchange& xch, StageRound stage_round,
+                             MmaState<KP>& S, WarpSums<kWarps>& xch, StageRound stage_round,
                              Product product) {
   constexpr int kTiles = MmaState<KP>::kKeys / 8;
   const int64_t ld = b.p.V + b.p.K;
@@ -360,9 +380,9 @@ __device__ void carry_rounds(const BackwardParams& b, const MmaScanBlock& blk, i
 // S^T = S^T P^T + e^T: the state carried across segment s by its map (P, e). P's rows (the
 // result's keys) go through `stage` (kC rows of KP + 8 floats) kC at a time, as the
 // left-operand products of the chunks do with w or kg.
-template <int KP>
+template <int KP, int kWarps>
 __device__ void carry_across_segment(const BackwardParams& b, const MmaScanBlock& blk, int64_t s,
-                                     MmaState<KP>& S, float* stage, Exchange& xch) {
+                                     MmaState<KP>& S, float* stage, WarpSums<kWarps>& xch) {
   const int64_t K = b.p.K, ld = b.p.V + K;
   carry_rounds<KP>(
       b, blk, s, S, xch,
@@ -377,9 +397,10 @@ __device__ void carry_across_segment(const BackwardParams& b, const MmaScanBlock
 // states scan's map P of the segment (BackwardParams::transposed_maps) and its own e. P's
 // columns (the result's keys) go through `stage` kC at a time as KP rows (every source key)
 // of kC + 4 floats: the right operand of the warp's own keys, as in the state updates.
-template <int KP>
+template <int KP, int kWarps>
 __device__ void carry_by_transposed_map(const BackwardParams& b, const MmaScanBlock& blk,
-                                        int64_t s, MmaState<KP>& S, float* stage, Exchange& xch) {
+                                        int64_t s, MmaState<KP>& S, float* stage,
+                                        WarpSums<kWarps>& xch) {
   constexpr int kTiles = MmaState<KP>::kKeys / 8, kLd = kC + 4;
   const int64_t K = b.p.K, ld = b.p.V + K;
   carry_rounds<KP>(
@@ -418,23 +439,23 @@ __device__ void for_each_token(const Acc (&t)[kTokenTiles], const BackwardParams
 
 // Queues a record's kC x K float32 [token][key] rows (`len` of them) into a stage, zeros past
 // len and K.
-template <int KP, int kLd>
+template <int kCols, int KP, int kLd>
 __device__ __forceinline__ void stage_key_rows(const float* src, int64_t K, int len,
                                                float (*dst)[kLd]) {
-  stage_row_runs<kMmaThreads, KP, kC>(src, K, len, static_cast<int>(K), 0, dst);
+  stage_row_runs<ScanShape<kCols>::kThreads, KP, kC>(src, K, len, static_cast<int>(K), 0, dst);
 }
 
 // Queues the states scan's operands of chunk ci (len tokens): those of v_new (w, u) and
 // those of the update (kg, decay).
-template <int KP>
+template <int KP, int kCols>
 __device__ void stage_states_operands(const BackwardParams& b, const MmaScanBlock& blk,
-                                      int64_t ci, int len, StatesShared<KP>& sh) {
+                                      int64_t ci, int len, StatesShared<KP, kCols>& sh) {
   const int64_t K = b.p.K, V = b.p.V, rec = blk.record(b, ci);
-  if (b.p.delta) stage_key_rows<KP>(b.ws.w + rec * kC * K, K, len, sh.w);
+  if (b.p.delta) stage_key_rows<kCols, KP>(b.ws.w + rec * kC * K, K, len, sh.w);
   if (!blk.map)
-    stage_row_runs<kMmaThreads, kMmaColumns, kC>(b.ws.u + rec * kC * V + blk.j0, V, len,
-                                                 blk.cols(), 0, sh.u);
-  stage_key_rows<KP>(b.ws.kg + rec * kC * K, K, len, sh.kg);
+    stage_row_runs<ScanShape<kCols>::kThreads, kCols, kC>(b.ws.u + rec * kC * V + blk.j0, V,
+                                                          len, blk.cols(), 0, sh.u);
+  stage_key_rows<kCols, KP>(b.ws.kg + rec * kC * K, K, len, sh.kg);
   stage_decay<KP>(b, rec, sh.decay);
 }
 // L2 prefetches of chunk ci's operands (none past the segment).
@@ -450,9 +471,9 @@ __device__ void prefetch_states_operands(const BackwardParams& b, const MmaScanB
 
 // v_new^T = u^T - S^T w^T (the linear rule: v_new = u; u is zero for a map's columns), summed
 // over the pair's keys.
-template <int KP>
+template <int KP, int kCols>
 __device__ void vn_phase(const BackwardParams& b, const MmaScanBlock& blk, const MmaState<KP>& S,
-                         StatesShared<KP>& sh, Acc (&vn)[kTokenTiles]) {
+                         StatesShared<KP, kCols>& sh, Acc (&vn)[kTokenTiles]) {
   if (b.p.delta) {
     state_times_rows(vn, S, &sh.w[0][0], KP + 8);
     add_partner(vn, sh.xch);
@@ -465,9 +486,10 @@ __device__ void vn_phase(const BackwardParams& b, const MmaScanBlock& blk, const
 }
 
 // v_new out (kStore); S^T = S^T diag(decay) + v_new^T kg.
-template <int KP, bool kStore>
+template <bool kStore, int KP, int kCols>
 __device__ void state_update_phase(const BackwardParams& b, const MmaScanBlock& blk, int len,
-                                   int64_t rec, MmaState<KP>& S, const StatesShared<KP>& sh,
+                                   int64_t rec, MmaState<KP>& S,
+                                   const StatesShared<KP, kCols>& sh,
                                    const Acc (&vn)[kTokenTiles]) {
   const int64_t V = b.p.V;
   float* out = b.ws.vn + rec * kC * V;
@@ -480,12 +502,14 @@ __device__ void state_update_phase(const BackwardParams& b, const MmaScanBlock& 
 // kEnds: the maps of every segment but a sequence's last, and with transposed_maps the last
 // one's P too (nothing else written); otherwise the states of every segment's chunks, from
 // its true entry.
-template <int KP, bool kEnds>
-__global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const BackwardParams b) {
+template <int KP, int kCols, bool kEnds>
+__global__ void __launch_bounds__(ScanShape<kCols>::kThreads, 1)
+    states_mma_kernel(const BackwardParams b) {
+  static_assert(!kEnds || kCols == 64, "the segment maps' tiles are 64 columns wide");
   extern __shared__ __align__(16) unsigned char smem[];
-  auto& sh = *reinterpret_cast<StatesShared<KP>*>(smem);
+  auto& sh = *reinterpret_cast<StatesShared<KP, kCols>*>(smem);
   const MmaScanBlock blk(
-      b, kEnds ? map_column_tiles(b.p.K, b.p.V) : mma_column_tiles(b.p.V));
+      b, kEnds ? map_column_tiles(b.p.K, b.p.V) : mma_column_tiles(b.p.V, kCols), kCols);
   // The maps of a sequence's last segment are not needed here; its P is by the dstates scan.
   const bool last_wanted = b.transposed_maps && blk.map;
   if (kEnds ? blk.seg >= blk.used || (blk.seg + 1 == blk.used && !last_wanted)
@@ -508,7 +532,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const Backwa
     S.store_record_while_staging(b, blk, !kEnds, states_slab(b, rec), sh.xch);
     Acc vn[kTokenTiles];
     vn_phase(b, blk, S, sh, vn);
-    state_update_phase<KP, !kEnds>(b, blk, len, rec, S, sh, vn);
+    state_update_phase<!kEnds>(b, blk, len, rec, S, sh, vn);
     __syncthreads();  // every warp is done with the stage before the next chunk's copies
   }
   if (kEnds) S.store_segment_end(b, blk);
@@ -516,19 +540,19 @@ __global__ void __launch_bounds__(kMmaThreads, 1) states_mma_kernel(const Backwa
 
 // Queues the dstates scan's operands of chunk ci (len tokens): those of dv_new (kg, A_qk,
 // dO) and those of the update (qg, w, decay).
-template <int KP>
+template <int KP, int kCols>
 __device__ void stage_dstates_operands(const BackwardParams& b, const MmaScanBlock& blk,
-                                       int64_t ci, int len, DstatesShared<KP>& sh) {
+                                       int64_t ci, int len, DstatesShared<KP, kCols>& sh) {
+  constexpr int kThreads = ScanShape<kCols>::kThreads;
   const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV, rec = blk.record(b, ci);
-  stage_key_rows<KP>(b.ws.kg + rec * kC * K, K, len, sh.kg);
+  stage_key_rows<kCols, KP>(b.ws.kg + rec * kC * K, K, len, sh.kg);
   if (!blk.map) {  // the dO terms; a map's columns have none
-    stage_row_runs<kMmaThreads, kC, kC>(b.ws.aqk + rec * kC * kC, kC, len, kC, 0, sh.aqk);
-    stage_row_runs<kMmaThreads, kMmaColumns, kC>(
-        b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0, HV * V, len, blk.cols(), 0,
-        sh.dout);
-    stage_key_rows<KP>(b.ws.qg + rec * kC * K, K, len, sh.qg);
+    stage_row_runs<kThreads, kC, kC>(b.ws.aqk + rec * kC * kC, kC, len, kC, 0, sh.aqk);
+    stage_row_runs<kThreads, kCols, kC>(b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0,
+                                        HV * V, len, blk.cols(), 0, sh.dout);
+    stage_key_rows<kCols, KP>(b.ws.qg + rec * kC * K, K, len, sh.qg);
   }
-  if (b.p.delta) stage_key_rows<KP>(b.ws.w + rec * kC * K, K, len, sh.w);
+  if (b.p.delta) stage_key_rows<kCols, KP>(b.ws.w + rec * kC * K, K, len, sh.w);
   stage_decay<KP>(b, rec, sh.decay);
 }
 // L2 prefetches of chunk ci's operands (none before the segment).
@@ -550,15 +574,15 @@ __device__ void prefetch_dstates_operands(const BackwardParams& b, const MmaScan
 // warp of the pair, the second summed over the pair's keys. A_qk[r][i] is zero for i > r:
 // k-step kt (tokens 8 kt ..) reaches token tiles nt <= kt. (Splitting the first term's
 // k-steps 18/18 tiles over the pair measured 4% slower: bench/NOTES.md (ab).)
-template <int KP>
-__device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S, DstatesShared<KP>& sh,
-                         Acc (&dv)[kTokenTiles]) {
+template <int KP, int kCols>
+__device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S,
+                         DstatesShared<KP, kCols>& sh, Acc (&dv)[kTokenTiles]) {
   const int c = threadIdx.x % 4, g = threadIdx.x % 32 / 4;
   if (blk.half == 0 && !blk.map) {
 #pragma unroll
     for (int kt = 0; kt < kTokenTiles; ++kt) {
       uint32_t a[4];
-      dout_fragment(sh.dout, kt, blk.wc, a);
+      dout_fragment<kCols>(sh.dout, kt, blk.wc, a);
       const float* r = &sh.aqk[8 * kt + 2 * c][g];
 #pragma unroll
       for (int nt = 0; nt <= kt; ++nt)
@@ -571,9 +595,10 @@ __device__ void dv_phase(const MmaScanBlock& blk, const MmaState<KP>& S, Dstates
 
 // dv_new out (kStore); dS^T = dS'^T diag(decay) + dO^T qg (none for a map's columns)
 // - dv_new^T w.
-template <int KP, bool kStore>
+template <bool kStore, int KP, int kCols>
 __device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock& blk, int len,
-                                    int64_t rec, MmaState<KP>& S, const DstatesShared<KP>& sh,
+                                    int64_t rec, MmaState<KP>& S,
+                                    const DstatesShared<KP, kCols>& sh,
                                     const Acc (&dv)[kTokenTiles]) {
   const int64_t V = b.p.V;
   float* out = b.ws.dvn + rec * kC * V;
@@ -584,7 +609,7 @@ __device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock&
 #pragma unroll
     for (int kt = 0; kt < kTokenTiles; ++kt) {
       uint32_t a[4];
-      dout_fragment(sh.dout, kt, blk.wc, a);
+      dout_fragment<kCols>(sh.dout, kt, blk.wc, a);
       times_kn(S.acc, a, &sh.qg[0][S.key0], KP + 4, kt);
     }
   if (b.p.delta) add_tokens_times_rows(S, dv, -1.f, &sh.w[0][0], KP + 4);
@@ -593,11 +618,14 @@ __device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock&
 // kEnds: the maps of every segment but a sequence's first, only their e with transposed_maps
 // (nothing else written); otherwise dS' and dv_new of every segment's chunks, from its true
 // exit, and the initial state's gradient from the first segment.
-template <int KP, bool kEnds>
-__global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const BackwardParams b) {
+template <int KP, int kCols, bool kEnds>
+__global__ void __launch_bounds__(ScanShape<kCols>::kThreads, 1)
+    dstates_mma_kernel(const BackwardParams b) {
+  static_assert(!kEnds || kCols == 64, "the segment maps' tiles are 64 columns wide");
   extern __shared__ __align__(16) unsigned char smem[];
-  auto& sh = *reinterpret_cast<DstatesShared<KP>*>(smem);
-  const MmaScanBlock blk(b, kEnds ? dstates_ends_tiles(b) : mma_column_tiles(b.p.V));
+  auto& sh = *reinterpret_cast<DstatesShared<KP, kCols>*>(smem);
+  const MmaScanBlock blk(b, kEnds ? dstates_ends_tiles(b) : mma_column_tiles(b.p.V, kCols),
+                         kCols);
   if (kEnds ? blk.seg == 0 || blk.seg >= blk.used : blk.seg > 0 && blk.seg >= blk.used) return;
   MmaState<KP> S(blk);  // dS^T
   if (kEnds) {
@@ -622,7 +650,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const Backw
     S.store_record_while_staging(b, blk, !kEnds, dstates_slab(b, rec), sh.xch);
     Acc dv[kTokenTiles];
     dv_phase(blk, S, sh, dv);
-    dstate_update_phase<KP, !kEnds>(b, blk, len, rec, S, sh, dv);
+    dstate_update_phase<!kEnds>(b, blk, len, rec, S, sh, dv);
     __syncthreads();  // every warp is done with the stage before the next chunk's copies
   }
   if (kEnds)
@@ -631,49 +659,62 @@ __global__ void __launch_bounds__(kMmaThreads, 1) dstates_mma_kernel(const Backw
     S.store(b, b.d_initial, b.d_initial_dtype, blk);
 }
 
-// One block per (sequence, value head, segment, tile of 64 columns) of kernel, with shared
+// One block per (sequence, value head, segment, tile of kCols columns) of kernel, with shared
 // memory Shared.
-template <class Shared>
+template <int kCols, class Shared>
 void launch_mma_scan(void (*kernel)(BackwardParams), const BackwardParams& b, int64_t tiles,
                      void* stream) {
   const int64_t blocks = b.p.N * b.p.HV * b.segments * tiles;
   if (blocks == 0) return;
   set_shared_bytes(kernel, sizeof(Shared));
-  kernel<<<static_cast<unsigned>(blocks), kMmaThreads, sizeof(Shared),
+  kernel<<<static_cast<unsigned>(blocks), ScanShape<kCols>::kThreads, sizeof(Shared),
            static_cast<cudaStream_t>(stream)>>>(b);
 }
 
-// The segments' maps first (ends_tiles column tiles) where the sequences are split.
-template <class Shared>
+// The segments' maps first (ends_tiles column tiles of 64) where the sequences are split;
+// then the scan, in blocks of b.mma_cols columns (128 only where sequences are whole).
+template <int KP, template <int, int> class Shared>
 void launch_mma_scans(void (*ends)(BackwardParams), void (*scan)(BackwardParams),
-                      const BackwardParams& b, int64_t ends_tiles, void* stream) {
-  if (b.segments > 1) launch_mma_scan<Shared>(ends, b, ends_tiles, stream);
-  launch_mma_scan<Shared>(scan, b, mma_column_tiles(b.p.V), stream);
+                      void (*wide)(BackwardParams), const BackwardParams& b, int64_t ends_tiles,
+                      void* stream) {
+  if (b.mma_cols == 128 && b.segments == 1)
+    return launch_mma_scan<128, Shared<KP, 128>>(wide, b, mma_column_tiles(b.p.V, 128), stream);
+  if (b.segments > 1) launch_mma_scan<64, Shared<KP, 64>>(ends, b, ends_tiles, stream);
+  launch_mma_scan<64, Shared<KP, 64>>(scan, b, mma_column_tiles(b.p.V), stream);
+}
+
+template <int KP>
+void launch_states_mma(const BackwardParams& b, void* stream) {
+  launch_mma_scans<KP, StatesShared>(states_mma_kernel<KP, 64, true>,
+                                     states_mma_kernel<KP, 64, false>,
+                                     states_mma_kernel<KP, 128, false>, b,
+                                     map_column_tiles(b.p.K, b.p.V), stream);
+}
+
+template <int KP>
+void launch_dstates_mma(const BackwardParams& b, void* stream) {
+  launch_mma_scans<KP, DstatesShared>(dstates_mma_kernel<KP, 64, true>,
+                                      dstates_mma_kernel<KP, 64, false>,
+                                      dstates_mma_kernel<KP, 128, false>, b,
+                                      dstates_ends_tiles(b), stream);
 }
 
 }  // namespace
 
-int64_t backward_scans_mma_shared_bytes(int64_t K) {
+int64_t backward_scans_mma_shared_bytes(int64_t K, int cols) {
   // dstates' is the larger.
-  return K <= 64 ? sizeof(DstatesShared<64>) : sizeof(DstatesShared<128>);
+  if (cols == 128) return K <= 64 ? sizeof(DstatesShared<64, 128>) : sizeof(DstatesShared<128, 128>);
+  return K <= 64 ? sizeof(DstatesShared<64, 64>) : sizeof(DstatesShared<128, 64>);
 }
 
 void launch_backward_states_mma(const BackwardParams& b, void* stream) {
-  const int64_t ends = map_column_tiles(b.p.K, b.p.V);
-  if (b.p.K <= 64)
-    return launch_mma_scans<StatesShared<64>>(states_mma_kernel<64, true>,
-                                              states_mma_kernel<64, false>, b, ends, stream);
-  launch_mma_scans<StatesShared<128>>(states_mma_kernel<128, true>, states_mma_kernel<128, false>,
-                                      b, ends, stream);
+  if (b.p.K <= 64) return launch_states_mma<64>(b, stream);
+  launch_states_mma<128>(b, stream);
 }
 
 void launch_backward_dstates_mma(const BackwardParams& b, void* stream) {
-  const int64_t ends = dstates_ends_tiles(b);
-  if (b.p.K <= 64)
-    return launch_mma_scans<DstatesShared<64>>(dstates_mma_kernel<64, true>,
-                                               dstates_mma_kernel<64, false>, b, ends, stream);
-  launch_mma_scans<DstatesShared<128>>(dstates_mma_kernel<128, true>,
-                                       dstates_mma_kernel<128, false>, b, ends, stream);
+  if (b.p.K <= 64) return launch_dstates_mma<64>(b, stream);
+  launch_dstates_mma<128>(b, stream);
 }
 
 }  // namespace flashdelta::detail::cuda

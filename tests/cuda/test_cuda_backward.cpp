@@ -722,6 +722,84 @@ TEST(CudaBackward, SplitScansMatchTheReference) {
   }
 }
 
+constexpr const char* kMmaColumns = "FLASHDELTA_BACKWARD_MMA_COLUMNS";
+
+// Host only: 128-column scan blocks where 64-column ones would be more than one per SM, V is
+// wider than one 64-column tile, sequences are whole and the GPU has the shared memory.
+TEST(CudaBackwardMmaColumns, FollowsTheEnvironmentVariable) {
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
+    const ScopedEnv setting(kMmaColumns, automatic);
+    EXPECT_EQ(detail::cuda_backward_mma_columns(128, 128, 1, 132, true), 128);  // 256 blocks
+    EXPECT_EQ(detail::cuda_backward_mma_columns(66, 128, 1, 132, true), 64);    // 132: one each
+    EXPECT_EQ(detail::cuda_backward_mma_columns(67, 128, 1, 132, true), 128);   // 134
+    EXPECT_EQ(detail::cuda_backward_mma_columns(200, 100, 1, 132, true), 128);  // 2 tiles
+    EXPECT_EQ(detail::cuda_backward_mma_columns(1000, 64, 1, 132, true), 64);   // one tile
+    EXPECT_EQ(detail::cuda_backward_mma_columns(128, 128, 2, 132, true), 64);   // split
+    EXPECT_EQ(detail::cuda_backward_mma_columns(128, 128, 1, 132, false), 64);  // no memory
+  }
+  {
+    const ScopedEnv wide(kMmaColumns, "128");
+    EXPECT_EQ(detail::cuda_backward_mma_columns(1, 20, 1, 132, true), 128);
+    EXPECT_EQ(detail::cuda_backward_mma_columns(1, 128, 3, 132, true), 64);
+    EXPECT_EQ(detail::cuda_backward_mma_columns(1, 128, 1, 132, false), 64);
+  }
+  {
+    const ScopedEnv narrow(kMmaColumns, "64");
+    EXPECT_EQ(detail::cuda_backward_mma_columns(1000, 128, 1, 132, true), 64);
+  }
+  for (const char* bad : {"32", "256", "wide", "128 "})
+    expect_setting_rejected(kMmaColumns, bad,
+                            [] { detail::cuda_backward_mma_columns(1, 128, 1, 132, true); });
+}
+
+// The scans in registers in 128-column blocks (16 warps, one stage of the key rows for both
+// halves): every warp computes what it computes in a 64-column block, so the gradients are
+// the 64-column blocks' bit for bit, and the reference's. Cases: both key widths (KP = 64,
+// 128), V not a multiple of 128 (warps past V; V = 72: the second half's columns almost all
+// past it), varlen with empty and one-token sequences, V-first states, GVA, the linear write
+// (no v_new correction: no partner sums in the states scan), no state gradient flowing in,
+// float32 states and kept states (no states scan). A split sequence takes 64 columns even
+// when 128 is asked for.
+TEST(CudaBackward, WideScanBlocksMatchTheNarrowBitwise) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv mma(kScans, nullptr);
+  const ScopedEnv whole(kScanSegments, "1");
+  const CaseConfig cases[] = {
+      {.T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16, .qk_l2norm = true,
+       .beta_sigmoid = true, .seed = 8300},
+      {.mechanism = Mechanism::gated_deltanet, .T = 337, .H = 2, .HV = 4, .K = 64, .V = 100,
+       .dtype = DType::f16, .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
+       .layout = StateLayout::v_first, .seed = 8301},
+      {.T = 200, .H = 1, .HV = 2, .K = 96, .V = 72, .dtype = DType::f32, .seed = 8302},
+      {.mechanism = Mechanism::gla, .B = 2, .T = 130, .K = 40, .V = 128, .dtype = DType::bf16,
+       .seed = 8303}};
+  for (const CaseConfig& c : cases) {
+    for (const bool d_final : {true, false}) {
+      const BackwardCase b = make_backward_case(c, d_final);
+      Gradients narrow;
+      {
+        const ScopedEnv forced(kMmaColumns, "64");
+        narrow = cuda_gradients(b);
+      }
+      const ScopedEnv forced(kMmaColumns, "128");
+      const Gradients wide = cuda_gradients(b);
+      for (size_t i = 0; i < kNumSlots; ++i)
+        EXPECT_EQ(wide.t[i].bytes, narrow.t[i].bytes)
+            << describe(c) << (d_final ? "" : ", no d_final") << ": d" << kGradInputs[i].name
+            << " differs";
+      expect_gradients_match(b, describe(c) + ", 128-column scan blocks");
+    }
+  }
+  const ScopedEnv forced(kMmaColumns, "128");
+  const CaseConfig kept{.T = 300, .H = 1, .HV = 2, .K = 64, .V = 128, .dtype = DType::bf16,
+                        .seed = 8304};
+  expect_gradients_match(with_kept_states(kept), "128-column scan blocks, kept states");
+  const ScopedEnv split(kScanSegments, "3");
+  const CaseConfig c{.T = 700, .H = 1, .HV = 2, .K = 128, .V = 128, .dtype = DType::bf16,
+                     .gate_min = -0.05, .seed = 8305};
+  expect_gradients_match(make_backward_case(c), "128 asked for, split sequences");
+}
+
 // The tile scans (cuda/backward_scan.cu) on the grid's cases with K <= 128, where the default
 // is the scans in registers (larger K runs the tile scans in the grid itself).
 class CudaBackwardTileScansGrid : public ::testing::TestWithParam<CaseConfig> {};
