@@ -1,11 +1,13 @@
 // The two sequential scans of the CUDA backward (stages `states` and `dstates`,
 // cuda/backward_params.h) in the forward state kernel's form (cuda/chunk_state.cu), for
-// K <= 128: one block per (sequence, value head, 64 value columns), each pair of warps
+// K <= 128: one block per (sequence, value head, 64 or 128 value columns), each pair of warps
 // carrying 16 columns of the state or its gradient, transposed, in float32 tensor-core
 // accumulators through the chunks: one warp the first KP / 2 keys, its partner the rest.
 // Sums over the keys (S^T w^T, dS'^T kg^T) are added across the pair through shared memory.
 // Halving each warp's chain of dependent products per chunk and doubling the warps per SM is
-// what the scans' per-chunk latency (the whole of their time at B = 1) asks for. While a
+// what the scans' per-chunk latency (the whole of their time at B = 1) asks for; a block
+// takes one SM (its shared memory), so where 64-column blocks would be more than one per SM
+// 128-column blocks of 16 warps run them as one wave (BackwardParams::mma_cols). While a
 // chunk is computed, the next chunk's record is prefetched into L2. `states`, first to last:
 //     v_new^T = u^T - S^T w^T                  S^T = S^T diag(decay) + v_new^T kg
 // `dstates`, last to first:
