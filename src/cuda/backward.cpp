@@ -269,9 +269,9 @@ int cuda_backward_mma_columns(int64_t scans, int64_t V, int64_t segments, int sm
                               bool wide_fits) {
   const std::string setting =
       env_setting("FLASHDELTA_BACKWARD_MMA_COLUMNS", {"auto", "64", "128"});
-  if (segments != 1 || !wide_fits || setting == "64") return 64;
+  if (!wide_fits || setting == "64") return 64;
   if (setting == "128") return 128;
-  return V > 64 && scans * ((V + 63) / 64) > sms ? 128 : 64;
+  return V > 64 && scans * segments * ((V + 63) / 64) > sms ? 128 : 64;
 }
 
 bool cuda_backward_scalar_pairs(GateKind gate) {
@@ -320,8 +320,6 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
       cuda_backward_scans_mma(p.K) && shared >= cuda::backward_scans_mma_shared_bytes(p.K, 64);
   const int64_t pass_scans = p.N * pass_heads * p.group;
   const int scan_cols = cuda_backward_scan_columns(pass_scans, p.V, sm_count());
-  // A pass with fewer heads than the first may split its sequences: the launch then takes
-  // 64 columns whatever this says.
   const int mma_cols = cuda_backward_mma_columns(
       pass_scans, p.V,
       cuda_backward_scan_segments(pass_scans, p.K, p.V, (p.T + cuda::kChunk - 1) / cuda::kChunk),

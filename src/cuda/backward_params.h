@@ -96,7 +96,7 @@ struct BackwardParams {
   int scan_cols = kScanColumnWidths[0];  // one of kScanColumnWidths (backward_scan_columns)
   bool scans_mma = false;                // the scans in registers (K <= 128)
   // Value columns per block of the scans in registers: 64 (8 warps), or 128 (16 warps) where
-  // 64-column blocks would take more than one wave; 64 where sequences are split.
+  // 64-column blocks would take more than one wave (the segments' maps: 64 either way).
   int mma_cols = 64;
   // The scans in registers split each sequence into `segments` runs of segment_chunks chunks
   // (1: not split; cuda/backward_scans_mma.cu).

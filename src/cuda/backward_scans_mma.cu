@@ -674,14 +674,15 @@ void launch_mma_scan(void (*kernel)(BackwardParams), const BackwardParams& b, in
 }
 
 // The segments' maps first (ends_tiles column tiles of 64) where the sequences are split;
-// then the scan, in blocks of b.mma_cols columns (128 only where sequences are whole).
+// then the scan, in blocks of b.mma_cols columns (a segment's map is the same whatever
+// the tiles that carry it).
 template <int KP, template <int, int> class Shared>
 void launch_mma_scans(void (*ends)(BackwardParams), void (*scan)(BackwardParams),
                       void (*wide)(BackwardParams), const BackwardParams& b, int64_t ends_tiles,
                       void* stream) {
-  if (b.mma_cols == 128 && b.segments == 1)
-    return launch_mma_scan<128, Shared<KP, 128>>(wide, b, mma_column_tiles(b.p.V, 128), stream);
   if (b.segments > 1) launch_mma_scan<64, Shared<KP, 64>>(ends, b, ends_tiles, stream);
+  if (b.mma_cols == 128)
+    return launch_mma_scan<128, Shared<KP, 128>>(wide, b, mma_column_tiles(b.p.V, 128), stream);
   launch_mma_scan<64, Shared<KP, 64>>(scan, b, mma_column_tiles(b.p.V), stream);
 }
 

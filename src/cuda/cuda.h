@@ -88,11 +88,11 @@ int cuda_backward_scan_columns(int64_t scans, int64_t V, int sms);
 bool cuda_backward_scans_mma(int64_t K);
 // Value columns per block of the scans in registers (cuda::BackwardParams::mma_cols) for
 // `scans` (sequence, value head) pairs of V columns split into `segments` each, on a GPU of
-// `sms` SMs; `wide_fits`: the GPU offers the 128-column blocks' shared memory (~218 KB at
-// K = 128). 64 where segments > 1 or !wide_fits; otherwise FLASHDELTA_BACKWARD_MMA_COLUMNS
-// `64` or `128` picks, and unset, empty or `auto` takes 128 where V > 64 and 64-column blocks
-// would be more than one per SM (the same gradients bit for bit either way). Any other value
-// throws Error(invalid_argument) naming the variable.
+// `sms` SMs; `wide_fits`: the GPU offers the 128-column blocks' shared memory (215 KB at
+// K = 128). 64 where !wide_fits; otherwise FLASHDELTA_BACKWARD_MMA_COLUMNS `64` or `128`
+// picks, and unset, empty or `auto` takes 128 where V > 64 and the scan's 64-column blocks
+// (scans x segments x tiles) would be more than one per SM (the same gradients bit for bit
+// either way). Any other value throws Error(invalid_argument) naming the variable.
 int cuda_backward_mma_columns(int64_t scans, int64_t V, int64_t segments, int sms,
                               bool wide_fits);
 // Whether the backward's per-chunk stages take a scalar gate's short form (one decay per

@@ -724,8 +724,9 @@ TEST(CudaBackward, SplitScansMatchTheReference) {
 
 constexpr const char* kMmaColumns = "FLASHDELTA_BACKWARD_MMA_COLUMNS";
 
-// Host only: 128-column scan blocks where 64-column ones would be more than one per SM, V is
-// wider than one 64-column tile, sequences are whole and the GPU has the shared memory.
+// Host only: 128-column scan blocks where 64-column ones (sequences x value heads x segments
+// x tiles) would be more than one per SM, V is wider than one 64-column tile and the GPU has
+// the shared memory.
 TEST(CudaBackwardMmaColumns, FollowsTheEnvironmentVariable) {
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv setting(kMmaColumns, automatic);
@@ -734,13 +735,14 @@ TEST(CudaBackwardMmaColumns, FollowsTheEnvironmentVariable) {
     EXPECT_EQ(detail::cuda_backward_mma_columns(67, 128, 1, 132, true), 128);   // 134
     EXPECT_EQ(detail::cuda_backward_mma_columns(200, 100, 1, 132, true), 128);  // 2 tiles
     EXPECT_EQ(detail::cuda_backward_mma_columns(1000, 64, 1, 132, true), 64);   // one tile
-    EXPECT_EQ(detail::cuda_backward_mma_columns(128, 128, 2, 132, true), 64);   // split
+    EXPECT_EQ(detail::cuda_backward_mma_columns(16, 128, 8, 132, true), 128);   // 256: B=1
+    EXPECT_EQ(detail::cuda_backward_mma_columns(16, 128, 4, 132, true), 64);    // 128
     EXPECT_EQ(detail::cuda_backward_mma_columns(128, 128, 1, 132, false), 64);  // no memory
   }
   {
     const ScopedEnv wide(kMmaColumns, "128");
     EXPECT_EQ(detail::cuda_backward_mma_columns(1, 20, 1, 132, true), 128);
-    EXPECT_EQ(detail::cuda_backward_mma_columns(1, 128, 3, 132, true), 64);
+    EXPECT_EQ(detail::cuda_backward_mma_columns(1, 128, 3, 132, true), 128);
     EXPECT_EQ(detail::cuda_backward_mma_columns(1, 128, 1, 132, false), 64);
   }
   {
@@ -758,12 +760,26 @@ TEST(CudaBackwardMmaColumns, FollowsTheEnvironmentVariable) {
 // 128), V not a multiple of 128 (warps past V; V = 72: the second half's columns almost all
 // past it), varlen with empty and one-token sequences, V-first states, GVA, the linear write
 // (no v_new correction: no partner sums in the states scan), no state gradient flowing in,
-// float32 states and kept states (no states scan). A split sequence takes 64 columns even
-// when 128 is asked for.
+// float32 states and kept states (no states scan); split sequences (the segments' maps in
+// 64-column blocks, the scans' carries across segments in 128-column ones), with the
+// transposed maps and, with kept states, without.
 TEST(CudaBackward, WideScanBlocksMatchTheNarrowBitwise) {
   FLASHDELTA_REQUIRE_GPU();
   const ScopedEnv mma(kScans, nullptr);
   const ScopedEnv whole(kScanSegments, "1");
+  const auto expect_wide_as_narrow = [](const BackwardCase& b, const std::string& what) {
+    Gradients narrow;
+    {
+      const ScopedEnv forced(kMmaColumns, "64");
+      narrow = cuda_gradients(b);
+    }
+    const ScopedEnv forced(kMmaColumns, "128");
+    const Gradients wide = cuda_gradients(b);
+    for (size_t i = 0; i < kNumSlots; ++i)
+      EXPECT_EQ(wide.t[i].bytes, narrow.t[i].bytes)
+          << what << ": d" << kGradInputs[i].name << " differs";
+    expect_gradients_match(b, what + ", 128-column scan blocks");
+  };
   const CaseConfig cases[] = {
       {.T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16, .qk_l2norm = true,
        .beta_sigmoid = true, .seed = 8300},
@@ -773,31 +789,25 @@ TEST(CudaBackward, WideScanBlocksMatchTheNarrowBitwise) {
       {.T = 200, .H = 1, .HV = 2, .K = 96, .V = 72, .dtype = DType::f32, .seed = 8302},
       {.mechanism = Mechanism::gla, .B = 2, .T = 130, .K = 40, .V = 128, .dtype = DType::bf16,
        .seed = 8303}};
-  for (const CaseConfig& c : cases) {
-    for (const bool d_final : {true, false}) {
-      const BackwardCase b = make_backward_case(c, d_final);
-      Gradients narrow;
-      {
-        const ScopedEnv forced(kMmaColumns, "64");
-        narrow = cuda_gradients(b);
-      }
-      const ScopedEnv forced(kMmaColumns, "128");
-      const Gradients wide = cuda_gradients(b);
-      for (size_t i = 0; i < kNumSlots; ++i)
-        EXPECT_EQ(wide.t[i].bytes, narrow.t[i].bytes)
-            << describe(c) << (d_final ? "" : ", no d_final") << ": d" << kGradInputs[i].name
-            << " differs";
-      expect_gradients_match(b, describe(c) + ", 128-column scan blocks");
-    }
-  }
-  const ScopedEnv forced(kMmaColumns, "128");
+  for (const CaseConfig& c : cases)
+    for (const bool d_final : {true, false})
+      expect_wide_as_narrow(make_backward_case(c, d_final),
+                            describe(c) + (d_final ? "" : ", no d_final"));
   const CaseConfig kept{.T = 300, .H = 1, .HV = 2, .K = 64, .V = 128, .dtype = DType::bf16,
                         .seed = 8304};
-  expect_gradients_match(with_kept_states(kept), "128-column scan blocks, kept states");
-  const ScopedEnv split(kScanSegments, "3");
+  expect_wide_as_narrow(with_kept_states(kept), "kept states");
   const CaseConfig c{.T = 700, .H = 1, .HV = 2, .K = 128, .V = 128, .dtype = DType::bf16,
                      .gate_min = -0.05, .seed = 8305};
-  expect_gradients_match(make_backward_case(c), "128 asked for, split sequences");
+  const CaseConfig ragged{.mechanism = Mechanism::gated_deltanet, .T = 766, .H = 2, .HV = 4,
+                          .K = 64, .V = 100, .dtype = DType::f16,
+                          .seqlens = {0, 1, 400, 65, 300, 0}, .layout = StateLayout::v_first,
+                          .gate_min = -0.05, .seed = 8306};
+  for (const char* segments : {"3", "8"}) {
+    const ScopedEnv split(kScanSegments, segments);
+    expect_wide_as_narrow(make_backward_case(c), std::string("segments ") + segments);
+    expect_wide_as_narrow(make_backward_case(ragged), std::string("varlen, segments ") + segments);
+    expect_wide_as_narrow(with_kept_states(kept), std::string("kept, segments ") + segments);
+  }
 }
 
 // The tile scans (cuda/backward_scan.cu) on the grid's cases with K <= 128, where the default
