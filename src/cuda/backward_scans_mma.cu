@@ -706,7 +706,8 @@ void launch_dstates_mma(const BackwardParams& b, void* stream) {
 
 int64_t backward_scans_mma_shared_bytes(int64_t K, int cols) {
   // dstates' is the larger.
-  if (cols == 128) return K <= 64 ? sizeof(DstatesShared<64, 128>) : sizeof(DstatesShared<128, 128>);
+  if (cols == 128)
+    return K <= 64 ? sizeof(DstatesShared<64, 128>) : sizeof(DstatesShared<128, 128>);
   return K <= 64 ? sizeof(DstatesShared<64, 64>) : sizeof(DstatesShared<128, 64>);
 }
 
