@@ -735,8 +735,9 @@ TEST(CudaBackwardMmaColumns, FollowsTheEnvironmentVariable) {
     EXPECT_EQ(detail::cuda_backward_mma_columns(67, 128, 1, 132, true), 128);   // 134
     EXPECT_EQ(detail::cuda_backward_mma_columns(200, 100, 1, 132, true), 128);  // 2 tiles
     EXPECT_EQ(detail::cuda_backward_mma_columns(1000, 64, 1, 132, true), 64);   // one tile
-    EXPECT_EQ(detail::cuda_backward_mma_columns(16, 128, 8, 132, true), 128);   // 256: B=1
+    EXPECT_EQ(detail::cuda_backward_mma_columns(16, 128, 8, 132, true), 128);   // 256
     EXPECT_EQ(detail::cuda_backward_mma_columns(16, 128, 4, 132, true), 64);    // 128
+    EXPECT_EQ(detail::cuda_backward_mma_columns(16, 128, 3, 132, true), 64);    // 96: B=1 H=16
     EXPECT_EQ(detail::cuda_backward_mma_columns(128, 128, 1, 132, false), 64);  // no memory
   }
   {
@@ -758,13 +759,24 @@ TEST(CudaBackwardMmaColumns, FollowsTheEnvironmentVariable) {
 // halves): every warp computes what it computes in a 64-column block, so the gradients are
 // the 64-column blocks' bit for bit, and the reference's. Cases: both key widths (KP = 64,
 // 128), V not a multiple of 128 (warps past V; V = 72: the second half's columns almost all
-// past it), varlen with empty and one-token sequences, V-first states, GVA, the linear write
+// past it; V = 40: six of the eight column pairs idle), two and three 128-column tiles (V =
+// 192, 200, 256: a last tile wholly or partly past V), varlen with empty and one-token sequences, V-first states, GVA, the linear write
 // (no v_new correction: no partner sums in the states scan), no state gradient flowing in,
 // float32 states and kept states (no states scan); split sequences (the segments' maps in
 // 64-column blocks, the scans' carries across segments in 128-column ones), with the
 // transposed maps and, with kept states, without.
 TEST(CudaBackward, WideScanBlocksMatchTheNarrowBitwise) {
   FLASHDELTA_REQUIRE_GPU();
+  // Where the GPU lacks the 128-column blocks' shared memory the setting falls back to 64
+  // columns, and the comparison would be 64 against 64.
+  int device = 0, optin = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+            cudaSuccess);
+  if (optin < detail::cuda::backward_scans_mma_shared_bytes(128, 128))
+    GTEST_SKIP() << "128-column scan blocks need "
+                 << detail::cuda::backward_scans_mma_shared_bytes(128, 128)
+                 << " bytes of shared memory per block; this GPU offers " << optin;
   const ScopedEnv mma(kScans, nullptr);
   const ScopedEnv whole(kScanSegments, "1");
   const auto expect_wide_as_narrow = [](const BackwardCase& b, const std::string& what) {
@@ -788,7 +800,11 @@ TEST(CudaBackward, WideScanBlocksMatchTheNarrowBitwise) {
        .layout = StateLayout::v_first, .seed = 8301},
       {.T = 200, .H = 1, .HV = 2, .K = 96, .V = 72, .dtype = DType::f32, .seed = 8302},
       {.mechanism = Mechanism::gla, .B = 2, .T = 130, .K = 40, .V = 128, .dtype = DType::bf16,
-       .seed = 8303}};
+       .seed = 8303},
+      {.T = 150, .H = 1, .HV = 2, .K = 64, .V = 192, .dtype = DType::bf16, .seed = 8307},
+      {.mechanism = Mechanism::deltanet, .T = 140, .H = 2, .K = 128, .V = 40,
+       .dtype = DType::bf16, .seed = 8308},
+      {.T = 130, .H = 1, .K = 32, .V = 256, .dtype = DType::f32, .seed = 8309}};
   for (const CaseConfig& c : cases)
     for (const bool d_final : {true, false})
       expect_wide_as_narrow(make_backward_case(c, d_final),
@@ -802,8 +818,13 @@ TEST(CudaBackward, WideScanBlocksMatchTheNarrowBitwise) {
                           .K = 64, .V = 100, .dtype = DType::f16,
                           .seqlens = {0, 1, 400, 65, 300, 0}, .layout = StateLayout::v_first,
                           .gate_min = -0.05, .seed = 8306};
+  const CaseConfig wide_ragged{.T = 500, .H = 1, .HV = 2, .K = 64, .V = 200,
+                               .dtype = DType::bf16, .seqlens = {200, 0, 300},
+                               .gate_min = -0.05, .seed = 8310};
   for (const char* segments : {"3", "8"}) {
     const ScopedEnv split(kScanSegments, segments);
+    expect_wide_as_narrow(make_backward_case(wide_ragged),
+                          std::string("V = 200, varlen, segments ") + segments);
     expect_wide_as_narrow(make_backward_case(c), std::string("segments ") + segments);
     expect_wide_as_narrow(make_backward_case(ragged), std::string("varlen, segments ") + segments);
     expect_wide_as_narrow(with_kept_states(kept), std::string("kept, segments ") + segments);
