@@ -390,18 +390,29 @@ struct PairScratch {
 // (contiguous in l). One slice loop stages all six operands' slices (cp.async,
 // double-buffered) and each warp keeps its tiles of both outputs: a third of the staged rounds
 // and barriers of three staged_product calls. Warp w owns rows 16 (w % 4) .. + 15 and the
-// 8-column tiles w / 4, + 2, + 4, + 6. tf32 operands, float32 sums in a fixed order. Starts
-// and ends with a block barrier.
+// 8-column tiles w / 4, + 2, + 4, + 6. tf32 operands (kBf16: bfloat16, below), float32 sums
+// in a fixed order. Starts and ends with a block barrier.
+//
+// kBf16 (BackwardParams::joint_bf16): one m16n8k16 per slice, tile and pair on operands
+// rounded to bfloat16 where the fragments are read (where tf32 took two m16n8k8 and a
+// conversion per element read). The sum over a slice's 16 values takes them in any order
+// both operands agree on, so lane (g, c) gives the mma its own values 4c .. 4c + 3 of a row:
+// k slots 2c, 2c + 1 hold values 4c, 4c + 1 and slots 2c + 8, 2c + 9 values 4c + 2, 4c + 3
+// (as the keys stage's bfloat16 forms, cuda/backward_keys.cu): one 16-byte read per operand
+// row, in rows of 16 floats, whose 8-lane phases then meet 32 distinct banks.
 constexpr int kJointPairs = 3, kJointL = 16, kJointLd = kJointL + 4;  // 4 mod 32: no conflicts
-struct JointStage {
+template <bool kBf16>
+constexpr int kJointRowLd = kBf16 ? kJointL : kJointLd;
+struct alignas(16) JointStage {
   float a[2][kJointPairs][kC * kJointLd];  // [buffer][pair]: a_p(m, l0 + l) at [m * ld + l]
   float b[2][kJointPairs][kC * kJointLd];
 };
 
-template <class Epi>
+template <bool kBf16, class Epi>
 __device__ void joint_products(int M, const int (&L)[kJointPairs],
                                const Rows (&a)[kJointPairs], const Rows (&bm)[kJointPairs],
                                JointStage& st, const Epi& epi) {
+  constexpr int kLd = kJointRowLd<kBf16>;
   constexpr int kOut[kJointPairs] = {0, 1, 1};
   constexpr int kRowTiles = kC / 16, kColGroups = kWarps / kRowTiles;
   constexpr int kTiles = kC / 8 / kColGroups;  // column tiles per warp and output
@@ -416,9 +427,9 @@ __device__ void joint_products(int M, const int (&L)[kJointPairs],
     for (int p = 0; p < kJointPairs; ++p) {
       if (s * kJointL >= L[p]) continue;  // this pair's sum is over
       stage_operand<kJointL, true>([&](int m, int l) { return a[p].at(m, l); }, M, kC, L[p],
-                                   s * kJointL, false, st.a[s & 1][p], kJointLd);
+                                   s * kJointL, false, st.a[s & 1][p], kLd);
       stage_operand<kJointL, true>([&](int n, int l) { return bm[p].at(n, l); }, M, kC, L[p],
-                                   s * kJointL, false, st.b[s & 1][p], kJointLd);
+                                   s * kJointL, false, st.b[s & 1][p], kLd);
     }
   };
   Acc acc[2][kTiles];
@@ -430,16 +441,31 @@ __device__ void joint_products(int M, const int (&L)[kJointPairs],
       if (s * kJointL >= L[p]) continue;
       const float* sa = st.a[s & 1][p];
       const float* sb = st.b[s & 1][p];
-#pragma unroll
-      for (int k0 = 0; k0 < kJointL; k0 += 8) {
-        const float* r0 = sa + (m0 + g) * kJointLd + k0 + c;
-        const float* r8 = r0 + 8 * kJointLd;
-        const uint32_t af[4] = {to_tf32(r0[0]), to_tf32(r8[0]), to_tf32(r0[4]), to_tf32(r8[4])};
+      if constexpr (kBf16) {
+        const float4 lo = *reinterpret_cast<const float4*>(sa + (m0 + g) * kLd + 4 * c);
+        const float4 hi = *reinterpret_cast<const float4*>(sa + (m0 + g + 8) * kLd + 4 * c);
+        const uint32_t af[4] = {pack_bf16(lo.x, lo.y), pack_bf16(hi.x, hi.y),
+                                pack_bf16(lo.z, lo.w), pack_bf16(hi.z, hi.w)};
 #pragma unroll
         for (int e = 0; e < kTiles; ++e) {
           const int n0 = (first + kColGroups * e) * 8;
-          const float* col = sb + (n0 + g) * kJointLd + k0 + c;
-          if (n0 < M) mma_tf32(acc[kOut[p]][e], af, to_tf32(col[0]), to_tf32(col[4]));
+          const float4 col = *reinterpret_cast<const float4*>(sb + (n0 + g) * kLd + 4 * c);
+          if (n0 < M)
+            mma_bf16(acc[kOut[p]][e], af, pack_bf16(col.x, col.y), pack_bf16(col.z, col.w));
+        }
+      } else {
+#pragma unroll
+        for (int k0 = 0; k0 < kJointL; k0 += 8) {
+          const float* r0 = sa + (m0 + g) * kLd + k0 + c;
+          const float* r8 = r0 + 8 * kLd;
+          const uint32_t af[4] = {to_tf32(r0[0]), to_tf32(r8[0]), to_tf32(r0[4]),
+                                  to_tf32(r8[4])};
+#pragma unroll
+          for (int e = 0; e < kTiles; ++e) {
+            const int n0 = (first + kColGroups * e) * 8;
+            const float* col = sb + (n0 + g) * kLd + k0 + c;
+            if (n0 < M) mma_tf32(acc[kOut[p]][e], af, to_tf32(col[0]), to_tf32(col[4]));
+          }
         }
       }
     }
@@ -857,7 +883,7 @@ __device__ void reverse_cumsum_dg(const ChunkRows& x, const float* dgamma_end,
 
 // kScalar: a scalar gate (GateForm::scalar), whose pairs take the short form
 // (scalar_gate_pairs, add_pair_terms<true>).
-template <bool kScalar>
+template <bool kScalar, bool kJointBf16>
 __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const BackwardParams b) {
   const int64_t rec = blockIdx.x, hv = rec % b.p.HV;
   ChunkRef ref;
@@ -899,7 +925,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
     const Rows a[kJointPairs] = {dO, x.v_recs(ws.dvn), x.k_recs(ws.dw)};
     const Rows bm[kJointPairs] = {x.v_recs(ws.vn), x.v_recs(ws.vb), x.k_recs(ws.kb)};
     const int L[kJointPairs] = {V, V, K};
-    joint_products(len, L, a, bm, sh.products.joint, [&](int o, int m, int n, float acc) {
+    joint_products<kJointBf16>(len, L, a, bm, sh.products.joint, [&](int o, int m, int n, float acc) {
       if (o == 0)
         sh.daqk[m][n] = n <= m ? acc : 0.f;
       else
@@ -980,8 +1006,11 @@ void launch_backward_records(const BackwardParams& b, void* stream) {
 }
 
 void launch_backward_grads(const BackwardParams& b, void* stream) {
+  if (b.joint_bf16)
+    return launch_per_record<GradsShared>(
+        b.scalar_pairs ? grads_kernel<true, true> : grads_kernel<false, true>, b, stream);
   launch_per_record<GradsShared>(
-      b.scalar_pairs ? grads_kernel<true> : grads_kernel<false>, b, stream);
+      b.scalar_pairs ? grads_kernel<true, false> : grads_kernel<false, false>, b, stream);
 }
 
 }  // namespace flashdelta::detail::cuda

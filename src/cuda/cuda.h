@@ -109,6 +109,11 @@ enum class KeysProducts : int;  // cuda/backward_params.h
 // `auto`), `mixed` or `bf16` (opt-in until measured on a GPU). Any other value throws
 // Error(invalid_argument) naming the variable.
 cuda::KeysProducts cuda_backward_keys_products();
+// Whether grads' first products take bfloat16 operands where the backward's states are
+// bfloat16 (cuda::BackwardParams::joint_bf16): FLASHDELTA_BACKWARD_JOINT `tf32` (unset, empty or
+// `auto`) or `bf16` (opt-in until measured on a GPU). Any other value throws
+// Error(invalid_argument) naming the variable.
+bool cuda_backward_joint_bf16();
 // Segments each sequence of `chunks` chunks is split into by the scans in registers
 // (K <= 128; 1 otherwise), for `scans` (sequence, value head) pairs of V columns:
 // split_scan (cuda/host_params.h: a device-independent model unless forced) under

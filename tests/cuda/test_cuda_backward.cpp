@@ -569,45 +569,26 @@ TEST(CudaBackwardKeys, FollowsTheEnvironmentVariable) {
     expect_setting_rejected(kKeys, bad, [] { detail::cuda_backward_keys_products(); });
 }
 
-// The keys stage's products on bfloat16 operands (FLASHDELTA_BACKWARD_KEYS=mixed and bf16,
-// their permuted k slots and three staged slices) against the reference and the tf32 form:
-// GVA with the fused transforms, a partial key tile with V not a multiple of 8 (bfloat16
-// states staged element by element) and a partial last slice, varlen with empty and one-token
-// sequences on float16 and V-first states, the linear write (two products), K = V = 256,
-// one or two slices of V (fewer than the stages: an empty first group, nothing staged in the
-// loop), and V = 33 with a short last chunk (rows not 16-byte aligned, zero fills past it);
-// bitwise the same from run to run. The states are bfloat16 here whatever the ctest
-// pass (float32 states take the tf32 form). d_o is float32 noise, not exact in bfloat16: both
-// forms round it, so every case differs from the tf32 form somewhere.
-TEST(CudaBackward, KeysProductsOnBfloat16OperandsMatchTheReference) {
-  FLASHDELTA_REQUIRE_GPU();
+// Each of `forms` of `setting` against the reference and the setting's tf32 form, and bitwise
+// the same from run to run, on cases whose states are bfloat16 (the forms apply only there).
+// d_o is float32 noise, not exact in bfloat16: a form that ran differs from tf32 somewhere.
+// A mapping error (a k slot or a fragment element taken wrongly) would be an error of the
+// gradient's own size against the tf32 form.
+void expect_bf16_forms_match(const char* setting, std::initializer_list<const char*> forms,
+                             std::initializer_list<CaseConfig> cases) {
   const ScopedEnv states(kStates, nullptr);
-  const CaseConfig cases[] = {
-      {.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
-       .qk_l2norm = true, .beta_sigmoid = true, .gate_in_kernel = true, .seed = 8400},
-      {.T = 130, .H = 1, .HV = 2, .K = 40, .V = 36, .dtype = DType::bf16, .seed = 8401},
-      {.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4, .K = 64, .V = 40,
-       .dtype = DType::f16, .seqlens = {0, 1, 200, 65}, .layout = StateLayout::v_first,
-       .seed = 8402},
-      {.mechanism = Mechanism::gla, .B = 2, .T = 150, .K = 64, .V = 64, .dtype = DType::bf16,
-       .seed = 8403},
-      {.T = 70, .H = 1, .HV = 1, .K = 256, .V = 256, .dtype = DType::bf16, .seed = 8404},
-      {.T = 100, .H = 1, .HV = 2, .K = 64, .V = 12, .dtype = DType::bf16, .seed = 8405},
-      {.mechanism = Mechanism::deltanet, .T = 90, .K = 32, .V = 24, .dtype = DType::bf16,
-       .seed = 8406},
-      {.T = 75, .H = 1, .HV = 2, .K = 48, .V = 33, .dtype = DType::bf16, .seed = 8407}};
   for (const CaseConfig& c : cases) {
     const BackwardCase b = make_backward_case(c);
     ASSERT_TRUE(bf16_states(b)) << describe(c);
     const Gradients ref = reference_gradients(b);
     Gradients tf32;
     {
-      const ScopedEnv forced(kKeys, "tf32");
+      const ScopedEnv forced(setting, "tf32");
       tf32 = cuda_gradients(b);
     }
-    for (const char* form : {"mixed", "bf16"}) {
-      const ScopedEnv keys(kKeys, form);
-      const std::string what = describe(c) + ", keys " + form;
+    for (const char* form : forms) {
+      const ScopedEnv chosen(setting, form);
+      const std::string what = describe(c) + ", " + setting + "=" + form;
       const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
       bool any_differs = false;
       for (size_t i = 0; i < kNumSlots; ++i) {
@@ -618,14 +599,78 @@ TEST(CudaBackward, KeysProductsOnBfloat16OperandsMatchTheReference) {
         EXPECT_LT(rel_error(first.values(i), ref.values(i)), tol)
             << what << ": d" << kGradInputs[i].name << " relative error";
         any_differs |= first.t[i].bytes != tf32.t[i].bytes;
-        // The forms differ by the operands' bfloat16 roundings: a slot mapped wrongly would
-        // be an error of the gradient's own size.
         EXPECT_LT(rel_error(first.values(i), tf32.values(i)), tol)
             << what << ": d" << kGradInputs[i].name << " against the tf32 form";
       }
       EXPECT_TRUE(any_differs) << what << ": the form did not run";
     }
   }
+}
+
+// The keys stage's products on bfloat16 operands (FLASHDELTA_BACKWARD_KEYS=mixed and bf16,
+// their permuted k slots and three staged slices) against the reference and the tf32 form:
+// GVA with the fused transforms, a partial key tile with V not a multiple of 8 (bfloat16
+// states staged element by element) and a partial last slice, varlen with empty and one-token
+// sequences on float16 and V-first states, the linear write (two products), K = V = 256,
+// one or two slices of V (fewer than the stages: an empty first group, nothing staged in the
+// loop), and V = 33 with a short last chunk (rows not 16-byte aligned, zero fills past it);
+// bitwise the same from run to run. The states are bfloat16 here whatever the ctest pass
+// (float32 states take the tf32 form).
+TEST(CudaBackward, KeysProductsOnBfloat16OperandsMatchTheReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  expect_bf16_forms_match(
+      kKeys, {"mixed", "bf16"},
+      {{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+        .qk_l2norm = true, .beta_sigmoid = true, .gate_in_kernel = true, .seed = 8400},
+       {.T = 130, .H = 1, .HV = 2, .K = 40, .V = 36, .dtype = DType::bf16, .seed = 8401},
+       {.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4, .K = 64, .V = 40,
+        .dtype = DType::f16, .seqlens = {0, 1, 200, 65}, .layout = StateLayout::v_first,
+        .seed = 8402},
+       {.mechanism = Mechanism::gla, .B = 2, .T = 150, .K = 64, .V = 64, .dtype = DType::bf16,
+        .seed = 8403},
+       {.T = 70, .H = 1, .HV = 1, .K = 256, .V = 256, .dtype = DType::bf16, .seed = 8404},
+       {.T = 100, .H = 1, .HV = 2, .K = 64, .V = 12, .dtype = DType::bf16, .seed = 8405},
+       {.mechanism = Mechanism::deltanet, .T = 90, .K = 32, .V = 24, .dtype = DType::bf16,
+        .seed = 8406},
+       {.T = 75, .H = 1, .HV = 2, .K = 48, .V = 33, .dtype = DType::bf16, .seed = 8407}});
+}
+
+constexpr const char* kJoint = "FLASHDELTA_BACKWARD_JOINT";
+
+// Host only: grads' first products on bfloat16 operands only when asked.
+TEST(CudaBackwardJoint, FollowsTheEnvironmentVariable) {
+  for (const char* tf32 : {static_cast<const char*>(nullptr), "", "auto", "tf32"}) {
+    const ScopedEnv setting(kJoint, tf32);
+    EXPECT_FALSE(detail::cuda_backward_joint_bf16());
+  }
+  {
+    const ScopedEnv bf16(kJoint, "bf16");
+    EXPECT_TRUE(detail::cuda_backward_joint_bf16());
+  }
+  for (const char* bad : {"BF16", "mixed", "f32"})
+    expect_setting_rejected(kJoint, bad, [] { detail::cuda_backward_joint_bf16(); });
+}
+
+// grads' first products on bfloat16 operands (FLASHDELTA_BACKWARD_JOINT=bf16: d A_qk over V,
+// dT over V then K, their permuted k slots) against the reference and the tf32 form: GVA
+// with the fused transforms, a scalar gate (grads' short form) on varlen float16 with empty
+// and one-token sequences, K and V not multiples of 16 (a partial last slice of each pair:
+// dT's two sums end at different slices) and V = 33 (rows not 16-byte aligned), K = V = 256
+// (16 slices), V = 12 (one slice, shorter than K's), a short last chunk.
+TEST(CudaBackward, JointProductsOnBfloat16OperandsMatchTheReference) {
+  FLASHDELTA_REQUIRE_GPU();
+  expect_bf16_forms_match(
+      kJoint, {"bf16"},
+      {{.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+        .qk_l2norm = true, .beta_sigmoid = true, .gate_in_kernel = true, .seed = 8500},
+       {.mechanism = Mechanism::gated_deltanet, .T = 266, .H = 2, .HV = 4, .K = 64, .V = 40,
+        .dtype = DType::f16, .seqlens = {0, 1, 200, 65}, .layout = StateLayout::v_first,
+        .seed = 8501},
+       {.T = 130, .H = 1, .HV = 2, .K = 40, .V = 36, .dtype = DType::bf16, .seed = 8502},
+       {.T = 75, .H = 1, .HV = 2, .K = 48, .V = 33, .dtype = DType::bf16, .seed = 8503},
+       {.T = 70, .H = 1, .HV = 1, .K = 256, .V = 256, .dtype = DType::bf16, .seed = 8504},
+       {.mechanism = Mechanism::deltanet, .T = 100, .K = 64, .V = 12, .dtype = DType::bf16,
+        .seed = 8505}});
 }
 
 // Host only: which inputs keep the chunk states in bfloat16, and the setting that keeps them
