@@ -79,6 +79,9 @@
 #   SANITIZE_BINARIES  which (default "test_cuda_recurrent test_cuda_chunk"; the backward's,
 #                test_cuda_backward, takes long under the sanitizers: give it a filter)
 #   SANITIZE_FILTER   --gtest_filter for the sanitizer runs (default: every test)
+#   SANITIZE_MAX_S    the sanitize stage's longest time (default 150 s, shared equally by
+#                memcheck and racecheck of each binary; racecheck of the backward's larger
+#                tests needs several minutes)
 #   SANITIZE_ENV environment assignments for the sanitizer runs only (e.g.
 #                "FLASHDELTA_RECURRENT_TILE=wide": on V-first states `auto` picks the warp
 #                kernel, so the block kernel's V-first path needs forcing)
@@ -146,7 +149,7 @@ START=$SECONDS
 
 # The longest each stage may take, and the least it is kept for it while earlier stages run.
 # ctest: every GPU test takes ~215 s since the backward's run twice (f32_states., 2026-12-04).
-declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=330 [sanitize]=150
+declare -A MAX=([info]=30 [deps]=60 [configure]=120 [build]=360 [ctest]=330 [sanitize]=${SANITIZE_MAX_S:-150}
                 [pytest]=150 [bench]=400 [bench-chunk]=480 [bench-backward]=540 [train-example]=240
                 [profile-backward]=300 [kernel-bench]=150 [ncu-decode]=400 [ncu-backward]=300 [ncu-chunk]=240 [ncu-decode-lines]=240 [overhead]=40 [pytest-all]=150
                 [baseline]=400 [bench-chunk-baseline]=400)

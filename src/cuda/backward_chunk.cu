@@ -925,12 +925,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
     const Rows a[kJointPairs] = {dO, x.v_recs(ws.dvn), x.k_recs(ws.dw)};
     const Rows bm[kJointPairs] = {x.v_recs(ws.vn), x.v_recs(ws.vb), x.k_recs(ws.kb)};
     const int L[kJointPairs] = {V, V, K};
-    joint_products<kJointBf16>(len, L, a, bm, sh.products.joint, [&](int o, int m, int n, float acc) {
-      if (o == 0)
-        sh.daqk[m][n] = n <= m ? acc : 0.f;
-      else
-        sh.products.dt[m][n] = acc;
-    });
+    joint_products<kJointBf16>(len, L, a, bm, sh.products.joint,
+                               [&](int o, int m, int n, float acc) {
+                                 if (o == 0)
+                                   sh.daqk[m][n] = n <= m ? acc : 0.f;
+                                 else
+                                   sh.products.dt[m][n] = acc;
+                               });
   } else {
     staged_product(len, len, V, dO, x.v_recs_t(ws.vn), st,
                    [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });

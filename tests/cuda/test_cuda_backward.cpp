@@ -8,7 +8,9 @@
 // selection on the host too; the key gradients' products over V (the `keys` stage) on every
 // case; sequences split into segments (FLASHDELTA_BACKWARD_SCAN_SEGMENTS); the chunk states in
 // bfloat16 for 16-bit inputs and their rule (FLASHDELTA_BACKWARD_STATES); the keys stage's
-// products on bfloat16 operands (FLASHDELTA_BACKWARD_KEYS). Skipped on machines without a GPU.
+// products on bfloat16 operands (FLASHDELTA_BACKWARD_KEYS) and grads' first products
+// (FLASHDELTA_BACKWARD_JOINT); the scans in 128-column blocks (FLASHDELTA_BACKWARD_MMA_COLUMNS).
+// Skipped on machines without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -654,9 +656,10 @@ TEST(CudaBackwardJoint, FollowsTheEnvironmentVariable) {
 // grads' first products on bfloat16 operands (FLASHDELTA_BACKWARD_JOINT=bf16: d A_qk over V,
 // dT over V then K, their permuted k slots) against the reference and the tf32 form: GVA
 // with the fused transforms, a scalar gate (grads' short form) on varlen float16 with empty
-// and one-token sequences, K and V not multiples of 16 (a partial last slice of each pair:
-// dT's two sums end at different slices) and V = 33 (rows not 16-byte aligned), K = V = 256
-// (16 slices), V = 12 (one slice, shorter than K's), a short last chunk.
+// and one-token sequences (K = 64, V = 40: the sums over V end a slice before dT's over K),
+// K and V not multiples of 16 (partial last slices) and V = 33 (rows not 16-byte aligned),
+// K = V = 256 (16 slices), V = 12 (one slice against K's four), K = 32 < V = 64 (the sums
+// over V outlast dw's over K), a short last chunk.
 TEST(CudaBackward, JointProductsOnBfloat16OperandsMatchTheReference) {
   FLASHDELTA_REQUIRE_GPU();
   expect_bf16_forms_match(
@@ -670,7 +673,8 @@ TEST(CudaBackward, JointProductsOnBfloat16OperandsMatchTheReference) {
        {.T = 75, .H = 1, .HV = 2, .K = 48, .V = 33, .dtype = DType::bf16, .seed = 8503},
        {.T = 70, .H = 1, .HV = 1, .K = 256, .V = 256, .dtype = DType::bf16, .seed = 8504},
        {.mechanism = Mechanism::deltanet, .T = 100, .K = 64, .V = 12, .dtype = DType::bf16,
-        .seed = 8505}});
+        .seed = 8505},
+       {.T = 90, .K = 32, .V = 64, .dtype = DType::bf16, .seed = 8506}});
 }
 
 // Host only: which inputs keep the chunk states in bfloat16, and the setting that keeps them
@@ -781,8 +785,8 @@ TEST(CudaBackwardMmaColumns, FollowsTheEnvironmentVariable) {
     EXPECT_EQ(detail::cuda_backward_mma_columns(200, 100, 1, 132, true), 128);  // 2 tiles
     EXPECT_EQ(detail::cuda_backward_mma_columns(1000, 64, 1, 132, true), 64);   // one tile
     EXPECT_EQ(detail::cuda_backward_mma_columns(16, 128, 8, 132, true), 128);   // 256
-    EXPECT_EQ(detail::cuda_backward_mma_columns(16, 128, 4, 132, true), 64);    // 128
-    EXPECT_EQ(detail::cuda_backward_mma_columns(16, 128, 3, 132, true), 64);    // 96: B=1 H=16
+    EXPECT_EQ(detail::cuda_backward_mma_columns(8, 128, 8, 132, true), 64);     // 128: B=1's passes
+    EXPECT_EQ(detail::cuda_backward_mma_columns(16, 128, 3, 132, true), 64);    // 96
     EXPECT_EQ(detail::cuda_backward_mma_columns(128, 128, 1, 132, false), 64);  // no memory
   }
   {
@@ -804,12 +808,12 @@ TEST(CudaBackwardMmaColumns, FollowsTheEnvironmentVariable) {
 // halves): every warp computes what it computes in a 64-column block, so the gradients are
 // the 64-column blocks' bit for bit, and the reference's. Cases: both key widths (KP = 64,
 // 128), V not a multiple of 128 (warps past V; V = 72: the second half's columns almost all
-// past it; V = 40: six of the eight column pairs idle), two and three 128-column tiles (V =
-// 192, 200, 256: a last tile wholly or partly past V), varlen with empty and one-token sequences, V-first states, GVA, the linear write
-// (no v_new correction: no partner sums in the states scan), no state gradient flowing in,
-// float32 states and kept states (no states scan); split sequences (the segments' maps in
-// 64-column blocks, the scans' carries across segments in 128-column ones), with the
-// transposed maps and, with kept states, without.
+// past it; V = 40: six of the eight column pairs idle), two 128-column tiles (V = 192, 200,
+// 256: a second tile partly or wholly in range), varlen with empty and one-token sequences,
+// V-first states, GVA, the linear write (no v_new correction: no partner sums in the states
+// scan), no state gradient flowing in, float32 states and kept states (no states scan); split
+// sequences (the segments' maps in 64-column blocks, the scans' carries across segments in
+// 128-column ones), with the transposed maps and, with kept states, without.
 TEST(CudaBackward, WideScanBlocksMatchTheNarrowBitwise) {
   FLASHDELTA_REQUIRE_GPU();
   // Where the GPU lacks the 128-column blocks' shared memory the setting falls back to 64
