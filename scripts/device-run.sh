@@ -79,6 +79,8 @@
 #   SANITIZE_BINARIES  which (default "test_cuda_recurrent test_cuda_chunk"; the backward's,
 #                test_cuda_backward, takes long under the sanitizers: give it a filter)
 #   SANITIZE_FILTER   --gtest_filter for the sanitizer runs (default: every test)
+#   SANITIZE_ARGS     more compute-sanitizer options, e.g. "--kernel-name kns=states_mma_kernel"
+#                (only kernels whose name contains it are checked; the others run at speed)
 #   SANITIZE_MAX_S    the sanitize stage's longest time (default 150 s, shared equally by
 #                memcheck and racecheck of each binary; racecheck of the backward's larger
 #                tests needs several minutes)
@@ -264,9 +266,10 @@ stage_sanitize() {
   each=$((STAGE_TIMEOUT / (2 * $(echo "$bins" | wc -l)) - 5))
   for bin in $bins; do
     for tool in memcheck racecheck; do
-      echo "-- ${SANITIZE_ENV:+$SANITIZE_ENV }compute-sanitizer --tool $tool $bin ${filter[*]} (timeout ${each}s)" | tee -a "$SANLOG"
+      echo "-- ${SANITIZE_ENV:+$SANITIZE_ENV }compute-sanitizer --tool $tool ${SANITIZE_ARGS:+$SANITIZE_ARGS }$bin ${filter[*]} (timeout ${each}s)" | tee -a "$SANLOG"
+      # shellcheck disable=SC2086
       timeout --kill-after=5 "$each" env $SANITIZE_ENV "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
-        "$bin" "${filter[@]}" --gtest_brief=1 2>&1 | head -c 8000000 >>"$SANLOG"
+        $SANITIZE_ARGS "$bin" "${filter[@]}" --gtest_brief=1 2>&1 | head -c 8000000 >>"$SANLOG"
       r=${PIPESTATUS[0]}
       echo "-- $tool: exit $r$( ((r == 124)) && echo ' (timeout: set SANITIZE_FILTER)')" | tee -a "$SANLOG"
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|FAILED" "$SANLOG" | tail -4
