@@ -43,8 +43,10 @@ RECORDS = ["rec_qg", "rec_kg", "rec_w", "rec_u", "rec_Aqk"]
 # keys_dout_dvn, keys_vn: the operands of the `keys` stage's products over V alone
 # (cuda/backward_keys.cu, FLASHDELTA_BACKWARD_KEYS): dO and dv_new (its `mixed` form rounds
 # these), v_new (its `bf16` form rounds all three); S and dS are S_keys, dS_keys.
+# qk_store: q and k as the workspace keeps them after the L2 norm (qn, kn: read by records,
+# keys and grads); tables_store: T and the A_kk products as records stores them for grads.
 ROUNDINGS = PLAN + ["vn_store", "dvn_store", "dw_store", "outputs", "joint_ops",
-                    "keys_dout_dvn", "keys_vn"] + RECORDS
+                    "keys_dout_dvn", "keys_vn", "qk_store", "tables_store"] + RECORDS
 GRADS = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
@@ -107,7 +109,8 @@ def backward(x, d_o, d_final, precision):
         chunks, S = [], x["h0"][h].copy()
         for c0 in range(0, T, CHUNK):  # forward: records and the chunk-entry states
             rows = slice(c0, c0 + CHUNK)
-            q, k, v = x["q"][rows, h], x["k"][rows, h], x["v"][rows, h]
+            q, k = rnd("qk_store", x["q"][rows, h]), rnd("qk_store", x["k"][rows, h])
+            v = x["v"][rows, h]
             b, G = x["beta"][rows, h], np.cumsum(x["g"][rows, h], axis=0)
             C, E, gC = q.shape[0], np.exp(G), G[-1]
             Aqk = np.tril((q * E) @ (k / E).T)
@@ -127,6 +130,7 @@ def backward(x, d_o, d_final, precision):
         dS = d_final[h].copy()
         for c in reversed(chunks):  # backward
             dO, S, vn = d_o[c["rows"], h], c["S"], c["vn"]
+            Tm, Kd = rnd("tables_store", c["Tm"]), rnd("tables_store", c["Kd"])
             dS_op = rnd("dS_op", dS)
             dvn = c["Aqk"].T @ dO + c["kg"] @ dS_op
             dvn_op = rnd("dvn_op", dvn)
@@ -144,9 +148,9 @@ def backward(x, d_o, d_final, precision):
             op = lambda m: rnd("wy_ops", m)  # noqa: E731
             jop = lambda m: rnd("joint_ops", op(m))  # noqa: E731
             dT = jop(dvn) @ jop(c["vb"]).T + jop(dw) @ jop(c["kb"]).T
-            dvb, dkb = op(c["Tm"]).T @ op(dvn), op(c["Tm"]).T @ op(dw)
-            X = rnd("dA_ops", dT) @ rnd("dA_ops", c["Tm"]).T
-            dAkk = np.tril(-rnd("dA_ops", c["Tm"]).T @ rnd("dA_ops", X), -1)
+            dvb, dkb = op(Tm).T @ op(dvn), op(Tm).T @ op(dw)
+            X = rnd("dA_ops", dT) @ rnd("dA_ops", Tm).T
+            dAkk = np.tril(-rnd("dA_ops", Tm).T @ rnd("dA_ops", X), -1)
             q, k, b, G, E = c["q"], c["k"], c["b"], c["G"], c["E"]
             dAkb = b[:, None] * dAkk
             p1, p2 = row_pairs(dAqk, k, G, rnd), row_pairs(dAkb, k, G, rnd)
@@ -160,7 +164,7 @@ def backward(x, d_o, d_final, precision):
             grads["dq"][rows, h], grads["dk"][rows, h] = dq, dk
             grads["dv"][rows, h] = b[:, None] * dvb
             grads["dbeta"][rows, h] = (dvb * c["v"]).sum(1) + (dkb * k * E).sum(1) + \
-                (dAkk * c["Kd"]).sum(1)
+                (dAkk * Kd).sum(1)
             grads["dg"][rows, h] = np.flip(np.cumsum(np.flip(dG, 0), 0), 0)
             dS = dS_prev
         grads["dh0"][h] = dS
@@ -234,6 +238,17 @@ def main():
         line("  + keys mixed", dict(today, outputs=bf16, **mixed))
         line("  + keys bf16", dict(today, outputs=bf16, **full))
         line("  + keys bf16, joint_ops bf16", dict(today, outputs=bf16, joint_ops=bf16, **full))
+        # Halving the workspace's bytes (bench/NOTES.md (ba)): every intermediate stored in
+        # bfloat16, the products as today (tf32, float32 sums), then on bfloat16 operands too.
+        stores = dict(records=bf16, vn_store=bf16, dvn_store=bf16, dw_store=bf16,
+                      qk_store=bf16, tables_store=bf16)
+        line("  + qk_store bf16", dict(today, outputs=bf16, qk_store=bf16))
+        line("  + tables_store bf16", dict(today, outputs=bf16, tables_store=bf16))
+        line("  + every store bf16", dict(today, outputs=bf16, **stores))
+        line("  + every store bf16 but dv_new", dict(today, outputs=bf16,
+                                                    **dict(stores, dvn_store=tf32)))
+        line("every store and operand bf16", dict(every, outputs=bf16, joint_ops=bf16,
+                                                  **full, **stores))
 
 
 if __name__ == "__main__":
