@@ -31,7 +31,8 @@ constexpr const char* kStateStagesSetting = "FLASHDELTA_CHUNK_STATE_STAGES";
 // `distance` makes the prepare kernel invert T off the diagonal by distances on the CUDA
 // cores instead of by column blocks on the tensor cores (ChunkParams::inverse_by_columns):
 // for tests and A/B timing. `tf32` keeps the column blocks with one tf32 product a step
-// (ChunkParams::inverse_one_product): opt-in until measured.
+// (ChunkParams::inverse_one_product): opt-in (-1-3% of the prepare kernel, outputs moved by
+// up to 2e-3 in weak-gate cases: bench/NOTES.md (at), (av)).
 constexpr const char* kInverseSetting = "FLASHDELTA_CHUNK_INVERSE";
 // `split` takes A_qk and its slices' operands as bfloat16 pairs (ChunkParams::split_aqk);
 // `auto` and `bf16` keep single bfloat16 until the pair is measured on a GPU (bench/NOTES.md

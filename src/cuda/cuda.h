@@ -106,13 +106,13 @@ enum class KeysProducts : int;  // cuda/backward_params.h
 }
 // The operands of the backward's `keys` products where its states are bfloat16
 // (backward_bf16_states; cuda::KeysProducts): FLASHDELTA_BACKWARD_KEYS `tf32` (unset, empty or
-// `auto`), `mixed` or `bf16` (opt-in until measured on a GPU). Any other value throws
-// Error(invalid_argument) naming the variable.
+// `auto`), `mixed` or `bf16` (opt-in: 2-5% slower than tf32 on an H100, bench/NOTES.md (ba)).
+// Any other value throws Error(invalid_argument) naming the variable.
 cuda::KeysProducts cuda_backward_keys_products();
 // Whether grads' first products take bfloat16 operands where the backward's states are
 // bfloat16 (cuda::BackwardParams::joint_bf16): FLASHDELTA_BACKWARD_JOINT `tf32` (unset, empty or
-// `auto`) or `bf16` (opt-in until measured on a GPU). Any other value throws
-// Error(invalid_argument) naming the variable.
+// `auto`) or `bf16` (opt-in: within 2% of tf32 on an H100, bench/NOTES.md (ba)). Any other
+// value throws Error(invalid_argument) naming the variable.
 bool cuda_backward_joint_bf16();
 // Segments each sequence of `chunks` chunks is split into by the scans in registers
 // (K <= 128; 1 otherwise), for `scans` (sequence, value head) pairs of V columns:
