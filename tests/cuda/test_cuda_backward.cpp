@@ -804,6 +804,24 @@ TEST(CudaBackwardMmaColumns, FollowsTheEnvironmentVariable) {
                             [] { detail::cuda_backward_mma_columns(1, 128, 1, 132, true); });
 }
 
+// The gradients with `setting` = `value` are those with `reference_value` bit for bit (forms
+// that compute the same sums in the same order), and the reference's.
+void expect_setting_bitwise(const char* setting, const char* reference_value, const char* value,
+                            const BackwardCase& b, const std::string& what) {
+  Gradients expected;
+  {
+    const ScopedEnv forced(setting, reference_value);
+    expected = cuda_gradients(b);
+  }
+  const ScopedEnv forced(setting, value);
+  const Gradients got = cuda_gradients(b);
+  for (size_t i = 0; i < kNumSlots; ++i)
+    EXPECT_EQ(got.t[i].bytes, expected.t[i].bytes)
+        << what << ", " << setting << "=" << value << ": d" << kGradInputs[i].name
+        << " differs from " << reference_value << "'s";
+  expect_gradients_match(b, what + ", " + setting + "=" + value);
+}
+
 // The scans in registers in 128-column blocks (16 warps, one stage of the key rows for both
 // halves): every warp computes what it computes in a 64-column block, so the gradients are
 // the 64-column blocks' bit for bit, and the reference's. Cases: both key widths (KP = 64,
@@ -829,17 +847,7 @@ TEST(CudaBackward, WideScanBlocksMatchTheNarrowBitwise) {
   const ScopedEnv mma(kScans, nullptr);
   const ScopedEnv whole(kScanSegments, "1");
   const auto expect_wide_as_narrow = [](const BackwardCase& b, const std::string& what) {
-    Gradients narrow;
-    {
-      const ScopedEnv forced(kMmaColumns, "64");
-      narrow = cuda_gradients(b);
-    }
-    const ScopedEnv forced(kMmaColumns, "128");
-    const Gradients wide = cuda_gradients(b);
-    for (size_t i = 0; i < kNumSlots; ++i)
-      EXPECT_EQ(wide.t[i].bytes, narrow.t[i].bytes)
-          << what << ": d" << kGradInputs[i].name << " differs";
-    expect_gradients_match(b, what + ", 128-column scan blocks");
+    expect_setting_bitwise(kMmaColumns, "64", "128", b, what);
   };
   const CaseConfig cases[] = {
       {.T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16, .qk_l2norm = true,
@@ -877,6 +885,60 @@ TEST(CudaBackward, WideScanBlocksMatchTheNarrowBitwise) {
     expect_wide_as_narrow(make_backward_case(c), std::string("segments ") + segments);
     expect_wide_as_narrow(make_backward_case(ragged), std::string("varlen, segments ") + segments);
     expect_wide_as_narrow(with_kept_states(kept), std::string("kept, segments ") + segments);
+  }
+}
+
+constexpr const char* kScanStage = "FLASHDELTA_BACKWARD_SCAN_STAGE";
+
+// Host only: the scans' staging by cp.async unless bulk copies are asked for.
+TEST(CudaBackwardScanStage, FollowsTheEnvironmentVariable) {
+  for (const char* async : {static_cast<const char*>(nullptr), "", "auto", "async"}) {
+    const ScopedEnv setting(kScanStage, async);
+    EXPECT_FALSE(detail::cuda_backward_scan_bulk());
+  }
+  {
+    const ScopedEnv bulk(kScanStage, "bulk");
+    EXPECT_TRUE(detail::cuda_backward_scan_bulk());
+  }
+  for (const char* bad : {"BULK", "tma", "1"})
+    expect_setting_rejected(kScanStage, bad, [] { detail::cuda_backward_scan_bulk(); });
+}
+
+// The 64-column scans staging their operand rows by bulk copies (FLASHDELTA_BACKWARD_SCAN_STAGE
+// =bulk): the same values land where cp.async put them, so the gradients are the same bit for
+// bit, and the reference's. Cases: K = V = 128 (whole rows, both scans), V = 100 (a last tile
+// of 36 columns: bulk rows with zeroed columns past them), K = 96 (zeroed keys past K, KP =
+// 128), K = 40 and V = 36 (KP = 64), K = 33 and V = 30 (rows not 16-byte multiples: cp.async
+// for those), varlen with empty, one-token and short chunks (zeroed rows past len), V-first
+// states, GVA, the linear write (no w rows), Gated DeltaNet, kept states (the dstates scan
+// alone); split sequences (the carries' scratch writes before the first copies).
+TEST(CudaBackward, BulkStagedScansMatchTheAsyncBitwise) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv mma(kScans, nullptr);
+  const ScopedEnv narrow(kMmaColumns, "64");
+  const CaseConfig cases[] = {
+      {.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+       .qk_l2norm = true, .beta_sigmoid = true, .seed = 8600},
+      {.mechanism = Mechanism::gated_deltanet, .T = 337, .H = 2, .HV = 4, .K = 64, .V = 100,
+       .dtype = DType::f16, .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
+       .layout = StateLayout::v_first, .seed = 8601},
+      {.T = 200, .H = 1, .HV = 2, .K = 96, .V = 72, .dtype = DType::f32, .seed = 8602},
+      {.mechanism = Mechanism::gla, .B = 2, .T = 130, .K = 40, .V = 36, .dtype = DType::bf16,
+       .seed = 8603},
+      {.T = 150, .H = 1, .HV = 1, .K = 33, .V = 30, .dtype = DType::bf16, .seed = 8604}};
+  for (const CaseConfig& c : cases)
+    for (const bool d_final : {true, false})
+      expect_setting_bitwise(kScanStage, "async", "bulk", make_backward_case(c, d_final),
+                             describe(c) + (d_final ? "" : ", no d_final"));
+  const CaseConfig kept{.T = 300, .H = 1, .HV = 2, .K = 64, .V = 128, .dtype = DType::bf16,
+                        .seed = 8605};
+  expect_setting_bitwise(kScanStage, "async", "bulk", with_kept_states(kept), "kept states");
+  const CaseConfig split{.T = 700, .H = 1, .HV = 2, .K = 128, .V = 128, .dtype = DType::bf16,
+                         .seqlens = {300, 0, 400}, .gate_min = -0.05, .seed = 8606};
+  for (const char* segments : {"3", "8"}) {
+    const ScopedEnv forced(kScanSegments, segments);
+    expect_setting_bitwise(kScanStage, "async", "bulk", make_backward_case(split),
+                           std::string("varlen, segments ") + segments);
   }
 }
 
