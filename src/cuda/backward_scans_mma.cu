@@ -578,7 +578,6 @@ __global__ void __launch_bounds__(ScanShape<kCols>::kThreads, 1)
     Acc vn[kTokenTiles];
     vn_phase(b, blk, S, sh, vn);
     state_update_phase<!kEnds>(b, blk, len, rec, S, sh, vn);
-    if (kBulk) fence_before_bulk_writes();  // this step's zeros and reads before the next copies
     __syncthreads();  // every warp is done with the stage before the next chunk's copies
   }
   if (kEnds) S.store_segment_end(b, blk);
@@ -704,7 +703,6 @@ __global__ void __launch_bounds__(ScanShape<kCols>::kThreads, 1)
     Acc dv[kTokenTiles];
     dv_phase(blk, S, sh, dv);
     dstate_update_phase<!kEnds>(b, blk, len, rec, S, sh, dv);
-    if (kBulk) fence_before_bulk_writes();  // this step's zeros and reads before the next copies
     __syncthreads();  // every warp is done with the stage before the next chunk's copies
   }
   if (kEnds)
