@@ -445,8 +445,6 @@ __device__ void for_each_token(const Acc (&t)[kTokenTiles], const BackwardParams
   }
 }
 
-// Queues a record's kC x K float32 [token][key] rows (`len` of them) into a stage, zeros past
-// len and K.
 // Rows [0, len) x columns [0, cols) of a chunk's operand (row length ld) into dst's kC x
 // kWidth block, zeros elsewhere: by bulk copies completing on `landed` (their bytes added to
 // `bytes`) where the block stages so and the rows allow, else by cp.async.
