@@ -1,11 +1,12 @@
 // An environment variable set (or unset, value nullptr) for one scope and restored after:
-// how tests run the kernels' forms that environment variables select; and the check that a
-// setting's unknown value is refused.
+// how tests run the kernels' forms that environment variables select; and the checks that a
+// setting's unknown value is refused and that a two-valued one reads as documented.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -42,6 +43,22 @@ void expect_setting_rejected(const char* name, const char* value, const Call& ca
     EXPECT_NE(std::string(e.what()).find("'" + std::string(value) + "'"), std::string::npos)
         << e.what();
   }
+}
+
+// A two-valued setting read by `get`: false unset, empty, `auto` and `off`; true `on`; each of
+// `bad` refused as expect_setting_rejected checks.
+template <class Get>
+void expect_two_valued_setting(const char* name, const char* off, const char* on,
+                               std::initializer_list<const char*> bad, const Get& get) {
+  for (const char* value : {static_cast<const char*>(nullptr), "", "auto", off}) {
+    const ScopedEnv env(name, value);
+    EXPECT_FALSE(get()) << name << "=" << (value ? value : "(unset)");
+  }
+  {
+    const ScopedEnv env(name, on);
+    EXPECT_TRUE(get()) << name << "=" << on;
+  }
+  for (const char* value : bad) expect_setting_rejected(name, value, get);
 }
 
 }  // namespace flashdelta::testing
