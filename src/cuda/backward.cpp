@@ -291,10 +291,6 @@ bool cuda_backward_joint_bf16() {
   return env_setting("FLASHDELTA_BACKWARD_JOINT", {"auto", "tf32", "bf16"}) == "bf16";
 }
 
-bool cuda_backward_scan_bulk() {
-  return env_setting("FLASHDELTA_BACKWARD_SCAN_STAGE", {"auto", "async", "bulk"}) == "bulk";
-}
-
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
   return split_scan(kSegmentsSetting, scans, K, V, chunks, kMapsStep).segments;
 }
@@ -335,7 +331,6 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   const bool scalar_pairs = cuda_backward_scalar_pairs(p.gate);
   const cuda::KeysProducts keys_products = cuda_backward_keys_products();
   const bool joint_bf16 = cuda_backward_joint_bf16();
-  const bool scan_bulk = cuda_backward_scan_bulk();
   {
     const cuda::BackwardParams b = backward_params(p, a);
     // The per-chunk stages run one block per record (`keys` one per record and key tile); the
@@ -363,7 +358,6 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     b.scalar_pairs = scalar_pairs;
     b.keys_products = b.bf16_states ? keys_products : cuda::KeysProducts::tf32;
     b.joint_bf16 = b.bf16_states && joint_bf16;
-    b.scan_bulk = scan_bulk;
     if (!scans_mma) b.segments = 1;  // the tile scans run whole sequences
     b.transposed_maps = b.segments > 1 && !b.chunk_states.data;
     const Carver regions = layout(b, varlen);

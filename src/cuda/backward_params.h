@@ -120,11 +120,6 @@ struct BackwardParams {
   // backward-rounding-model-2026-12-05.txt, training inputs): dg 2.9e-3 -> 4.0e-3, the
   // other gradients as with tf32 (fla: dg 5.8e-3).
   bool joint_bf16 = false;
-  // The scans in registers (their 64-column value scans) stage each chunk's operand rows by
-  // bulk copies (one instruction a row, landing on a shared-memory barrier; Hopper) instead of
-  // 16-byte cp.async pieces from every thread (cuda_backward_scan_bulk). The same values land:
-  // the results are the same bit for bit.
-  bool scan_bulk = false;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;
   TokenTensor d_o;

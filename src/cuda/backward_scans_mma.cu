@@ -36,7 +36,6 @@
 #include <cuda_runtime.h>
 
 #include "cuda/backward_common.cuh"
-#include "cuda/bulk_copy.cuh"
 
 namespace flashdelta::detail::cuda {
 namespace {
@@ -76,7 +75,6 @@ struct alignas(16) StatesShared {
   float u[kC][kCols + 4];  // [token][column]
   float decay[KP];
   Exchange<kCols> xch;
-  uint64_t landed;  // the stage's bulk copies (BackwardParams::scan_bulk)
 };
 
 // dO rows of a block's columns.
@@ -92,7 +90,6 @@ struct alignas(16) DstatesShared {
   DoutTile<kCols> dout;
   float decay[KP];
   Exchange<kCols> xch;
-  uint64_t landed;  // the stage's bulk copies (BackwardParams::scan_bulk)
 };
 
 // Queues the record's decay per key into dst (zeros past K), with the stage's copies.
@@ -230,12 +227,10 @@ struct MmaState {
   // bfloat16 ones would be half sectors (states 0.758 -> 0.844 ms a B8 step, bench/NOTES.md
   // (ao)), so those pass through the warp's slice of the exchange, free here (the chunk's
   // barrier is behind, vn's exchange ahead), and leave as 16-byte runs.
-  // With bulk copies (`landed`, the stage's use-th batch) it waits for their phase too.
   template <int kWarps>
   __device__ void store_record_while_staging(const BackwardParams& b, const MmaScanBlock& blk,
                                              bool store, const StateSlab& out,
-                                             WarpSums<kWarps>& xch, uint64_t* landed,
-                                             uint32_t use) {
+                                             WarpSums<kWarps>& xch) {
     commit_async();
     const int64_t V = b.p.V;
     if (store && out.b16)
@@ -243,7 +238,6 @@ struct MmaState {
     else if (store)
       for_each(b, blk, [&](float& x, int key, int64_t col) { out.f32[key * V + col] = x; });
     wait_async<0>();
-    if (landed) wait_landed(landed, use % 2);
     __syncthreads();
   }
   // The warp's 16 columns x kKeys keys into a bfloat16 slab through tile, [key][16] with the
@@ -445,59 +439,26 @@ __device__ void for_each_token(const Acc (&t)[kTokenTiles], const BackwardParams
   }
 }
 
-// Rows [0, len) x columns [0, cols) of a chunk's operand (row length ld) into dst's kC x
-// kWidth block, zeros elsewhere: by bulk copies completing on `landed` (their bytes added to
-// `bytes`) where the block stages so and the rows allow, else by cp.async.
-template <int kCols, bool kBulk, int kWidth, int kLd>
-__device__ __forceinline__ void stage_operand_rows(const float* src, int64_t ld, int len, int cols,
-                                                   float (*dst)[kLd], uint64_t* landed,
-                                                   uint32_t& bytes) {
-  constexpr int kThreads = ScanShape<kCols>::kThreads;
-  if constexpr (kBulk) {
-    if (bulk_rows_fit(src, ld, cols)) {
-      bytes += bulk_stage_rows<kThreads, kWidth, kC>(src, ld, len, cols, dst, landed);
-      return;
-    }
-  }
-  stage_row_runs<kThreads, kWidth, kC>(src, ld, len, cols, 0, dst);
-}
-
-// The block's landing barrier where it stages by bulk copies (kBulk: BackwardParams::scan_bulk
-// on Hopper), else nullptr. Every thread calls it once the carries are done: their ordinary
-// writes to the stage's memory are ordered before the first copies.
-template <bool kBulk>
-__device__ __forceinline__ uint64_t* bulk_stage_barrier(uint64_t* bar) {
-  if constexpr (!kBulk) return nullptr;
-  if (threadIdx.x == 0) init_landing_barrier(bar);
-  fence_before_bulk_writes();
-  __syncthreads();
-  return bar;
-}
-
-// The bulk copies of a stage announced (every thread passed the same `bytes`): one arrival.
-template <bool kBulk>
-__device__ __forceinline__ void announce_stage(uint64_t* landed, uint32_t bytes) {
-  if constexpr (kBulk)
-    if (threadIdx.x == 0) expect_bytes(landed, bytes);
+// Queues a record's kC x K float32 [token][key] rows (`len` of them) into a stage, zeros past
+// len and K.
+template <int kCols, int KP, int kLd>
+__device__ __forceinline__ void stage_key_rows(const float* src, int64_t K, int len,
+                                               float (*dst)[kLd]) {
+  stage_row_runs<ScanShape<kCols>::kThreads, KP, kC>(src, K, len, static_cast<int>(K), 0, dst);
 }
 
 // Queues the states scan's operands of chunk ci (len tokens): those of v_new (w, u) and
 // those of the update (kg, decay).
-template <bool kBulk, int KP, int kCols>
+template <int KP, int kCols>
 __device__ void stage_states_operands(const BackwardParams& b, const MmaScanBlock& blk,
-                                      int64_t ci, int len, StatesShared<KP, kCols>& sh,
-                                      uint64_t* landed) {
+                                      int64_t ci, int len, StatesShared<KP, kCols>& sh) {
   const int64_t K = b.p.K, V = b.p.V, rec = blk.record(b, ci);
-  const int k = static_cast<int>(K);
-  uint32_t bytes = 0;
-  if (b.p.delta)
-    stage_operand_rows<kCols, kBulk, KP>(b.ws.w + rec * kC * K, K, len, k, sh.w, landed, bytes);
+  if (b.p.delta) stage_key_rows<kCols, KP>(b.ws.w + rec * kC * K, K, len, sh.w);
   if (!blk.map)
-    stage_operand_rows<kCols, kBulk, kCols>(b.ws.u + rec * kC * V + blk.j0, V, len, blk.cols(),
-                                            sh.u, landed, bytes);
-  stage_operand_rows<kCols, kBulk, KP>(b.ws.kg + rec * kC * K, K, len, k, sh.kg, landed, bytes);
+    stage_row_runs<ScanShape<kCols>::kThreads, kCols, kC>(b.ws.u + rec * kC * V + blk.j0, V,
+                                                          len, blk.cols(), 0, sh.u);
+  stage_key_rows<kCols, KP>(b.ws.kg + rec * kC * K, K, len, sh.kg);
   stage_decay<KP>(b, rec, sh.decay);
-  announce_stage<kBulk>(landed, bytes);
 }
 // L2 prefetches of chunk ci's operands (none past the segment).
 __device__ void prefetch_states_operands(const BackwardParams& b, const MmaScanBlock& blk,
@@ -543,7 +504,7 @@ __device__ void state_update_phase(const BackwardParams& b, const MmaScanBlock& 
 // kEnds: the maps of every segment but a sequence's last, and with transposed_maps the last
 // one's P too (nothing else written); otherwise the states of every segment's chunks, from
 // its true entry.
-template <int KP, int kCols, bool kEnds, bool kBulk = false>
+template <int KP, int kCols, bool kEnds>
 __global__ void __launch_bounds__(ScanShape<kCols>::kThreads, 1)
     states_mma_kernel(const BackwardParams b) {
   static_assert(!kEnds || kCols == 64, "the segment maps' tiles are 64 columns wide");
@@ -563,16 +524,14 @@ __global__ void __launch_bounds__(ScanShape<kCols>::kThreads, 1)
     S.load(b, b.p.state_in, b.state_in_dtype, blk);
     for (int64_t s = 0; s < blk.seg; ++s) carry_across_segment(b, blk, s, S, &sh.w[0][0], sh.xch);
   }
-  uint64_t* const landed = bulk_stage_barrier<kBulk>(&sh.landed);
-  uint32_t use = 0;
   for (int64_t ci = blk.c0; ci < blk.c1; ++ci) {
     const int len = blk.len(ci);
     if (len == 0) continue;  // defensive, as in the tile scan
     const int64_t rec = blk.record(b, ci);
-    stage_states_operands<kBulk>(b, blk, ci, len, sh, landed);
+    stage_states_operands(b, blk, ci, len, sh);
     prefetch_states_operands(b, blk, ci + 1);
     // The state entering the chunk, written while the stage lands.
-    S.store_record_while_staging(b, blk, !kEnds, states_slab(b, rec), sh.xch, landed, use++);
+    S.store_record_while_staging(b, blk, !kEnds, states_slab(b, rec), sh.xch);
     Acc vn[kTokenTiles];
     vn_phase(b, blk, S, sh, vn);
     state_update_phase<!kEnds>(b, blk, len, rec, S, sh, vn);
@@ -583,25 +542,20 @@ __global__ void __launch_bounds__(ScanShape<kCols>::kThreads, 1)
 
 // Queues the dstates scan's operands of chunk ci (len tokens): those of dv_new (kg, A_qk,
 // dO) and those of the update (qg, w, decay).
-template <bool kBulk, int KP, int kCols>
+template <int KP, int kCols>
 __device__ void stage_dstates_operands(const BackwardParams& b, const MmaScanBlock& blk,
-                                       int64_t ci, int len, DstatesShared<KP, kCols>& sh,
-                                       uint64_t* landed) {
+                                       int64_t ci, int len, DstatesShared<KP, kCols>& sh) {
+  constexpr int kThreads = ScanShape<kCols>::kThreads;
   const int64_t K = b.p.K, V = b.p.V, HV = b.p.HV, rec = blk.record(b, ci);
-  const int k = static_cast<int>(K);
-  uint32_t bytes = 0;
-  stage_operand_rows<kCols, kBulk, KP>(b.ws.kg + rec * kC * K, K, len, k, sh.kg, landed, bytes);
+  stage_key_rows<kCols, KP>(b.ws.kg + rec * kC * K, K, len, sh.kg);
   if (!blk.map) {  // the dO terms; a map's columns have none
-    stage_operand_rows<kCols, kBulk, kC>(b.ws.aqk + rec * kC * kC, kC, len, kC, sh.aqk, landed,
-                                         bytes);
-    const float* dout = b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0;
-    stage_operand_rows<kCols, kBulk, kCols>(dout, HV * V, len, blk.cols(), sh.dout, landed, bytes);
-    stage_operand_rows<kCols, kBulk, KP>(b.ws.qg + rec * kC * K, K, len, k, sh.qg, landed, bytes);
+    stage_row_runs<kThreads, kC, kC>(b.ws.aqk + rec * kC * kC, kC, len, kC, 0, sh.aqk);
+    stage_row_runs<kThreads, kCols, kC>(b.ws.dout + (blk.row0(b, ci) * HV + blk.hv) * V + blk.j0,
+                                        HV * V, len, blk.cols(), 0, sh.dout);
+    stage_key_rows<kCols, KP>(b.ws.qg + rec * kC * K, K, len, sh.qg);
   }
-  if (b.p.delta)
-    stage_operand_rows<kCols, kBulk, KP>(b.ws.w + rec * kC * K, K, len, k, sh.w, landed, bytes);
+  if (b.p.delta) stage_key_rows<kCols, KP>(b.ws.w + rec * kC * K, K, len, sh.w);
   stage_decay<KP>(b, rec, sh.decay);
-  announce_stage<kBulk>(landed, bytes);
 }
 // L2 prefetches of chunk ci's operands (none before the segment).
 __device__ void prefetch_dstates_operands(const BackwardParams& b, const MmaScanBlock& blk,
@@ -666,7 +620,7 @@ __device__ void dstate_update_phase(const BackwardParams& b, const MmaScanBlock&
 // kEnds: the maps of every segment but a sequence's first, only their e with transposed_maps
 // (nothing else written); otherwise dS' and dv_new of every segment's chunks, from its true
 // exit, and the initial state's gradient from the first segment.
-template <int KP, int kCols, bool kEnds, bool kBulk = false>
+template <int KP, int kCols, bool kEnds>
 __global__ void __launch_bounds__(ScanShape<kCols>::kThreads, 1)
     dstates_mma_kernel(const BackwardParams b) {
   static_assert(!kEnds || kCols == 64, "the segment maps' tiles are 64 columns wide");
@@ -688,16 +642,14 @@ __global__ void __launch_bounds__(ScanShape<kCols>::kThreads, 1)
         carry_across_segment(b, blk, s, S, &sh.kg[0][0], sh.xch);
     }
   }
-  uint64_t* const landed = bulk_stage_barrier<kBulk>(&sh.landed);
-  uint32_t use = 0;
   for (int64_t ci = blk.c1 - 1; ci >= blk.c0; --ci) {
     const int len = blk.len(ci);
     if (len == 0) continue;  // defensive, as in the tile scan
     const int64_t rec = blk.record(b, ci);
-    stage_dstates_operands<kBulk>(b, blk, ci, len, sh, landed);
+    stage_dstates_operands(b, blk, ci, len, sh);
     prefetch_dstates_operands(b, blk, ci - 1);
     // dS', the gradient of the state leaving the chunk, written while the stage lands.
-    S.store_record_while_staging(b, blk, !kEnds, dstates_slab(b, rec), sh.xch, landed, use++);
+    S.store_record_while_staging(b, blk, !kEnds, dstates_slab(b, rec), sh.xch);
     Acc dv[kTokenTiles];
     dv_phase(blk, S, sh, dv);
     dstate_update_phase<!kEnds>(b, blk, len, rec, S, sh, dv);
@@ -737,8 +689,7 @@ void launch_mma_scans(void (*ends)(BackwardParams), void (*scan)(BackwardParams)
 template <int KP>
 void launch_states_mma(const BackwardParams& b, void* stream) {
   launch_mma_scans<KP, StatesShared>(states_mma_kernel<KP, 64, true>,
-                                     b.scan_bulk ? states_mma_kernel<KP, 64, false, true>
-                                                 : states_mma_kernel<KP, 64, false>,
+                                     states_mma_kernel<KP, 64, false>,
                                      states_mma_kernel<KP, 128, false>, b,
                                      map_column_tiles(b.p.K, b.p.V), stream);
 }
@@ -746,8 +697,7 @@ void launch_states_mma(const BackwardParams& b, void* stream) {
 template <int KP>
 void launch_dstates_mma(const BackwardParams& b, void* stream) {
   launch_mma_scans<KP, DstatesShared>(dstates_mma_kernel<KP, 64, true>,
-                                      b.scan_bulk ? dstates_mma_kernel<KP, 64, false, true>
-                                                  : dstates_mma_kernel<KP, 64, false>,
+                                      dstates_mma_kernel<KP, 64, false>,
                                       dstates_mma_kernel<KP, 128, false>, b,
                                       dstates_ends_tiles(b), stream);
 }

@@ -79,41 +79,5 @@ __device__ __forceinline__ void fence_before_bulk_writes() {
 #endif
 }
 
-// Rows [0, rows) x columns [0, cols) of a row-major float32 source (row length ld) into the
-// first cols floats of dst's rows by one bulk copy per row, completing on `bar`; the rest of
-// dst's kHeight x kWidth block (rows past `rows`, columns past `cols`) set to zero by ordinary
-// stores, fenced against later copies (a block barrier must still come between). Returns the
-// bytes the copies bring, for the batch's expect_bytes. Lane 0 of warp w issues rows w, w +
-// kWarps, ...: a copy takes its addresses from uniform registers, so copies from several lanes
-// of a warp are issued one lane after another (a loop in the SASS), and rows by thread would
-// put them all on the first warps. Needs 16-byte rows on both sides: base 16-byte aligned and
-// ld, cols multiples of 4 (bulk_rows_fit); kLd * 4 a multiple of 16. The caller orders its
-// earlier ordinary writes to dst before the copies (fence_before_bulk_writes and a barrier).
-template <int kThreads, int kWidth, int kHeight, int kLd>
-__device__ __forceinline__ uint32_t bulk_stage_rows(const float* base, int64_t ld, int rows,
-                                                    int cols, float (*dst)[kLd], uint64_t* bar) {
-  static_assert(kLd % 4 == 0 && kWidth % 4 == 0 && kWidth <= kLd, "16-byte rows");
-  constexpr int kWarps = kThreads / 32;
-  if (threadIdx.x % 32 == 0)
-    for (int m = static_cast<int>(threadIdx.x / 32); m < rows; m += kWarps)
-      bulk_copy(&dst[m][0], base + m * ld, static_cast<uint32_t>(cols) * 4u, bar);
-  if (rows < kHeight || cols < kWidth) {
-    constexpr int kRuns = kWidth / 4;
-    for (int idx = threadIdx.x; idx < kHeight * kRuns; idx += kThreads) {
-      const int m = idx / kRuns, q = idx % kRuns * 4;
-      if (m >= rows || q >= cols)
-        *reinterpret_cast<float4*>(&dst[m][q]) = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    fence_before_bulk_writes();  // these zeros before the next step's copies to the same rows
-  }
-  return static_cast<uint32_t>(rows) * static_cast<uint32_t>(cols) * 4u;
-}
-
-// Whether bulk_stage_rows may copy these rows.
-__device__ __forceinline__ bool bulk_rows_fit(const float* base, int64_t ld, int cols) {
-  return kBulkCopies && (reinterpret_cast<uintptr_t>(base) & 15) == 0 && ld % 4 == 0 &&
-         cols % 4 == 0;
-}
-
 }  // namespace
 }  // namespace flashdelta::detail::cuda

@@ -114,12 +114,6 @@ cuda::KeysProducts cuda_backward_keys_products();
 // `auto`) or `bf16` (opt-in: within 2% of tf32 on an H100, bench/NOTES.md (ba)). Any other
 // value throws Error(invalid_argument) naming the variable.
 bool cuda_backward_joint_bf16();
-// Whether the scans in registers stage their operands by bulk copies
-// (cuda::BackwardParams::scan_bulk; GPUs without them keep cp.async):
-// FLASHDELTA_BACKWARD_SCAN_STAGE `async` (unset, empty or `auto`; cp.async pieces) or `bulk`
-// (opt-in until measured on a GPU). Any other value throws Error(invalid_argument) naming the
-// variable.
-bool cuda_backward_scan_bulk();
 // Segments each sequence of `chunks` chunks is split into by the scans in registers
 // (K <= 128; 1 otherwise), for `scans` (sequence, value head) pairs of V columns:
 // split_scan (cuda/host_params.h: a device-independent model unless forced) under

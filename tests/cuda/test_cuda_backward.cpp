@@ -880,52 +880,6 @@ TEST(CudaBackward, WideScanBlocksMatchTheNarrowBitwise) {
   }
 }
 
-constexpr const char* kScanStage = "FLASHDELTA_BACKWARD_SCAN_STAGE";
-
-// Host only: the scans' staging by cp.async unless bulk copies are asked for.
-TEST(CudaBackwardScanStage, FollowsTheEnvironmentVariable) {
-  expect_two_valued_setting(kScanStage, "async", "bulk", {"BULK", "tma", "1"},
-                            [] { return detail::cuda_backward_scan_bulk(); });
-}
-
-// The 64-column scans staging their operand rows by bulk copies (FLASHDELTA_BACKWARD_SCAN_STAGE
-// =bulk): the same values land where cp.async put them, so the gradients are the same bit for
-// bit, and the reference's. Cases: K = V = 128 (whole rows, both scans), V = 100 (a last tile
-// of 36 columns: bulk rows with zeroed columns past them), K = 96 (zeroed keys past K, KP =
-// 128), K = 40 and V = 36 (KP = 64), K = 33 and V = 30 (rows not 16-byte multiples: cp.async
-// for those), varlen with empty, one-token and short chunks (zeroed rows past len), V-first
-// states, GVA, the linear write (no w rows), Gated DeltaNet, kept states (the dstates scan
-// alone); split sequences (the carries' scratch writes before the first copies).
-TEST(CudaBackward, BulkStagedScansMatchTheAsyncBitwise) {
-  FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv mma(kScans, nullptr);
-  const ScopedEnv narrow(kMmaColumns, "64");
-  const CaseConfig cases[] = {
-      {.B = 2, .T = 300, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
-       .qk_l2norm = true, .beta_sigmoid = true, .seed = 8600},
-      {.mechanism = Mechanism::gated_deltanet, .T = 337, .H = 2, .HV = 4, .K = 64, .V = 100,
-       .dtype = DType::f16, .seqlens = {0, 1, 200, 0, 64, 65, 7, 0},
-       .layout = StateLayout::v_first, .seed = 8601},
-      {.T = 200, .H = 1, .HV = 2, .K = 96, .V = 72, .dtype = DType::f32, .seed = 8602},
-      {.mechanism = Mechanism::gla, .B = 2, .T = 130, .K = 40, .V = 36, .dtype = DType::bf16,
-       .seed = 8603},
-      {.T = 150, .H = 1, .HV = 1, .K = 33, .V = 30, .dtype = DType::bf16, .seed = 8604}};
-  for (const CaseConfig& c : cases)
-    for (const bool d_final : {true, false})
-      expect_setting_bitwise(kScanStage, "async", "bulk", make_backward_case(c, d_final),
-                             describe(c) + (d_final ? "" : ", no d_final"));
-  const CaseConfig kept{.T = 300, .H = 1, .HV = 2, .K = 64, .V = 128, .dtype = DType::bf16,
-                        .seed = 8605};
-  expect_setting_bitwise(kScanStage, "async", "bulk", with_kept_states(kept), "kept states");
-  const CaseConfig split{.T = 700, .H = 1, .HV = 2, .K = 128, .V = 128, .dtype = DType::bf16,
-                         .seqlens = {300, 0, 400}, .gate_min = -0.05, .seed = 8606};
-  for (const char* segments : {"3", "8"}) {
-    const ScopedEnv forced(kScanSegments, segments);
-    expect_setting_bitwise(kScanStage, "async", "bulk", make_backward_case(split),
-                           std::string("varlen, segments ") + segments);
-  }
-}
-
 // The tile scans (cuda/backward_scan.cu) on the grid's cases with K <= 128, where the default
 // is the scans in registers (larger K runs the tile scans in the grid itself).
 class CudaBackwardTileScansGrid : public ::testing::TestWithParam<CaseConfig> {};
