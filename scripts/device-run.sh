@@ -42,7 +42,8 @@
 #                                  and fla's (-> ncu_decode.txt)
 #                  ncu-backward    ncu source counters of the backward's per-chunk kernels
 #                                  (NCU_BACKWARD_KERNELS, one launch each) in a training
-#                                  step, summed per source line (-> ncu_backward.txt, and
+#                                  step, summed per source line (-> ncu_backward.txt, the
+#                                  sections' details, ncu_backward_details.txt, and
 #                                  the export itself, ncu_backward.csv.gz);
 #                                  configure with CMAKE_ARGS=-DCMAKE_CUDA_FLAGS=-lineinfo
 #                  ncu-chunk       the same for the chunk forward's kernels (NCU_CHUNK_KERNELS,
@@ -397,10 +398,12 @@ stage_ncu-backward() {
   local ncu n
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   n=$(echo "$NCU_BACKWARD_KERNELS" | tr '|' '\n' | wc -l)
-  "$ncu" --section SourceCounters --section WarpStateStats --import-source yes \
+  "$ncu" --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+    --section Occupancy --section MemoryWorkloadAnalysis --import-source yes \
     -k "regex:$NCU_BACKWARD_KERNELS" -c "$n" -f -o /tmp/ncu-backward \
     python3 bench/device/profile_backward.py --cases kda_B8_T4096_H16 --impls ours --steps 1 \
     --out /tmp/ncu-backward-profile >/dev/null || return 1
+  "$ncu" -i /tmp/ncu-backward.ncu-rep --page details >"$OUT/ncu_backward_details.txt" || return 1
   "$ncu" -i /tmp/ncu-backward.ncu-rep --page source --csv --print-source cuda,sass \
     >/tmp/ncu-backward.csv || return 1
   python3 bench/device/ncu_hotspots.py /tmp/ncu-backward.csv --top 40 | tee "$OUT/ncu_backward.txt"
