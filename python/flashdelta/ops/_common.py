@@ -1,19 +1,39 @@
 """What the fla-named functions share: fla's extra keyword arguments, its argument checks,
 and small array helpers that work on torch tensors and NumPy arrays alike."""
 
+import inspect
 import warnings
 
 from .. import _api, _core
 from .._api import is_torch
 
-# Keywords selecting the vLLM-style serving form of fused_recurrent_kda and
-# fused_recurrent_gated_delta_rule.
-SERVING_KWARGS = frozenset(("ssm_state_indices", "num_accepted_tokens", "inplace_final_state"))
+SERVING_KWARGS = _core.SERVING_KWARGS
+# The serving form's common eager torch call (_torch_ops.serving_direct), None without torch.
+serving_direct = None if _api._torch_ops is None else _api._torch_ops.serving_direct
+# The default of a serving keyword taken as a keyword-only parameter: not passed.
+ABSENT = object()
 
 
 def is_serving(kwargs):
     """True when kwargs select the serving form (any of SERVING_KWARGS)."""
     return bool(kwargs) and not SERVING_KWARGS.isdisjoint(kwargs)
+
+
+def with_serving_kwargs(kwargs, ssm_state_indices, num_accepted_tokens, inplace_final_state):
+    """kwargs plus the serving keywords passed (not ABSENT), as **kwargs would hold them."""
+    kwargs = dict(kwargs)
+    for name, x in (("ssm_state_indices", ssm_state_indices),
+                    ("num_accepted_tokens", num_accepted_tokens),
+                    ("inplace_final_state", inplace_final_state)):
+        if x is not ABSENT:
+            kwargs[name] = x
+    return kwargs
+
+
+def signature_without(fn, names):
+    """fn's signature less the parameters in names (for fn.__signature__)."""
+    sig = inspect.signature(fn)
+    return sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in names])
 
 # fla keyword arguments that tune fla's own kernels: accepted and ignored (the result is
 # the same without them).

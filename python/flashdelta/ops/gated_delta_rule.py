@@ -6,7 +6,8 @@ Drop-in for fla.ops.gated_delta_rule: same names, parameters, defaults and retur
 """
 
 from .. import _api
-from ._common import check_arrays, extra_options, is_serving, ones_beta, run, serving_call
+from ._common import (SERVING_KWARGS, check_arrays, extra_options, is_serving, ones_beta, run,
+                      serving_call, serving_direct)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
@@ -98,6 +99,15 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
         mechanism, g = "kda", gk if g is None else g[..., None] + gk
     elif g is None:
         mechanism = "deltanet"
+    if kwargs and serving_direct is not None and kwargs.keys() <= SERVING_KWARGS:
+        o = serving_direct(mechanism, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
+                           use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                           use_beta_sigmoid_in_kernel, allow_neg_eigval, None, state_v_first,
+                           cu_seqlens, kwargs.get("ssm_state_indices"),
+                           kwargs.get("num_accepted_tokens"),
+                           kwargs.get("inplace_final_state", True))
+        if o is not None:
+            return o, initial_state
     if is_serving(kwargs):
         return serving_call(mechanism, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                             use_qk_l2norm_in_kernel, use_gate_in_kernel,

@@ -6,7 +6,8 @@ Drop-in for fla.ops.kda: same names, parameters, defaults and return values.
 """
 
 from .. import _api
-from ._common import extra_options, is_serving, run, serving_call
+from ._common import (ABSENT, SERVING_KWARGS, extra_options, is_serving, run, serving_call,
+                      serving_direct, signature_without, with_serving_kwargs)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -86,7 +87,9 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
                         initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                        lower_bound=None, state_v_first=False, cu_seqlens=None, **kwargs):
+                        lower_bound=None, state_v_first=False, cu_seqlens=None, *,
+                        ssm_state_indices=ABSENT, num_accepted_tokens=ABSENT,
+                        inplace_final_state=ABSENT, **kwargs):
     r"""KDA, token-by-token schedule (decode). Arguments and results as in ``chunk_kda``.
 
     Serving (vLLM style): with ``ssm_state_indices`` (``[N]`` or ``[N, S]``), optional
@@ -94,6 +97,19 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
     ``ssm_state_indices`` is given), ``initial_state`` is a state pool ``[P, HV, K, V]``
     updated in place, and the result is ``(o, initial_state)``; see ``flashdelta.decode``.
     """
+    if ssm_state_indices is not ABSENT and not kwargs and serving_direct is not None:
+        o = serving_direct("kda", q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
+                           use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                           use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+                           state_v_first, cu_seqlens, ssm_state_indices,
+                           None if num_accepted_tokens is ABSENT else num_accepted_tokens,
+                           True if inplace_final_state is ABSENT else inplace_final_state)
+        if o is not None:
+            return o, initial_state
+    if (ssm_state_indices is not ABSENT or num_accepted_tokens is not ABSENT
+            or inplace_final_state is not ABSENT):
+        kwargs = with_serving_kwargs(kwargs, ssm_state_indices, num_accepted_tokens,
+                                     inplace_final_state)
     if is_serving(kwargs):
         return serving_call("kda", q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                             use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -109,3 +125,9 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
                A_log=A_log, dt_bias=dt_bias, beta_sigmoid=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound)
 
+
+# inspect shows fla's parameters. The serving keywords are keyword-only parameters rather than
+# **kwargs entries for speed alone: CPython matches a parameter's name by identity, but
+# compares a **kwargs entry's name with each of the 17 parameter names (~0.4 us a keyword,
+# bench/serving_host_overhead.py).
+fused_recurrent_kda.__signature__ = signature_without(fused_recurrent_kda, SERVING_KWARGS)
