@@ -88,6 +88,8 @@
 #   SANITIZE_ENV environment assignments for the sanitizer runs only (e.g.
 #                "FLASHDELTA_RECURRENT_TILE=wide": on V-first states `auto` picks the warp
 #                kernel, so the block kernel's V-first path needs forcing)
+#   PYTEST_ARGS  what the pytest stage runs (default: tests/python/test_cuda.py
+#                tests/python/test_cuda_backward.py), e.g. "tests/python/test_cuda.py -k decode"
 #   BENCH_ARGS   extra arguments for bench_decode.py (e.g. "--cases kda_n1,kda_n256")
 #   BENCH_CHUNK_ARGS  extra arguments for bench_chunk.py (e.g. "--no-sweep")
 #   BENCH_BACKWARD_ARGS  extra arguments for bench_backward.py (e.g.
@@ -281,8 +283,9 @@ stage_sanitize() {
 }
 
 stage_pytest() {
-  python3 -m pytest -p no:cacheprovider -q -rs tests/python/test_cuda.py \
-    tests/python/test_cuda_backward.py
+  # shellcheck disable=SC2086
+  python3 -m pytest -p no:cacheprovider -q -rs ${PYTEST_ARGS:-tests/python/test_cuda.py \
+    tests/python/test_cuda_backward.py}
 }
 
 stage_bench() {
