@@ -21,9 +21,6 @@ HAS_DELTA = {"linear": False, "simple_gla": False, "gla": False,
 FORWARD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "A_log", "dt_bias")
 # Gradients the backward can produce, named after their input.
 GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
-# Keywords selecting the vLLM-style serving form of fused_recurrent_kda and
-# fused_recurrent_gated_delta_rule.
-SERVING_KWARGS = frozenset(("ssm_state_indices", "num_accepted_tokens", "inplace_final_state"))
 # Tokens between consecutive per-chunk states (fla's chunk size; kChunkStateTokens in C++).
 CHUNK_STATE_TOKENS = 64
 

@@ -434,7 +434,8 @@ def serving_direct(mechanism, q, k, v, g, beta, A_log, dt_bias, scale, state_poo
     inplace_final_state) in the common eager call, for callers whose other keywords were none:
     serving_call's and decode_positional's checks in one frame, then decode_direct (the two
     layers cost ~1 us a call; bench/serving_host_overhead.py). Returns o, or None for any
-    other call, which the caller hands to serving_call (it raises, or runs the op)."""
+    other call, which the caller hands to serving_call (it raises, or takes the op or the
+    NumPy path)."""
     if (indices is None or not inplace or state_pool is None
             or (allow_neg_eigval and not beta_sigmoid)):
         return None

@@ -1,6 +1,8 @@
 """The serving entry point: a state pool addressed by slot indices, updated in place, with
 padding rows and multi-token (speculative) steps, against the fp64 recurrence."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,75 @@ def test_decode_numpy():
     assert isinstance(o, np.ndarray) and o.dtype == np.float32
     assert_close(o, o_ref, 2e-4, "o")
     assert_close(pool, pool_ref, 2e-4, "pool")
+
+
+
+def _serving_args(mechanism):
+    a = make_inputs(mechanism, B=2, T=1, initial_state=False)
+    pool = torch.randn(3, 4, 16, 12)  # K-first [P, HV, K, V]
+    return a, pool, torch.tensor([2, 0])
+
+
+class _PassThroughMode(torch.overrides.TorchFunctionMode):
+    """A torch function mode that changes nothing: calls under it take the custom op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fn,mechanism", [("fused_recurrent_kda", "kda"),
+                                          ("fused_recurrent_gated_delta_rule", "gated_deltanet")])
+def test_fla_serving_form_fallbacks_match_the_fast_path(fn, mechanism, monkeypatch):
+    """The plain eager serving call skips serving_call (the ops' one-frame fast path,
+    _torch_ops.serving_direct); calls it declines (another keyword, a torch function mode)
+    take serving_call and give the same outputs and pool bit for bit."""
+    from flashdelta.ops import gated_delta_rule, kda
+    module = kda if fn == "fused_recurrent_kda" else gated_delta_rule
+    calls = []
+    real = module.serving_call
+    monkeypatch.setattr(module, "serving_call", lambda *args: calls.append(1) or real(*args))
+    a, pool, indices = _serving_args(mechanism)
+    step = getattr(flashdelta, fn)
+
+    def run(mode=None, **extra):
+        p = pool.clone()
+        with mode or contextlib.nullcontext():
+            o, returned = step(a["q"], a["k"], a["v"], a["g"], beta=a["beta"], initial_state=p,
+                               ssm_state_indices=indices, **extra)
+        assert returned is p
+        return o, p
+
+    o_fast, pool_fast = run()
+    assert not calls, "the plain eager call took serving_call"
+    for name, kw in (("schedule", dict(schedule="recurrent")),
+                     ("mode", dict(mode=_PassThroughMode()))):
+        calls.clear()
+        o, p = run(**kw)
+        assert calls, f"{name}: the call did not take serving_call"
+        assert torch.equal(o, o_fast), f"{name}: o differs from the fast path's"
+        assert torch.equal(p, pool_fast), f"{name}: the pool differs from the fast path's"
+
+
+@pytest.mark.parametrize("fn,mechanism", [("fused_recurrent_kda", "kda"),
+                                          ("fused_recurrent_gated_delta_rule", "gated_deltanet")])
+@pytest.mark.parametrize("change,error,match", [
+    (dict(ssm_state_indices=None, num_accepted_tokens=torch.tensor([1, 1])), ValueError,
+     "argument 'ssm_state_indices'"),
+    (dict(inplace_final_state=False), NotImplementedError, "argument 'inplace_final_state'"),
+    (dict(initial_state=None), ValueError, "argument 'initial_state'"),
+    (dict(allow_neg_eigval=True), ValueError, "argument 'allow_neg_eigval'"),
+    (dict(use_gate_in_kernel=True, A_log=None), ValueError, "argument 'A_log'"),
+    (dict(not_a_keyword=1), TypeError, "not_a_keyword"),
+])
+def test_fla_serving_form_errors(fn, mechanism, change, error, match):
+    """Bad serving calls raise the serving form's errors, naming the argument, and leave the
+    pool as it was."""
+    a, pool, indices = _serving_args(mechanism)
+    before = pool.clone()
+    kw = dict(beta=a["beta"], initial_state=pool, ssm_state_indices=indices)
+    kw.update(change)
+    if kw["ssm_state_indices"] is None:
+        del kw["ssm_state_indices"]
+    with pytest.raises(error, match=match):
+        getattr(flashdelta, fn)(a["q"], a["k"], a["v"], a["g"], **kw)
+    assert torch.equal(pool, before)

@@ -7,7 +7,9 @@ import warnings
 from .. import _api, _core
 from .._api import is_torch
 
-SERVING_KWARGS = _core.SERVING_KWARGS
+# Keywords selecting the vLLM-style serving form of fused_recurrent_kda and
+# fused_recurrent_gated_delta_rule.
+SERVING_KWARGS = frozenset(("ssm_state_indices", "num_accepted_tokens", "inplace_final_state"))
 # The serving form's common eager torch call (_torch_ops.serving_direct), None without torch.
 serving_direct = None if _api._torch_ops is None else _api._torch_ops.serving_direct
 # The default of a serving keyword taken as a keyword-only parameter: not passed.
