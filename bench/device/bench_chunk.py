@@ -26,7 +26,7 @@ recurrence run with torch on the GPU from the same bf16 inputs, for fla and for 
 --variants also times ours under other settings of its environment variables, in the same
 process on the same inputs, each reported with its speedup and its output's difference from
 ours, e.g. --variants FLASHDELTA_CHUNK_STATE_SEGMENTS=1,FLASHDELTA_CHUNK_STATE_SEGMENTS=2
-(the state kernel's split, src/cuda/chunk_state.cu).
+(the state kernel's split, src/cuda/chunk_state.cuh).
 
 Kernels: each implementation's time per call kernel by kernel (torch.profiler over
 --kernel-calls calls after the timing; 0 skips it), summed per kernel name, e.g. ours'

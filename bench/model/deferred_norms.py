@@ -1,5 +1,5 @@
 """Checks the deferred L2 norms of the CUDA chunk forward (src/cuda/chunk_prepare.cu and
-chunk_state.cu, the record in cuda/chunk_params.h) in numpy float64.
+chunk_state.cuh, the record in cuda/chunk_params.h) in numpy float64.
 
 The prepare kernel works on q and k as given and leaves their inverse lengths
 n = 1 / sqrt(sum x^2 + 1e-6) to the places where a scale is exact:

@@ -1,4 +1,4 @@
-"""Checks the algebra of the split scans (cuda/backward_scans_mma.cu and cuda/chunk_state.cu,
+"""Checks the algebra of the split scans (cuda/backward_scans_mma.cu and cuda/chunk_state.cuh,
 DESIGN.md section 3) in numpy float64, with the kernels' per-chunk formulas on random
 operands:
   states,  chunks in order:   v_new = u - w S            S <- diag(decay) S + kg^T v_new

@@ -1,5 +1,5 @@
 // The two sequential scans of the CUDA backward (stages `states` and `dstates`,
-// cuda/backward_params.h) in the forward state kernel's form (cuda/chunk_state.cu), for
+// cuda/backward_params.h) in the forward state kernel's form (cuda/chunk_state.cuh), for
 // K <= 128: one block per (sequence, value head, 64 or 128 value columns), each pair of warps
 // carrying 16 columns of the state or its gradient, transposed, in float32 tensor-core
 // accumulators through the chunks: one warp the first KP / 2 keys, its partner the rest.

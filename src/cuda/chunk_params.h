@@ -112,5 +112,11 @@ void launch_chunk_state(const ChunkParams& c, void* stream);
 // there). Throws Error(unsupported) where the GPU has less (99 KB per block); called before
 // anything is launched.
 bool chunk_state_one_stage_only(const ChunkParams& c);
+// The two above at key width KP = 64, 128 or 256 (ChunkParams::KP), one width's kernels per
+// file (cuda/chunk_state_k64.cu, _k128.cu, _k256.cu; cuda/chunk_state.cpp dispatches).
+template <int KP>
+void launch_chunk_state_width(const ChunkParams& c, void* stream);
+template <int KP>
+bool chunk_state_one_stage_only_width(const ChunkParams& c);
 
 }  // namespace flashdelta::detail::cuda

@@ -32,11 +32,12 @@
 // x_out = P x_in + e for every state column (ws.segment_maps); the second runs every segment,
 // first carrying the state across the segments before it (S^T <- S^T P^T + e^T, a float32
 // product on tf32 tensor cores, where the chunks' bfloat16 would round the whole state).
+#pragma once
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/chunk_params.h"
@@ -775,31 +776,19 @@ bool one_stage_only(const ChunkParams& c) {
                   "GPU offers " + std::to_string(available) + " (Hopper: 232448)");
 }
 
-// f(KP, kSplit) as std::integral_constant / std::bool_constant arguments for c's key width
-// and A_qk form: the one dispatch of the entry points below.
-template <class F>
-auto with_state_form(const ChunkParams& c, F&& f) {
-  const auto for_k = [&](auto split) {
-    if (c.KP == 64) return f(std::integral_constant<int, 64>{}, split);
-    if (c.KP == 128) return f(std::integral_constant<int, 128>{}, split);
-    return f(std::integral_constant<int, 256>{}, split);
-  };
-  return c.split_aqk ? for_k(std::true_type{}) : for_k(std::false_type{});
+// The state kernel's two entry points at key width KP, either A_qk form: each width's
+// instantiations compile in a file of their own (cuda/chunk_state_k64.cu, _k128.cu,
+// _k256.cu), in parallel; cuda/chunk_state.cpp picks the width.
+template <int KP>
+void launch_state_width(const ChunkParams& c, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  c.split_aqk ? launch_state<KP, true>(c, s) : launch_state<KP, false>(c, s);
+}
+
+template <int KP>
+bool one_stage_only_width(const ChunkParams& c) {
+  return c.split_aqk ? one_stage_only<KP, true>(c) : one_stage_only<KP, false>(c);
 }
 
 }  // namespace
-
-bool chunk_state_one_stage_only(const ChunkParams& c) {
-  return with_state_form(c, [&](auto kp, auto split) {
-    return one_stage_only<decltype(kp)::value, decltype(split)::value>(c);
-  });
-}
-
-void launch_chunk_state(const ChunkParams& c, void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  with_state_form(c, [&](auto kp, auto split) {
-    launch_state<decltype(kp)::value, decltype(split)::value>(c, s);
-  });
-}
-
 }  // namespace flashdelta::detail::cuda

@@ -1,0 +1,17 @@
+// The chunk state kernel's instantiations at key width KP = 128 (cuda/chunk_state.cuh): one
+// width per file, so that the widths compile in parallel.
+#include "cuda/chunk_state.cuh"
+
+namespace flashdelta::detail::cuda {
+
+template <>
+void launch_chunk_state_width<128>(const ChunkParams& c, void* stream) {
+  launch_state_width<128>(c, stream);
+}
+
+template <>
+bool chunk_state_one_stage_only_width<128>(const ChunkParams& c) {
+  return one_stage_only_width<128>(c);
+}
+
+}  // namespace flashdelta::detail::cuda
