@@ -385,25 +385,15 @@ def _decode_output(q, v, schedule):
     return torch.empty_like(v, dtype=torch.float64 if wide else q.dtype, memory_format=_DENSE)
 
 
-def decode_impl(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, state_indices,
-                num_accepted_tokens, mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
-                gate_in_kernel, lower_bound, state_v_first, schedule):
-    """The body of flashdelta::decode."""
-    o = _decode_output(q, v, schedule)
-    options = _options(mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
-                       gate_in_kernel, lower_bound, state_v_first, 64)
-    _run(_C.decode, q, (q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, state_indices,
-                        num_accepted_tokens, o, options, schedule))
-    return o
-
-
 def decode_direct(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, state_indices,
                   num_accepted_tokens, mechanism, scale, qk_l2norm, beta_sigmoid,
-                  allow_neg_eigval, gate_in_kernel, lower_bound, state_v_first, schedule):
-    """decode_impl called directly (see `direct`), then state_pool's version counter bumped,
-    as the op's registration of the in-place update does. decode_impl's helpers are inlined
-    (_decode_output; _options' cache hit; _run when q's device is current): ~0.5 us a call
-    less host time (bench/serving_host_overhead.py)."""
+                  allow_neg_eigval, gate_in_kernel, lower_bound, state_v_first, schedule,
+                  bump_version=True):
+    """The body of flashdelta::decode, also called directly (see `direct`): then it bumps
+    state_pool's version counter, as the op's registration of the in-place update does
+    (bump_version=False in the op). Its helpers are inlined (_decode_output; _options' cache
+    hit; _run when q's device is current): ~0.5 us a call less host time
+    (bench/serving_host_overhead.py), where a wrapper frame would cost about as much."""
     o = torch.empty_like(v, dtype=torch.float64 if schedule == "reference" else q.dtype,
                          memory_format=_DENSE)
     options = _OPTIONS.get((mechanism, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
@@ -417,12 +407,14 @@ def decode_direct(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, stat
         if _raw_stream is None or _cuda_get_device() != index:
             _run(_C.decode, q, (q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool,
                                 state_indices, num_accepted_tokens, o, options, schedule))
-            _increment_version((state_pool,))
+            if bump_version:
+                _increment_version((state_pool,))
             return o
         stream = _raw_stream(index)
     _C.decode(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, state_indices,
               num_accepted_tokens, o, options, schedule, stream)
-    _increment_version((state_pool,))
+    if bump_version:
+        _increment_version((state_pool,))
     return o
 
 
@@ -467,9 +459,10 @@ def decode(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[
            mechanism: str, scale: float, qk_l2norm: bool, beta_sigmoid: bool,
            allow_neg_eigval: bool, gate_in_kernel: bool, lower_bound: Optional[float],
            state_v_first: bool, schedule: str) -> Tensor:
-    return decode_impl(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool, state_indices,
-                       num_accepted_tokens, mechanism, scale, qk_l2norm, beta_sigmoid,
-                       allow_neg_eigval, gate_in_kernel, lower_bound, state_v_first, schedule)
+    return decode_direct(q, k, v, g, beta, cu_seqlens, A_log, dt_bias, state_pool,
+                         state_indices, num_accepted_tokens, mechanism, scale, qk_l2norm,
+                         beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound,
+                         state_v_first, schedule, bump_version=False)
 
 
 @decode.register_fake
