@@ -107,7 +107,12 @@ def chunked(x, precision):
                 ref = G[min(i0 + BLOCK // 2, C - 1)]
                 right = k[:upto] * np.exp(ref - G[:upto])
                 Akk[blk, :upto] = rnd("Akk_op", k[blk] * np.exp(G[blk] - ref)) @ rnd("Akk_op", right).T
-                Aqk[blk, :upto] = rnd("Aqk_op", q[blk] * np.exp(G[blk] - ref)) @ rnd("Aqk_op", right).T
+                # A_qk's row and column operands; "Aqk_row", "Aqk_col_off" (columns of the
+                # blocks before) and "Aqk_col_diag" (the diagonal block's) override "Aqk_op".
+                part = lambda name, v: precision[name](v) if name in precision else rnd("Aqk_op", v)
+                xr = part("Aqk_row", q[blk] * np.exp(G[blk] - ref))
+                Aqk[blk, :i0] = xr @ part("Aqk_col_off", right[:i0]).T
+                Aqk[blk, i0:upto] = xr @ part("Aqk_col_diag", right[i0:upto]).T
             Akk, Aqk = np.tril(Akk, -1) * b[:, None], np.tril(Aqk)
             Tinv = (blocked_inverse(Akk, precision["T_prod"]) if "T_prod" in precision
                     else np.linalg.inv(np.eye(C) + Akk))
@@ -128,8 +133,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--T", type=int, default=1024)
     p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--gate-scale", type=float, default=1.0,
+                   help="multiply the log gates (e.g. 0.05: weak gates, A_qk far from diagonal)")
     a = p.parse_args()
     x = inputs(a.T, a.heads, 128, 128)
+    x["g"] = x["g"] * a.gate_scale
     ref = recurrent(x)
 
     def err(precision):
@@ -146,7 +154,8 @@ def main():
                 p[name] = f
         return p
 
-    print(f"KDA bench inputs, T={a.T}, {a.heads} heads, K=V=128: relative error of o vs fp64")
+    print(f"KDA bench inputs, T={a.T}, {a.heads} heads, K=V=128, gates x{a.gate_scale}: "
+          "relative error of o vs fp64")
     print(f"  {'chunk form, nothing rounded':40s} {err({}):.2e}")
     print(f"  {'every bfloat16 rounding of the kernel':40s} {err(kernel):.2e}")
     for name in ROUNDINGS:
@@ -158,6 +167,14 @@ def main():
     print(f"  {'beta folded into T: u = (T diag beta) v':44s} {err(but(**fold)):.2e}")
     print(f"  {'both (tf32 A_qk operands, beta folded)':44s} {err(but(Aqk_op=tf32, **fold)):.2e}")
     print(f"  {'both, and A_qk stored in fp32':44s} {err(but(Aqk_op=tf32, Aqk=None, **fold)):.2e}")
+    pair = dict(Aqk_op=split_bf16, Aqk=split_bf16)
+    print(f"  {'A_qk and its operands as bf16 pairs (split)':44s} {err(but(**pair)):.2e}")
+    print(f"  {'  column low parts on diagonal blocks only':44s} "
+          f"{err(but(**pair, Aqk_col_off=bf16)):.2e}")
+    print(f"  {'  row low parts only':44s} {err(but(**pair, Aqk_col_off=bf16, Aqk_col_diag=bf16)):.2e}")
+    print(f"  {'  diagonal column low parts only':44s} {err(but(**pair, Aqk_row=bf16, Aqk_col_off=bf16)):.2e}")
+    print(f"  {'  diagonal form, A_qk stored single':44s} "
+          f"{err(but(Aqk_op=split_bf16, Aqk_col_off=bf16)):.2e}")
     print(f"  {'T by column blocks, one tf32 product a step':44s} {err(but(T_prod=tf32)):.2e}")
     print(f"  {'T by column blocks, one bf16 product a step':44s} {err(but(T_prod=bf16)):.2e}")
     print(f"  {'only T_op, T in one tf32 product a step':44s} "

@@ -1,4 +1,4 @@
-"""Checks the deferred L2 norms of the CUDA chunk forward (src/cuda/chunk_prepare.cu and
+"""Checks the deferred L2 norms of the CUDA chunk forward (src/cuda/chunk_prepare.cuh and
 chunk_state.cuh, the record in cuda/chunk_params.h) in numpy float64.
 
 The prepare kernel works on q and k as given and leaves their inverse lengths

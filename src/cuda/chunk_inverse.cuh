@@ -1,5 +1,5 @@
 // T = (I + A)^-1 for the strictly lower kChunk x kChunk matrix A of a chunk (float32, shared
-// memory), used by the forward (cuda/chunk_prepare.cu) and by the backward's recomputation
+// memory), used by the forward (cuda/chunk_prepare.cuh) and by the backward's recomputation
 // (cuda/backward_chunk.cu): the diagonal 16 x 16 blocks by forward substitution (a warp each,
 // a lane per column), then T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ. The sequential part is
 // 16 steps; a row-by-row substitution over the chunk takes 64 (in the backward's records it

@@ -83,8 +83,10 @@ struct ChunkParams {
   DType chunk_states_dtype = DType::f32;
   int64_t chunk_states_count = 0;
   // A_qk to ~16 bits instead of bfloat16's 8 (bench/NOTES.md (f), (as)): the prepare kernel's
-  // slices take its operands as bfloat16 pairs hi + lo (three products: hi hi, hi lo, lo hi;
-  // the key tiles' operands are exact already) and store it as such a pair (aqk_lo below), and
+  // slices take its operands as bfloat16 pairs hi + lo (hi hi, lo hi and hi lo; with a vector
+  // gate hi lo over the diagonal blocks only, whose column factors' low parts a 5 KB table
+  // keeps; the key tiles' operands are exact already) and store it as such a pair (aqk_lo
+  // below), and
   // the state kernel takes A_qk v_new as two products. A template parameter of both kernels:
   // those without it are unchanged by it. Opt-in until measured (FLASHDELTA_CHUNK_AQK=split).
   bool split_aqk = false;
@@ -112,8 +114,11 @@ void launch_chunk_state(const ChunkParams& c, void* stream);
 // there). Throws Error(unsupported) where the GPU has less (99 KB per block); called before
 // anything is launched.
 bool chunk_state_one_stage_only(const ChunkParams& c);
-// The two above at key width KP = 64, 128 or 256 (ChunkParams::KP), one width's kernels per
-// file (cuda/chunk_state_k64.cu, _k128.cu, _k256.cu; cuda/chunk_state.cpp dispatches).
+// The three above at key width KP = 64, 128 or 256 (ChunkParams::KP), one width's kernels
+// per file (cuda/chunk_prepare_k64.cu, _k128.cu, _k256.cu and cuda/chunk_state_k64.cu, ...;
+// cuda/chunk_prepare.cpp and cuda/chunk_state.cpp dispatch).
+template <int KP>
+void launch_chunk_prepare_width(const ChunkParams& c, void* stream);
 template <int KP>
 void launch_chunk_state_width(const ChunkParams& c, void* stream);
 template <int KP>

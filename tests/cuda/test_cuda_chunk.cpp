@@ -720,10 +720,11 @@ TEST(CudaChunk, InverseOrdersAgree) {
 
 // A_qk as a bfloat16 pair hi + lo (FLASHDELTA_CHUNK_AQK=split) against single bfloat16 (the
 // default until the pair is measured): its operands' and its own rounding are the output's
-// largest errors with a vector gate. In the rounding model (bench/NOTES.md (f), (as)) the pair
-// takes KDA's output error from 3.8e-3 to 2.5e-3 (0.66), and the partial forms a bug would
-// leave stay above 0.78 of it (the state kernel's low product or the column operands' low
-// parts missing), so the first case asks 0.75 with float32 output (its own rounding would
+// largest errors with a vector gate. In the rounding model (bench/NOTES.md (f), (as), (bf)) the
+// pair, with the column operands' low parts on the diagonal blocks only, takes KDA's output
+// error from 3.8e-3 to 2.54e-3 (0.665), and the partial forms a bug would leave stay above
+// 0.78 of it (the state kernel's low product, the row or the column operands' low parts
+// missing), so the first case asks 0.75 with float32 output (its own rounding would
 // hide the difference), on both state products (wgmma, mma.sync). A misread low part would
 // move the output away instead. Strong gates (most channels too steep to factorise over a
 // block: the low parts' zeros on their diagonal blocks, where a factor is up to 2^120),

@@ -29,6 +29,11 @@
 // scale beta 2^Gamma moved onto T's columns with n_k (the key tiles).
 // Shared arrays read or written 16 bytes at a time are declared alignas(16), so that a new
 // member or padding cannot misalign them silently.
+// Each key width's kernels are instantiated in a file of their own (cuda/chunk_prepare_k64.cu,
+// _k128.cu, _k256.cu: launch_prepare_width), so that they compile in parallel;
+// cuda/chunk_prepare.cpp picks the width.
+#pragma once
+
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -76,6 +81,10 @@ struct PrepareShared {
     alignas(16) bf16 xk[4][kSubChunk][kSliceLd];  // vector gate only (else kbar's rows)
     // Column factors per row block (kbar_base); without a vector gate rows 0 .. 63 hold k.
     alignas(16) bf16 kbar[kKbarRows][kSliceLd];
+    // split_aqk: the low parts x - bfloat16(x) of the column factors, row block I's on its
+    // diagonal block (tokens 16 I .. 16 I + 15): with a vector gate the only ones the pair
+    // corrects; without, kbar's 64 rows of k (accumulate_products).
+    alignas(16) bf16 kbar_lo[4][kSubChunk][kSliceLd];
     alignas(16) float ref[4][kSlice];  // vector gate: reference point of each row block and channel
     bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
@@ -105,7 +114,6 @@ struct PrepareShared {
     QTile qt;
     Slice s;
   } u;
-  float fix_qk[4][kSubChunk][kSubChunk], fix_kk[4][kSubChunk][kSubChunk];  // vector gate
   alignas(16) float bias[KP];  // vector gate in the kernel: dt_bias per key (zeros past K)
 
   // T's bfloat16 copies. With the slices tb takes A_kk's place and tu has its own rows, both
@@ -137,13 +145,15 @@ static_assert(2 * sizeof(bf16) * kChunk * 64 <= sizeof(float) * kChunk * (kChunk
               "T in bfloat16 and beta v fit in the places of A_kk and T in float32");
 // Three blocks per SM at KP <= 128 (the kernel is latency-bound: more warps hide more); the
 // cap of 168 registers spills a few loop-invariant values with the vector gate (ptxas at
-// KP = 128: 20 bytes). Shared memory allows 3 at KP <= 128 only, and with the key tiles 4
-// (55 KB a block at KP = 128; their 128 registers spill nothing).
+// KP = 128: 20 bytes). Shared memory allows 3 at KP <= 128 only (71 KB a block at KP = 128),
+// and with the key tiles 4 (55 KB; their 128 registers spill nothing).
 constexpr int kMinBlocks(int KP, bool key_tiles) {
   return KP > 128 ? 2 : key_tiles ? 4 : 3;
 }
-static_assert(4 * (prepare_shared_bytes<128>(true) + 1024) <= 228 * 1024,
-              "four key-tile blocks fit an SM's shared memory (1 KB reserved per block)");
+static_assert(4 * (prepare_shared_bytes<128>(true) + 1024) <= 228 * 1024 &&
+                  3 * (prepare_shared_bytes<128>(false) + 1024) <= 228 * 1024,
+              "four key-tile blocks or three slice blocks fit an SM's shared memory (1 KB "
+              "reserved per block)");
 
 __device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
@@ -348,16 +358,27 @@ __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>&
 // acc_q += xq kbar^T and acc_k += xk kbar^T over key channels [0, Width) for warp I's row
 // block I: column tiles 0 .. 2I+1 (tile pairs np <= I). xq and xk point at the warp's 16
 // rows, kbar at token 0's; rows are ld elements apart.
-template <int Width>
+// kSplit (split_aqk): A_qk's operands as bfloat16 pairs hi + lo, acc_q += xq_lo kbar^T +
+// xq kbar_lo^T (lo lo is below float32's sum). row_low(k0, aq, aq_lo) gives the A fragment's
+// low parts at k0. kbar_lo holds the column low parts of every token (kLowDiagonal false:
+// rows as kbar's, every tile pair) or of the diagonal block only (true: its 16 rows, tile pair
+// np == I). The vector gate takes the latter: its column factors differ per row block (160
+// rows, 12.5 KB of low parts), and the entries of A_qk left of the diagonal block, smaller
+// than those on it, add little error: in the rounding model (bench/model/chunk_rounding.py)
+// the pair gives 2.54e-3 with the diagonal blocks' column low parts against 2.51e-3 with all
+// (single bfloat16: 3.82e-3; weak gates 3.14e-3 against 3.04e-3).
+template <int Width, bool kSplit = false, bool kLowDiagonal = false, class RowLow = int>
 __device__ __forceinline__ void accumulate_products(const bf16* xq, const bf16* xk,
                                                     const bf16* kbar, int ld, Acc (&acc_q)[8],
-                                                    Acc (&acc_k)[8]) {
+                                                    Acc (&acc_k)[8], const bf16* kbar_lo = nullptr,
+                                                    const RowLow& row_low = {}) {
   const int I = threadIdx.x / 32;
 #pragma unroll
   for (int k0 = 0; k0 < Width; k0 += 16) {
-    uint32_t aq[4], ak[4];
+    uint32_t aq[4], ak[4], aq_lo[4];
     load_a(aq, xq, ld, 0, k0);
     load_a(ak, xk, ld, 0, k0);
+    if constexpr (kSplit) row_low(k0, aq, aq_lo);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       if (np > I) break;
@@ -367,58 +388,16 @@ __device__ __forceinline__ void accumulate_products(const bf16* xq, const bf16* 
       mma_bf16(acc_q[2 * np + 1], aq, b[2], b[3]);
       mma_bf16(acc_k[2 * np], ak, b[0], b[1]);
       mma_bf16(acc_k[2 * np + 1], ak, b[2], b[3]);
-    }
-  }
-}
-
-// split_aqk: acc_q += xq_lo kbar^T + xq kbar_lo^T over the slice for warp I's row block, the
-// products of A_qk's operands as bfloat16 pairs hi + lo that single bfloat16 leaves out
-// (lo lo is below float32's sum). hi is the tables' value, as ldmatrix loads it; x, its
-// exact value, is the factor recomputed in float32 from the slice (accumulate_slice's:
-// q 2^(Gamma_i - r_I) and k_j 2^(r_I - Gamma_j), zero on an inexact channel's diagonal block,
-// whose terms the exact sums add; q and k without a vector gate); lo = x - hi, rounded.
-template <GateForm G, int KP>
-__device__ void accumulate_low_products(const PrepareShared<KP>& sh, const bf16* kbar,
-                                        Acc (&acc_q)[8]) {
-  const auto& s = sh.u.s;
-  const int I = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c2 = 2 * (lane % 4);
-  const int r0 = kSubChunk * I;
-  // Fragment register r of A (16 x 16 at k0) holds rows g + 8 (r % 2), columns + 8 (r / 2);
-  // of a B pair, tokens n0 + g + 8 (r / 2), channels + 8 (r % 2) (cuda/mma.cuh).
-  auto row_factor = [&](int t, int ch) {
-    float x = s.q[t][ch];
-    if constexpr (G == GateForm::vector) x *= exp2_approx(s.gamma[t][ch] - s.ref[I][ch]);
-    return x;
-  };
-  auto column_factor = [&](int j, int ch) {
-    float x = s.k[j][ch];
-    if constexpr (G == GateForm::vector)
-      x = j >= r0 && !s.exact[I][ch] ? 0.f : x * exp2_approx(s.ref[I][ch] - s.gamma[j][ch]);
-    return x;
-  };
-#pragma unroll
-  for (int k0 = 0; k0 < kSlice; k0 += 16) {
-    uint32_t aq[4], aq_lo[4];
-    load_a(aq, &s.xq[I][0][0], kSliceLd, 0, k0);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int t = r0 + g + 8 * (r % 2), ch = k0 + c2 + 8 * (r / 2);
-      aq_lo[r] = low_pair(aq[r], row_factor(t, ch), row_factor(t, ch + 1));
-    }
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      if (np > I) break;
-      uint32_t b[4], b_lo[4];
-      load_b_pair_nk(b, kbar, kSliceLd, 16 * np, k0);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int j = 16 * np + g + 8 * (r / 2), ch = k0 + c2 + 8 * (r % 2);
-        b_lo[r] = low_pair(b[r], column_factor(j, ch), column_factor(j, ch + 1));
+      if constexpr (kSplit) {
+        mma_bf16(acc_q[2 * np], aq_lo, b[0], b[1]);
+        mma_bf16(acc_q[2 * np + 1], aq_lo, b[2], b[3]);
+        if (!kLowDiagonal || np == I) {
+          uint32_t b_lo[4];
+          load_b_pair_nk(b_lo, kbar_lo, ld, kLowDiagonal ? 0 : 16 * np, k0);
+          mma_bf16(acc_q[2 * np], aq, b_lo[0], b_lo[1]);
+          mma_bf16(acc_q[2 * np + 1], aq, b_lo[2], b_lo[3]);
+        }
       }
-      mma_bf16(acc_q[2 * np], aq_lo, b[0], b[1]);
-      mma_bf16(acc_q[2 * np], aq, b_lo[0], b_lo[1]);
-      mma_bf16(acc_q[2 * np + 1], aq_lo, b[2], b[3]);
-      mma_bf16(acc_q[2 * np + 1], aq, b_lo[2], b_lo[3]);
     }
   }
 }
@@ -436,6 +415,11 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
   const int cp = 2 * (lane % 16), h = lane / 16;
   auto pair = [&](const float (&row)[kSlice]) { return *reinterpret_cast<const float2*>(&row[cp]); };
   auto store = [&](bf16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = pack_bf16(lo, hi); };
+  // split_aqk: the low parts of a diagonal-block column factor pair of token j (block B;
+  // without a vector gate the row is j: every token's factor is k_j).
+  auto store_low = [&](int B, int j, float x0, float x1) {
+    if constexpr (kSplit) store(&s.kbar_lo[B][j - kSubChunk * B][cp], low_part(x0), low_part(x1));
+  };
   {
     const float2 r = G == GateForm::vector ? pair(s.ref[I]) : make_float2(0.f, 0.f);
 #pragma unroll
@@ -476,8 +460,10 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
     const float2 kj = pair(s.k[j]);
     if constexpr (G == GateForm::vector) {
       const float2 gj = pair(s.gamma[j]), rb = pair(s.ref[B]);
-      store(&s.kbar[kbar_base(B) + j][cp], s.exact[B][cp] ? kj.x * exp2_approx(rb.x - gj.x) : 0.f,
-            s.exact[B][cp + 1] ? kj.y * exp2_approx(rb.y - gj.y) : 0.f);
+      const float d0 = s.exact[B][cp] ? kj.x * exp2_approx(rb.x - gj.x) : 0.f;
+      const float d1 = s.exact[B][cp + 1] ? kj.y * exp2_approx(rb.y - gj.y) : 0.f;
+      store(&s.kbar[kbar_base(B) + j][cp], d0, d1);
+      store_low(B, j, d0, d1);
       if (B + 1 < kBlocks) {
         const float2 rn = pair(s.ref[B + 1]);
         float x0 = kj.x * exp2_approx(rn.x - gj.x), x1 = kj.y * exp2_approx(rn.y - gj.y);
@@ -491,6 +477,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
       }
     } else {
       store(&s.kbar[j][cp], kj.x, kj.y);
+      store_low(B, j, kj.x, kj.y);
     }
   }
   __syncthreads();
@@ -498,22 +485,55 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
   // factors too: one table of the chunk's 64 rows of k serves them all.
   const bf16* kbar = G == GateForm::vector ? &s.kbar[kbar_base(I)][0] : &s.kbar[0][0];
   const bf16* xk = G == GateForm::vector ? &s.xk[I][0][0] : &s.kbar[r0][0];
-  accumulate_products<kSlice>(&s.xq[I][0][0], xk, kbar, kSliceLd, acc_q, acc_k);
-  if constexpr (kSplit) accumulate_low_products<G>(sh, kbar, acc_q);
+  // split_aqk: the low parts of warp I's row factors, recomputed in float32 where the A
+  // fragment's registers hold them (register r: rows g + 8 (r % 2), channels + 8 (r / 2);
+  // cuda/mma.cuh) as the fill above computed them.
+  auto row_low = [&](int k0, const uint32_t (&aq)[4], uint32_t (&aq_lo)[4]) {
+    const int g = lane / 4, c2 = 2 * (lane % 4);
+    auto row_factor = [&](int t, int ch) {
+      float x = s.q[t][ch];
+      if constexpr (G == GateForm::vector) x *= exp2_approx(s.gamma[t][ch] - s.ref[I][ch]);
+      return x;
+    };
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = r0 + g + 8 * (r % 2), ch = k0 + c2 + 8 * (r / 2);
+      aq_lo[r] = low_pair(aq[r], row_factor(t, ch), row_factor(t, ch + 1));
+    }
+  };
+  constexpr bool kVector = G == GateForm::vector;
+  accumulate_products<kSlice, kSplit, kVector>(&s.xq[I][0][0], xk, kbar, kSliceLd, acc_q, acc_k,
+                                               &s.kbar_lo[kVector ? I : 0][0][0], row_low);
   if constexpr (G == GateForm::vector) {
+    // The channels that do not factorise over this row block add their diagonal-block terms
+    // exactly, each lane to the accumulator entries it holds (tiles 2I and 2I + 1; finish_a
+    // drops those above the diagonal).
     const unsigned inexact = __ballot_sync(0xffffffffu, !exact);
-    for (int e = lane; inexact && e < kSubChunk * kSubChunk; e += 32) {
-      const int i = e / kSubChunk, j = e % kSubChunk;
-      if (j > i) continue;
-      float fq = 0.f, fk = 0.f;
-      for (unsigned m = inexact; m; m &= m - 1) {
-        const int cc = __ffs(m) - 1;
-        const float kj = s.k[r0 + j][cc] * exp2_approx(s.gamma[r0 + i][cc] - s.gamma[r0 + j][cc]);
-        fq += s.q[r0 + i][cc] * kj;
-        fk += s.k[r0 + i][cc] * kj;
+    if (inexact) {
+      float fq[2][4] = {}, fk[2][4] = {};
+#pragma unroll
+      for (int x = 0; x < 2; ++x)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = acc_row(e), j = 8 * x + acc_col(e);
+          if (j > i) continue;
+          for (unsigned m = inexact; m; m &= m - 1) {
+            const int cc = __ffs(m) - 1;
+            const float kj =
+                s.k[r0 + j][cc] * exp2_approx(s.gamma[r0 + i][cc] - s.gamma[r0 + j][cc]);
+            fq[x][e] += s.q[r0 + i][cc] * kj;
+            fk[x][e] += s.k[r0 + i][cc] * kj;
+          }
+        }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        if (nt / 2 != I) continue;  // static indices: acc_q stays in registers
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc_q[nt].d[e] += fq[nt % 2][e];
+          acc_k[nt].d[e] += fk[nt % 2][e];
+        }
       }
-      sh.fix_qk[I][i][j] += fq;
-      sh.fix_kk[I][i][j] += fk;
     }
   }
 }
@@ -622,10 +642,6 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
         const int j = 8 * nt + acc_col(e + x);
         if (nt / 2 > I || j > t) continue;
         float fq = acc_q[nt].d[e + x], fk = acc_k[nt].d[e + x];
-        if (G == GateForm::vector && j >= r0) {
-          fq += sh.fix_qk[I][i][j - r0];
-          fk += sh.fix_kk[I][i][j - r0];
-        }
         if (G == GateForm::scalar) {
           const float f = exp2_approx(sh.gs[t] - sh.gs[j]);
           fq *= f;
@@ -826,11 +842,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
   prefetch_token_rows(p.v, token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1], ref.len,
                       static_cast<int>(p.V));
   const int tid = threadIdx.x;
-  if (G == GateForm::vector)
-    for (int e = tid; e < 4 * kSubChunk * kSubChunk; e += kThreads) {
-      (&sh.fix_qk[0][0][0])[e] = 0.f;
-      (&sh.fix_kk[0][0][0])[e] = 0.f;
-    }
   load_token_scalars<G>(p, sh, ref, hv, a_gate);
 
   Acc acc_q[8], acc_k[8];
@@ -893,22 +904,16 @@ void launch_prepare(const ChunkParams& c, cudaStream_t stream) {
   kernel<<<static_cast<unsigned>(c.max_chunks * c.p.HV), kThreads, smem, stream>>>(c);
 }
 
-template <GateForm G>
-void launch_prepare_for_k(const ChunkParams& c, cudaStream_t stream) {
-  if (c.KP == 64) return launch_prepare<G, 64>(c, stream);
-  if (c.KP == 128) return launch_prepare<G, 128>(c, stream);
-  return launch_prepare<G, 256>(c, stream);
-}
-
-}  // namespace
-
-void launch_chunk_prepare(const ChunkParams& c, void* stream) {
+// The prepare kernel's launch at key width KP, every gate form.
+template <int KP>
+void launch_prepare_width(const ChunkParams& c, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   switch (c.p.gate) {
-    case GateForm::none: return launch_prepare_for_k<GateForm::none>(c, s);
-    case GateForm::scalar: return launch_prepare_for_k<GateForm::scalar>(c, s);
-    case GateForm::vector: return launch_prepare_for_k<GateForm::vector>(c, s);
+    case GateForm::none: return launch_prepare<GateForm::none, KP>(c, s);
+    case GateForm::scalar: return launch_prepare<GateForm::scalar, KP>(c, s);
+    case GateForm::vector: return launch_prepare<GateForm::vector, KP>(c, s);
   }
 }
 
+}  // namespace
 }  // namespace flashdelta::detail::cuda
