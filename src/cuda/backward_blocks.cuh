@@ -55,23 +55,38 @@ struct DiagonalTables {
   static_assert(kW <= 32, "a block's failing channels are the bits of one word");
   float rows[2][kC][kLd];
   float cols[kDiagonalColumnRows][kLd];
+  // steps[I][cc] = e^(rho_I - rho_(I-1)) <= 1 for the blocks I >= 1 that start before len
+  // (0 past it): a column entry of block I + 1 is block I's times this, one multiplication
+  // instead of an exponential (block_step).
+  float steps[kBlocks][kW];
 };
 
+// The step of channel cc into block I >= 1 of the staged Gamma (DiagonalTables::steps).
+template <class Slice>
+__device__ __forceinline__ float block_step(const Slice& s, int len, int I, int cc) {
+  return kBlock * I < len ? __expf(s.g[kBlock * I][cc] - s.g[kBlock * (I - 1)][cc]) : 0.f;
+}
+
 // fails[I] |= bit cc for every block and channel of the slice that fails (rows < len); fails
-// must be zero before (and a barrier passed after).
-template <int kW, class Slice>
-__device__ void mark_failing_blocks(const Slice& s, int len, unsigned (&fails)[kBlocks]) {
+// must be zero before (and a barrier passed after). Also the tables' steps.
+template <int kW, int kLd, class Slice>
+__device__ void mark_failing_blocks(const Slice& s, int len, unsigned (&fails)[kBlocks],
+                                    DiagonalTables<kW, kLd>& t) {
   for (int idx = threadIdx.x; idx < kBlocks * kW; idx += blockDim.x) {
     const int I = idx / kW, cc = idx % kW, r0 = kBlock * I, end = min(r0 + kBlock, len);
     bool ok = true;
     for (int r = r0; r < end; ++r) ok &= diagonal_factor_ok(s.g[r][cc], s.g[r0][cc]);
     if (!ok) atomicOr(&fails[I], 1u << cc);
+    if (I > 0) t.steps[I][cc] = block_step(s, len, I, cc);
   }
 }
 
-// Fills the tables; fails must be marked (and a barrier passed) before. One (row r, channel)
-// per thread writes all of the row's entries: its row-table pair and its column entries in
-// block r / 16 (the diagonal one) and every later block, with q, k and Gamma read once.
+// Fills the tables; fails and steps must be written (and a barrier passed) before. One (row
+// r, channel) per thread writes all of the row's entries: its row-table pair and its column
+// entries in block r / 16 (the diagonal one) and every later block, with q, k and Gamma read
+// once. The later blocks' entries are one exponential for the next block and then its
+// product with the steps: each step is at most 1, so an entry that underflows to 0 belongs to
+// a term that does too (at most two roundings more, below tf32's).
 template <int kW, int kLd, class Slice>
 __device__ void fill_diagonal_tables(const Slice& s, int len, const unsigned (&fails)[kBlocks],
                                      DiagonalTables<kW, kLd>& t) {
@@ -84,10 +99,13 @@ __device__ void fill_diagonal_tables(const Slice& s, int len, const unsigned (&f
     t.rows[1][r][cc] = k * f;
     const bool diagonal = row && !(fails[J] >> cc & 1u);
     t.cols[diagonal_column_base(J) + r][cc] = diagonal ? k * __expf(rho - g) : 0.f;
+    float col = 0.f;
 #pragma unroll
     for (int I = 1; I < kBlocks; ++I)
-      if (I > J)
-        t.cols[diagonal_column_base(I) + r][cc] = row ? k * __expf(s.g[kBlock * I][cc] - g) : 0.f;
+      if (I > J) {
+        col = I == J + 1 ? (row ? k * __expf(s.g[kBlock * I][cc] - g) : 0.f) : col * t.steps[I][cc];
+        t.cols[diagonal_column_base(I) + r][cc] = col;
+      }
   }
 }
 

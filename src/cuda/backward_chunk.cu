@@ -15,6 +15,8 @@
 // its column sums (scalar_gate_pairs; bench/model/chunk_backward.py, scalar_gate_pair_dG).
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 #include "cuda/backward_blocks.cuh"
 #include "cuda/backward_common.cuh"
 #include "cuda/chunk_inverse.cuh"
@@ -97,10 +99,11 @@ struct RecordsShared {
 
 // Gamma (the cumulative log gate) of one key slice, the gate factors of q and k, beta k e^Gamma
 // and the chunk's decay, written to the buffers; leaves q, k and Gamma of the slice staged,
-// and the channels that fail each block's diagonal bound in fails (any_fail accumulates them).
+// the channels that fail each block's diagonal bound in fails (any_fail accumulates them) and
+// the tables' steps between blocks (cuda/backward_blocks.cuh).
 __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64_t rec, int c0,
                               const float* beta, RecordSlice& s, unsigned (&fails)[kBlocks],
-                              unsigned& any_fail) {
+                              unsigned& any_fail, float (&steps)[kBlocks][kRecordSlice]) {
   constexpr int kSlice = kRecordSlice;
   const int64_t K = b.p.K;
   const int len = x.len;
@@ -142,6 +145,8 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
     }
     if (threadIdx.x == 0)
       for (int I = (len + kRun - 1) / kRun; I < kBlocks; ++I) fails[I] = 0u;
+#pragma unroll
+    for (int I = 1; I < kBlocks; ++I) steps[I][threadIdx.x] = block_step(s, len, I, threadIdx.x);
     if (c0 + static_cast<int>(threadIdx.x) < K) b.ws.decay[rec * K + c0 + threadIdx.x] = expf(G);
   }
   __syncthreads();
@@ -242,7 +247,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   if (threadIdx.x == 0) sh.any_fail = 0u;
   for (int c0 = 0; c0 < K; c0 += kRecordSlice) {
     __syncthreads();
-    slice_factors(b, x, rec, c0, sh.beta, sh.slice, sh.fails, sh.any_fail);
+    slice_factors(b, x, rec, c0, sh.beta, sh.slice, sh.fails, sh.any_fail, sh.tables.steps);
     __syncthreads();
     const RecordSlice& s = sh.slice;
     if constexpr (kScalar) {
@@ -383,6 +388,9 @@ struct PairScratch {
     float pkk[kC][kGradSlice + 1];  // scalar gate: the d A_kk row sums, apart from dw's share
   };
 };
+// mark_failing_blocks writes the tables' steps while the slice's dw is still read.
+static_assert(offsetof(GradTables, steps) >= sizeof(float[kC][kDwLd]),
+              "the tables' steps lie past dw");
 
 // grads' first C x C products in one staged pass: out_0 = a_0 b_0^T (d A_qk, summed over V)
 // and out_1 = a_1 b_1^T + a_2 b_2^T (dT: over V, then over K), for rows and columns < M,
@@ -656,7 +664,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   wait_async<0>();
   __syncthreads();
   const GradSlice& s = pr.slice;
-  if (!kScalar) mark_failing_blocks<kGradSlice>(s, len, pr.fails);
+  if (!kScalar) mark_failing_blocks(s, len, pr.fails, pr.tables);
   if (delta) {
     // p2 = beta e^Gamma (T^T dw) for the slice, a 16 x 8 tile per warp (rows 16 (w % 4) on,
     // columns 8 (w / 4) on); d beta's share, k e^Gamma (T^T dw), into the lane's slot.
