@@ -726,12 +726,16 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   } else {
     // Rows j of block J: sum over blocks I >= J of e^(rho_I - Gamma_j) times the sum over
     // r in I of dA_qk[r][j] q^_I[r] + dA_kk[r][j] k^_I[r]; the diagonal block's only where
-    // its channel passes (a failing one adds it pairwise below).
+    // its channel passes (a failing one adds it pairwise below). The later blocks' factor is
+    // e^(rho_(J+1) - Gamma_j) e^(rho_I - rho_(J+1)), both at most 1: the second is a product
+    // of the tables' steps, the same for every row of the lane (its two channels), and the
+    // first multiplies their sum once, so a row takes two exponentials, not one per block.
     const int n0 = warp % kColTiles * 8;
     for (int pass = 0; pass < 2; ++pass) {
       const int J = warp < 2 ? 3 * pass : 1 + pass;
       if (kBlock * J >= len) continue;
-      float total[4] = {0.f, 0.f, 0.f, 0.f};
+      float total[4] = {0.f, 0.f, 0.f, 0.f}, later[4] = {0.f, 0.f, 0.f, 0.f};
+      float scale[2] = {1.f, 1.f};  // e^(rho_I - rho_(J+1)) for channels n0 + acc_col(0), + 1
       for (int I = J; I < kBlocks && kBlock * I < len; ++I) {
         Acc acc;
         const int r0 = kBlock * I, j0 = kBlock * J;
@@ -746,13 +750,27 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
           tile_product_split(acc, 2, aq, bq);
           tile_product_split(acc, 2, ak, bk);
         }
+        if (I == J) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int j = j0 + acc_row(r), n = n0 + acc_col(r);
+            if (!(pr.fails[J] >> n & 1u)) total[r] += acc.d[r] * __expf(s.g[r0][n] - s.g[j][n]);
+          }
+          continue;
+        }
+        if (I > J + 1)
+#pragma unroll
+          for (int x = 0; x < 2; ++x) scale[x] *= t.steps[I][n0 + acc_col(x)];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) later[r] = fmaf(acc.d[r], scale[r % 2], later[r]);
+      }
+      const int next = kBlock * (J + 1);  // rho_(J+1)'s row
+      if (J + 1 < kBlocks && next < len)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const int j = j0 + acc_row(r), n = n0 + acc_col(r);
-          if (I > J || !(pr.fails[J] >> n & 1u))
-            total[r] += acc.d[r] * __expf(s.g[r0][n] - s.g[j][n]);
+          const int j = kBlock * J + acc_row(r), n = n0 + acc_col(r);
+          total[r] += later[r] * __expf(s.g[next][n] - s.g[j][n]);
         }
-      }
 #pragma unroll
       for (int r = 0; r < 4; ++r) pr.q12[kBlock * J + acc_row(r)][n0 + acc_col(r)] = total[r];
     }
