@@ -318,21 +318,46 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   };
   const KeysFactors& f = sh.factors;
   float kg_colsum[kKeyTiles8][2] = {};  // this lane's rows' A2 kg, per key 8 nt + 2c + e
+  // A lane's elements r = 2h and 2h + 1 are keys n and n + 1 of one row (n even): one 8-byte
+  // store per buffer where both are inside K and K is even (every row start 8-byte aligned;
+  // the buffers' bases are), half the store instructions of four 4-byte ones.
+  const bool pairs = K % 2 == 0;
 #pragma unroll
   for (int nt = 0; nt < kKeyTiles8; ++nt) {
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int m = m0 + acc_row(r), n = 8 * nt + acc_col(r), key = k0 + n;
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + acc_row(2 * h), n = 8 * nt + acc_col(2 * h), key = k0 + n;
       if (m >= len || n >= keys) continue;
-      const float gamma = f.gamma[m][n];
-      // Each product rounded before the difference (never contracted into an fma); the A2 kg
-      // subtracted is the one summed into d Gamma_end.
-      const float t = __fmul_rn(a2[nt].d[r], f.kg[m][n]);
-      x.k_row(ws.dq, m)[key] = a1[nt].d[r] * exp_of(gamma);
-      x.k_row(ws.dk, m)[key] = a2[nt].d[r] * exp_of(f.gamma[len - 1][n] - gamma);
-      x.k_row(ws.dg, m)[key] = __fmul_rn(a1[nt].d[r], f.qg[m][n]) - t;
-      if (b.p.delta) x.k_rec(ws.dw, m)[key] = -a3[nt].d[r];
-      kg_colsum[nt][r % 2] += t;
+      float dq[2], dk[2], dg[2], dw[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 2 * h + e;
+        const float gamma = f.gamma[m][n + e];
+        // Each product rounded before the difference (never contracted into an fma); the A2
+        // kg subtracted is the one summed into d Gamma_end.
+        const float t = __fmul_rn(a2[nt].d[r], f.kg[m][n + e]);
+        dq[e] = a1[nt].d[r] * exp_of(gamma);
+        dk[e] = a2[nt].d[r] * exp_of(f.gamma[len - 1][n + e] - gamma);
+        dg[e] = __fmul_rn(a1[nt].d[r], f.qg[m][n + e]) - t;
+        dw[e] = -a3[nt].d[r];
+        if (n + e < keys) kg_colsum[nt][e] += t;
+      }
+      float* const out[4] = {x.k_row(ws.dq, m) + key, x.k_row(ws.dk, m) + key,
+                             x.k_row(ws.dg, m) + key, x.k_rec(ws.dw, m) + key};
+      const float* const val[4] = {dq, dk, dg, dw};
+      const int outs = b.p.delta ? 4 : 3;
+      if (pairs && n + 1 < keys) {
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+          if (a < outs) *reinterpret_cast<float2*>(out[a]) = make_float2(val[a][0], val[a][1]);
+        continue;
+      }
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+        if (a < outs) {
+          out[a][0] = val[a][0];
+          if (n + 1 < keys) out[a][1] = val[a][1];
+        }
     }
   }
   // Column sums of A2 kg: over the lane's two rows (above), the warp's 8 row pairs (lanes
