@@ -349,9 +349,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   const Rows T{&sh.tm[0][0], kTmLd};
   if (b.p.delta) {
     staged_product(len, K, len, T, x.k_recs(b.ws.kb), sh.stage,
-                   [&](int m, int n, float acc) { x.k_rec(b.ws.w, m)[n] = acc; });
+                   store_rows([&](int m) { return x.k_rec(b.ws.w, m); }));
     staged_product(len, V, len, T, x.v_recs(b.ws.vb), sh.stage,
-                   [&](int m, int n, float acc) { x.v_rec(b.ws.u, m)[n] = acc; });
+                   store_rows([&](int m) { return x.v_rec(b.ws.u, m); }));
   } else {
     __syncthreads();
     for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)
@@ -969,7 +969,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
     // and adds its products with v to d beta, a row at a time in 16-byte loads (here every
     // output waited on its own load of v).
     staged_product(len, V, len, T_t, x.v_recs(ws.dvn), st,
-                   [&](int m, int n, float acc) { x.v_row(ws.dv, m)[n] = acc; });
+                   store_rows([&](int m) { return x.v_row(ws.dv, m); }));
     // d(beta k e^Gamma) = T^T dw, per key slice in add_pair_terms (its epilogue there adds
     // to dk and dg with the slice's k and Gamma staged).
     // d A_kk = -T^T dT T^T (strictly lower); d beta takes its products with the unscaled

@@ -226,8 +226,33 @@ __device__ void over_buffered_slices(int slices, const Stage& stage, const Body&
   }
 }
 
+// An epilogue of staged_product that stores out(m, n) at row(m)[n], a float32 row in global
+// memory: a lane's two adjacent columns of a row (n even) as one 8-byte store where both lie
+// inside N and the address allows it, half the store instructions of 4-byte ones.
+template <class Row>
+struct StoreRows {
+  Row row;
+  __device__ __forceinline__ void pair(int m, int n, float x0, float x1, bool both) const {
+    float* p = row(m) + n;
+    if (both && (reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      *reinterpret_cast<float2*>(p) = make_float2(x0, x1);
+      return;
+    }
+    p[0] = x0;
+    if (both) p[1] = x1;
+  }
+};
+template <class Row>
+__device__ __forceinline__ StoreRows<Row> store_rows(const Row& row) {
+  return {row};
+}
+template <class T>
+inline constexpr bool kIsStoreRows = false;
+template <class Row>
+inline constexpr bool kIsStoreRows<StoreRows<Row>> = true;
+
 // out(m, n) = sum over l < L of a(m, l) b(l, n) for m < M <= kC, n < N <= kMaxCols, handed to
-// epi(m, n, value, load(m, n)), on the tensor cores: tf32 operands (rounded to nearest),
+// epi(m, n, value, load(m, n)) (or stored by a StoreRows epi), on the tensor cores: tf32 operands (rounded to nearest),
 // float32 accumulators. In each pass warp w owns rows 16 (w % 4) .. + 15 and every other
 // 8-column tile starting at w / 4. Each output belongs to one lane and is summed in a fixed
 // order: deterministic, and epi may read-modify-write any array at (m, n) that is not an
@@ -285,7 +310,19 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
         }
       }
     });
-    if (rows) {
+    if (!rows) continue;
+    if constexpr (kIsStoreRows<Epi>) {
+#pragma unroll
+      for (int e = 0; e < kTilesPerWarp; ++e) {
+        const int nt = (first_tile + kColGroups * e) * 8;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // elements 2h, 2h + 1: columns n, n + 1 of row m
+          const int m = m0 + acc_row(2 * h), n = n0 + nt + acc_col(2 * h);
+          if (nt < N8 && m < M && n < N)
+            epi.pair(m, n, acc[e].d[2 * h], acc[e].d[2 * h + 1], n + 1 < N);
+        }
+      }
+    } else {
       constexpr int kLoadBatch = 1;  // output tiles whose loads go out together
       static_assert(kTilesPerWarp % kLoadBatch == 0, "whole batches");
 #pragma unroll
@@ -330,6 +367,12 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
   staged_product(
       M, N, L, a, bm, st, [](int, int) { return NoLoad{}; },
       [&](int m, int n, float acc, NoLoad) { epi(m, n, acc); });
+}
+
+template <int kL, class A, class Bm, class Row>
+__device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
+                               ProductStage<kL>& st, const StoreRows<Row>& out) {
+  staged_product(M, N, L, a, bm, st, [](int, int) { return NoLoad{}; }, out);
 }
 
 // Opts a kernel in to `bytes` of dynamic shared memory (past the 48 KB default); the host
