@@ -55,13 +55,14 @@ struct DiagonalTables {
   static_assert(kW <= 32, "a block's failing channels are the bits of one word");
   float rows[2][kC][kLd];
   float cols[kDiagonalColumnRows][kLd];
-  // steps[I][cc] = e^(rho_I - rho_(I-1)) <= 1 for the blocks I >= 1 that start before len
-  // (0 past it): a column entry of block I + 1 is block I's times this, one multiplication
-  // instead of an exponential (block_step).
+  // steps[I][cc] = e^(rho_I - rho_(I-1)) <= 1 for the blocks I >= 2 that start before len
+  // (0 past it; steps[0] and steps[1] are not used): a column entry of block I >= J + 2 (J the
+  // row's block) is block I - 1's times this, one multiplication instead of an exponential
+  // (block_step).
   float steps[kBlocks][kW];
 };
 
-// The step of channel cc into block I >= 1 of the staged Gamma (DiagonalTables::steps).
+// The step of channel cc into block I >= 2 of the staged Gamma (DiagonalTables::steps).
 template <class Slice>
 __device__ __forceinline__ float block_step(const Slice& s, int len, int I, int cc) {
   return kBlock * I < len ? __expf(s.g[kBlock * I][cc] - s.g[kBlock * (I - 1)][cc]) : 0.f;
@@ -77,7 +78,7 @@ __device__ void mark_failing_blocks(const Slice& s, int len, unsigned (&fails)[k
     bool ok = true;
     for (int r = r0; r < end; ++r) ok &= diagonal_factor_ok(s.g[r][cc], s.g[r0][cc]);
     if (!ok) atomicOr(&fails[I], 1u << cc);
-    if (I > 0) t.steps[I][cc] = block_step(s, len, I, cc);
+    if (I > 1) t.steps[I][cc] = block_step(s, len, I, cc);
   }
 }
 

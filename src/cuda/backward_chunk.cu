@@ -146,7 +146,7 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
     if (threadIdx.x == 0)
       for (int I = (len + kRun - 1) / kRun; I < kBlocks; ++I) fails[I] = 0u;
 #pragma unroll
-    for (int I = 1; I < kBlocks; ++I) steps[I][threadIdx.x] = block_step(s, len, I, threadIdx.x);
+    for (int I = 2; I < kBlocks; ++I) steps[I][threadIdx.x] = block_step(s, len, I, threadIdx.x);
     if (c0 + static_cast<int>(threadIdx.x) < K) b.ws.decay[rec * K + c0 + threadIdx.x] = expf(G);
   }
   __syncthreads();
@@ -760,7 +760,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
         }
         if (I > J + 1)
 #pragma unroll
-          for (int x = 0; x < 2; ++x) scale[x] *= t.steps[I][n0 + acc_col(x)];
+          for (int h = 0; h < 2; ++h) scale[h] *= t.steps[I][n0 + acc_col(h)];
 #pragma unroll
         for (int r = 0; r < 4; ++r) later[r] = fmaf(acc.d[r], scale[r % 2], later[r]);
       }
