@@ -343,7 +343,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   invert_unit_lower_by_columns<kBackwardThreads>(&sh.akk[0][0], kLd, &sh.tm[0][0], kTmLd,
                                                  sh.inverse);
   float* tm = b.ws.tm + rec * kC * kC;
-  for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) tm[idx] = sh.tm[idx / kC][idx % kC];
+  // 16 bytes a store: T's shared rows are 16-byte aligned (kTmLd), the record's C x C block too.
+  for (int idx = threadIdx.x; idx < kC * kC / 4; idx += blockDim.x) {
+    const int i = idx / (kC / 4), j = 4 * (idx % (kC / 4));
+    *reinterpret_cast<float4*>(tm + i * kC + j) = *reinterpret_cast<const float4*>(&sh.tm[i][j]);
+  }
 
   // w = T (beta k e^Gamma) and u = T (beta v); the linear rule writes u = v (beta is 1).
   const Rows T{&sh.tm[0][0], kTmLd};
