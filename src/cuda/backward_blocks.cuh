@@ -87,7 +87,7 @@ __device__ void mark_failing_blocks(const Slice& s, int len, unsigned (&fails)[k
 // entries in block r / 16 (the diagonal one) and every later block, with q, k and Gamma read
 // once. The later blocks' entries are one exponential for the next block and then its
 // product with the steps: each step is at most 1, so an entry that underflows to 0 belongs to
-// a term that does too (at most two roundings more, below tf32's).
+// a term that does too (a few float32 roundings more, far below tf32's).
 template <int kW, int kLd, class Slice>
 __device__ void fill_diagonal_tables(const Slice& s, int len, const unsigned (&fails)[kBlocks],
                                      DiagonalTables<kW, kLd>& t) {

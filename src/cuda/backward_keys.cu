@@ -343,7 +343,8 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
         if (n + e < keys) kg_colsum[nt][e] += t;
       }
       float* const out[4] = {x.k_row(ws.dq, m) + key, x.k_row(ws.dk, m) + key,
-                             x.k_row(ws.dg, m) + key, x.k_rec(ws.dw, m) + key};
+                             x.k_row(ws.dg, m) + key,
+                             b.p.delta ? x.k_rec(ws.dw, m) + key : nullptr};  // dw: delta only
       const float* const val[4] = {dq, dk, dg, dw};
       const int outs = b.p.delta ? 4 : 3;
       if (pairs && n + 1 < keys) {
