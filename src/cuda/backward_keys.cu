@@ -309,12 +309,13 @@ __global__ void __launch_bounds__(kKeysThreads) keys_kernel(const BackwardParams
   }
   dss += __shfl_xor_sync(0xffffffffu, dss, 1);  // both halves of the key's columns
 
-  // The gradients, one output tile at a time, their factors from shared memory. The bfloat16
-  // forms take e^x as 2^(x log2 e) by ex2.approx.ftz (a few ulp, against tf32's 2^-11 and their
-  // own 2^-8; exponents <= 0, results below 2^-126 flushed to 0), where expf's range
-  // reduction was ~20 instructions an element, 64 a thread: as many as half its slice loop.
+  // The gradients, one output tile at a time, their factors from shared memory. e^x as
+  // 2^(x log2 e) by ex2.approx (a few ulp, against tf32's 2^-11), where expf's range reduction
+  // was ~20 instructions an element, 64 a thread: as many as half the bfloat16 forms' slice
+  // loop. Those flush results below 2^-126 to 0 (.ftz; exponents <= 0); the tf32 form keeps
+  // them, as records' and grads' __expf do.
   const auto exp_of = [](float x) {
-    return Stage::kQuads ? exp2_approx(x * kLog2e) : expf(x);
+    return Stage::kQuads ? exp2_approx(x * kLog2e) : __expf(x);
   };
   const KeysFactors& f = sh.factors;
   float kg_colsum[kKeyTiles8][2] = {};  // this lane's rows' A2 kg, per key 8 nt + 2c + e
