@@ -87,6 +87,7 @@ struct RecordsShared {
   RecordSlice slice;
   unsigned fails[kBlocks];  // the slice's channels whose diagonal pairs go one by one
   unsigned any_fail;        // whether any slice had one
+  float block_sums[kBlocks][kRecordSlice];  // the slice's gate summed over each 16-row block
   float beta[kC];
   float akk[kC][kLd];
   alignas(16) float tm[kC][kTmLd];
@@ -103,7 +104,8 @@ struct RecordsShared {
 // the tables' steps between blocks (cuda/backward_blocks.cuh).
 __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64_t rec, int c0,
                               const float* beta, RecordSlice& s, unsigned (&fails)[kBlocks],
-                              unsigned& any_fail, float (&steps)[kBlocks][kRecordSlice]) {
+                              unsigned& any_fail, float (&sums)[kBlocks][kRecordSlice],
+                              float (&steps)[kBlocks][kRecordSlice]) {
   constexpr int kSlice = kRecordSlice;
   const int64_t K = b.p.K;
   const int len = x.len;
@@ -117,37 +119,48 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
   commit_async();
   wait_async<0>();
   __syncthreads();
-  if (threadIdx.x < kSlice) {
-    // The cumulative sum down a channel, 16 rows loaded at a time (the staged rows past len
-    // are zeros): one shared-memory round trip per 16 rows instead of one per row, while the
-    // other warps wait at the barrier. A run is a diagonal block: its bound is checked on
-    // the way (one warp: the block's failing channels are a ballot).
-    constexpr int kRun = kBlock;
-    static_assert(kSlice == 32, "one warp, one channel per lane");
-    float G = 0.f;
-    for (int i0 = 0; i0 < len; i0 += kRun) {
-      float col[kRun];
+  // The cumulative sum down each channel by blocks: warp I sums its block's 16 rows of every
+  // channel (a lane each; the staged rows past len are zeros) in registers, the blocks'
+  // totals pass through `sums`, and each warp adds those before its block. Every block's
+  // diagonal bound is checked on the way (its failing channels are the warp's ballot), and
+  // warp I forms the step into its block from the first row of the one before, read before
+  // that warp rewrites it: the same sums in the same order as that warp's rho.
+  constexpr int kRun = kBlock;
+  static_assert(kSlice == 32 && kBackwardThreads >= 32 * kBlocks, "a warp per block, a lane per channel");
+  const int I = threadIdx.x / 32, lane = threadIdx.x % 32, i0 = kRun * I;
+  const bool scans = threadIdx.x < 32 * kBlocks;
+  float run[kRun], prev_first = 0.f;
+  if (scans) {
+    float total = 0.f;
 #pragma unroll
-      for (int u = 0; u < kRun; ++u) col[u] = s.g[i0 + u][threadIdx.x];
-      float rho = 0.f;
-      bool ok = true;
-#pragma unroll
-      for (int u = 0; u < kRun; ++u) {
-        G += col[u];
-        if (u == 0) rho = G;
-        if (i0 + u < len) {
-          s.g[i0 + u][threadIdx.x] = G;
-          ok &= diagonal_factor_ok(G, rho);
-        }
-      }
-      const unsigned fail = __ballot_sync(0xffffffffu, !ok);
-      if (threadIdx.x == 0) fails[i0 / kRun] = fail, any_fail |= fail;
+    for (int u = 0; u < kRun; ++u) run[u] = total += s.g[i0 + u][lane];
+    sums[I][lane] = total;
+    if (I > 0) prev_first = s.g[i0 - kRun][lane];
+  }
+  __syncthreads();
+  if (scans) {
+    float before = 0.f, before_prev = 0.f;  // the blocks before I, and before I - 1
+    for (int J = 0; J < I; ++J) {
+      before_prev = before;
+      before += sums[J][lane];
     }
-    if (threadIdx.x == 0)
-      for (int I = (len + kRun - 1) / kRun; I < kBlocks; ++I) fails[I] = 0u;
+    const float rho = before + run[0];
+    bool ok = true;
 #pragma unroll
-    for (int I = 2; I < kBlocks; ++I) steps[I][threadIdx.x] = block_step(s, len, I, threadIdx.x);
-    if (c0 + static_cast<int>(threadIdx.x) < K) b.ws.decay[rec * K + c0 + threadIdx.x] = expf(G);
+    for (int u = 0; u < kRun; ++u)
+      if (i0 + u < len) {
+        const float G = before + run[u];
+        s.g[i0 + u][lane] = G;
+        ok &= diagonal_factor_ok(G, rho);
+      }
+    const unsigned fail = __ballot_sync(0xffffffffu, !ok);  // 0 for a block past len
+    if (lane == 0) {
+      fails[I] = fail;
+      if (fail) atomicOr(&any_fail, fail);
+    }
+    if (I >= 2) steps[I][lane] = i0 < len ? __expf(rho - (before_prev + prev_first)) : 0.f;
+    if (I == kBlocks - 1 && c0 + lane < K)  // Gamma at the chunk's last row: all the blocks
+      b.ws.decay[rec * K + c0 + lane] = expf(before + sums[I][lane]);
   }
   __syncthreads();
   // Four channels per thread, stored as one 16-byte word per buffer where in range and aligned
@@ -247,7 +260,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   if (threadIdx.x == 0) sh.any_fail = 0u;
   for (int c0 = 0; c0 < K; c0 += kRecordSlice) {
     __syncthreads();
-    slice_factors(b, x, rec, c0, sh.beta, sh.slice, sh.fails, sh.any_fail, sh.tables.steps);
+    slice_factors(b, x, rec, c0, sh.beta, sh.slice, sh.fails, sh.any_fail, sh.block_sums,
+                  sh.tables.steps);
     __syncthreads();
     const RecordSlice& s = sh.slice;
     if constexpr (kScalar) {
