@@ -126,7 +126,8 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
   // warp I forms the step into its block from the first row of the one before, read before
   // that warp rewrites it: the same sums in the same order as that warp's rho.
   constexpr int kRun = kBlock;
-  static_assert(kSlice == 32 && kBackwardThreads >= 32 * kBlocks, "a warp per block, a lane per channel");
+  static_assert(kSlice == 32 && kBackwardThreads >= 32 * kBlocks,
+                "a warp per block, a lane per channel");
   const int I = threadIdx.x / 32, lane = threadIdx.x % 32, i0 = kRun * I;
   const bool scans = threadIdx.x < 32 * kBlocks;
   float run[kRun], prev_first = 0.f;
