@@ -159,6 +159,8 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
       fails[I] = fail;
       if (fail) atomicOr(&any_fail, fail);
     }
+    // block_step's value, from registers: block_step reads s.g, whose rows the warps are
+    // rewriting here.
     if (I >= 2) steps[I][lane] = i0 < len ? __expf(rho - (before_prev + prev_first)) : 0.f;
     if (I == kBlocks - 1 && c0 + lane < K)  // Gamma at the chunk's last row: all the blocks
       b.ws.decay[rec * K + c0 + lane] = expf(before + sums[I][lane]);
