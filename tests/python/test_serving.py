@@ -125,6 +125,47 @@ def _serving_args(mechanism):
     return a, pool, torch.tensor([2, 0])
 
 
+_KDA, _GDN = "fused_recurrent_kda", "fused_recurrent_gated_delta_rule"
+
+
+def _serving_call(form):
+    """(function name, positional arguments, keywords) of one serving call. form: the function
+    (kda / gdn), its gates (the Gated DeltaNet function serves a scalar gate g, KDA's gate gk,
+    both, whose decays multiply, or none: DeltaNet), then options."""
+    name, gates, *options = form.split("/")
+    fn = _KDA if name == "kda" else _GDN
+    mechanism = {"vector": "kda", "scalar": "gated_deltanet", "gk": "kda", "gk+g": "kda",
+                 "no-gate": "deltanet"}[gates]
+    gate_in_kernel, steps = "gate-in-kernel" in options, 2 if "accepted" in options else 1
+    a = make_inputs(mechanism, B=3, T=steps, initial_state=False, qk_l2norm=gate_in_kernel,
+                    beta_sigmoid=gate_in_kernel, gate_in_kernel=gate_in_kernel)
+    kw = dict(initial_state=torch.randn(5, 4, 16, 12), ssm_state_indices=torch.tensor([3, -1, 0]))
+    if steps == 2:
+        kw.update(ssm_state_indices=torch.tensor([[1, 2], [0, 3], [-1, -1]]),
+                  num_accepted_tokens=torch.tensor([1, 2, 1]))
+    if gate_in_kernel:
+        kw.update(use_gate_in_kernel=True, A_log=a["A_log"], dt_bias=a["dt_bias"],
+                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if "state-v-first" in options:
+        kw.update(initial_state=torch.randn(5, 4, 12, 16), state_v_first=True)
+    beta = None if "beta-none" in options else a["beta"]
+    if fn == _KDA:
+        return fn, (a["q"], a["k"], a["v"], a["g"], beta), kw
+    g, gk = a["g"], None
+    if gates.startswith("gk"):
+        g, gk = None, a["g"]
+        if gates == "gk+g":
+            g = make_inputs("gated_deltanet", B=3, T=steps, seed=1)["g"]
+    return fn, (a["q"], a["k"], a["v"], g), dict(kw, gk=gk, beta=beta)
+
+
+_SERVING_FORMS = ["kda/vector", "kda/vector/gate-in-kernel", "kda/vector/accepted",
+                  "kda/vector/state-v-first", "gdn/scalar", "gdn/scalar/gate-in-kernel",
+                  "gdn/scalar/accepted", "gdn/scalar/state-v-first", "gdn/scalar/beta-none",
+                  "gdn/gk", "gdn/gk+g", "gdn/gk/accepted", "gdn/no-gate",
+                  "gdn/no-gate/state-v-first"]
+
+
 class _PassThroughMode(torch.overrides.TorchFunctionMode):
     """A torch function mode that changes nothing: calls under it take the custom op."""
 
@@ -132,59 +173,91 @@ class _PassThroughMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("fn,mechanism", [("fused_recurrent_kda", "kda"),
-                                          ("fused_recurrent_gated_delta_rule", "gated_deltanet")])
-def test_fla_serving_form_fallbacks_match_the_fast_path(fn, mechanism, monkeypatch):
+class _Subclass(torch.Tensor):
+    """A tensor subclass that changes nothing: a pool of this class takes the custom op."""
+
+
+@pytest.mark.parametrize("form", _SERVING_FORMS)
+def test_fla_serving_form_fallbacks_match_the_fast_path(form, monkeypatch):
     """The plain eager serving call skips serving_call (the ops' one-frame fast path,
-    _torch_ops.serving_direct); calls it declines (another keyword, a torch function mode)
-    take serving_call and give the same outputs and pool bit for bit."""
+    _torch_ops.serving_direct); calls it declines (another keyword, a torch function mode, a
+    tensor subclass) take serving_call and give the same outputs and pool bit for bit."""
     from flashdelta.ops import gated_delta_rule, kda
-    module = kda if fn == "fused_recurrent_kda" else gated_delta_rule
+    fn, args, kw = _serving_call(form)
+    module = kda if fn == _KDA else gated_delta_rule
     calls = []
     real = module.serving_call
     monkeypatch.setattr(module, "serving_call", lambda *args: calls.append(1) or real(*args))
-    a, pool, indices = _serving_args(mechanism)
-    step = getattr(flashdelta, fn)
+    pool = kw["initial_state"]
 
-    def run(mode=None, **extra):
-        p = pool.clone()
+    def run(mode=None, wrap=lambda x: x, **extra):
+        p = wrap(pool.clone())
         with mode or contextlib.nullcontext():
-            o, returned = step(a["q"], a["k"], a["v"], a["g"], beta=a["beta"], initial_state=p,
-                               ssm_state_indices=indices, **extra)
+            o, returned = getattr(flashdelta, fn)(*args, **dict(kw, initial_state=p), **extra)
         assert returned is p
         return o, p
 
     o_fast, pool_fast = run()
     assert not calls, "the plain eager call took serving_call"
-    for name, kw in (("schedule", dict(schedule="recurrent")),
-                     ("mode", dict(mode=_PassThroughMode()))):
+    assert not torch.equal(pool_fast, pool), "the fast path left the pool as it was"
+    for name, how in (("schedule", dict(schedule="recurrent")),
+                      ("ignored keyword", dict(use_graph=True)),
+                      ("mode", dict(mode=_PassThroughMode())),
+                      ("subclass", dict(wrap=lambda x: x.as_subclass(_Subclass)))):
         calls.clear()
-        o, p = run(**kw)
+        o, p = run(**how)
         assert calls, f"{name}: the call did not take serving_call"
         assert torch.equal(o, o_fast), f"{name}: o differs from the fast path's"
         assert torch.equal(p, pool_fast), f"{name}: the pool differs from the fast path's"
 
 
-@pytest.mark.parametrize("fn,mechanism", [("fused_recurrent_kda", "kda"),
-                                          ("fused_recurrent_gated_delta_rule", "gated_deltanet")])
-@pytest.mark.parametrize("change,error,match", [
-    (dict(ssm_state_indices=None, num_accepted_tokens=torch.tensor([1, 1])), ValueError,
-     "argument 'ssm_state_indices'"),
-    (dict(inplace_final_state=False), NotImplementedError, "argument 'inplace_final_state'"),
-    (dict(initial_state=None), ValueError, "argument 'initial_state'"),
-    (dict(allow_neg_eigval=True), ValueError, "argument 'allow_neg_eigval'"),
-    (dict(use_gate_in_kernel=True, A_log=None), ValueError, "argument 'A_log'"),
-    (dict(not_a_keyword=1), TypeError, "not_a_keyword"),
-])
+# Bad serving calls: (id, change to a good call's keywords, error, what the message names).
+_SERVING_ERRORS = [
+    ("accepted-without-indices", dict(ssm_state_indices=None,
+                                      num_accepted_tokens=torch.tensor([1, 1])),
+     ValueError, "argument 'ssm_state_indices'"),
+    ("inplace-without-indices", dict(ssm_state_indices=None, inplace_final_state=True),
+     ValueError, "argument 'ssm_state_indices'"),
+    ("not-inplace", dict(inplace_final_state=False), NotImplementedError,
+     "argument 'inplace_final_state'"),
+    ("inplace-none", dict(inplace_final_state=None), NotImplementedError,
+     "argument 'inplace_final_state'"),
+    ("no-pool", dict(initial_state=None), ValueError, "argument 'initial_state'"),
+    ("neg-eigval-without-sigmoid", dict(allow_neg_eigval=True), ValueError,
+     "argument 'allow_neg_eigval'"),
+    ("gate-without-A_log", dict(use_gate_in_kernel=True, A_log=None), ValueError,
+     "argument 'A_log'"),
+    ("unknown-keyword", dict(not_a_keyword=1), TypeError, "not_a_keyword"),
+    ("not-inplace-with-schedule", dict(inplace_final_state=False, schedule="recurrent"),
+     NotImplementedError, "argument 'inplace_final_state'"),
+]
+# The Gated DeltaNet function's own checks, made before the serving form's.
+_GDN_SERVING_ERRORS = [
+    ("gv", dict(gv=torch.zeros(2, 1, 4, 12)), NotImplementedError, "argument 'gv'"),
+    ("gk-shape", dict(gk=torch.zeros(2, 1, 4, 15)), ValueError,
+     r"argument 'gk': expected shape .*\[2, 1, 4, 16\].*got \[2, 1, 4, 15\]"),
+    ("gk-with-gate-in-kernel", dict(gk=torch.zeros(2, 1, 4, 16), use_gate_in_kernel=True,
+                                    A_log=torch.zeros(4)), NotImplementedError, "argument 'gk'"),
+    ("numpy-beta", dict(beta=np.ones((2, 1, 4), np.float32)), TypeError,
+     "argument 'beta': expected a torch.Tensor like q, got numpy.ndarray"),
+]
+
+
+@pytest.mark.parametrize("fn,mechanism,change,error,match", [
+    pytest.param(fn, mechanism, change, error, match, id=f"{short}-{name}")
+    for fn, mechanism, short, errors in ((_KDA, "kda", "kda", _SERVING_ERRORS),
+                                         (_GDN, "gated_deltanet", "gdn",
+                                          _SERVING_ERRORS + _GDN_SERVING_ERRORS))
+    for name, change, error, match in errors])
 def test_fla_serving_form_errors(fn, mechanism, change, error, match):
     """Bad serving calls raise the serving form's errors, naming the argument, and leave the
-    pool as it was."""
+    pool as it was (its data and its version counter)."""
     a, pool, indices = _serving_args(mechanism)
-    before = pool.clone()
+    before, version = pool.clone(), pool._version
     kw = dict(beta=a["beta"], initial_state=pool, ssm_state_indices=indices)
     kw.update(change)
     if kw["ssm_state_indices"] is None:
         del kw["ssm_state_indices"]
     with pytest.raises(error, match=match):
         getattr(flashdelta, fn)(a["q"], a["k"], a["v"], a["g"], **kw)
-    assert torch.equal(pool, before)
+    assert torch.equal(pool, before) and pool._version == version

@@ -11,14 +11,12 @@ from .._api import is_torch
 # fused_recurrent_gated_delta_rule.
 SERVING_KWARGS = frozenset(("ssm_state_indices", "num_accepted_tokens", "inplace_final_state"))
 # The serving form's common eager torch call (_torch_ops.serving_direct), None without torch.
+# fused_recurrent_kda and fused_recurrent_gated_delta_rule call it themselves, then
+# serving_call where it declines: a shared helper's frame around the two would cost the
+# serving call ~0.1 us (bench/serving_host_overhead.py).
 serving_direct = None if _api._torch_ops is None else _api._torch_ops.serving_direct
 # The default of a serving keyword taken as a keyword-only parameter: not passed.
 ABSENT = object()
-
-
-def is_serving(kwargs):
-    """True when kwargs select the serving form (any of SERVING_KWARGS)."""
-    return bool(kwargs) and not SERVING_KWARGS.isdisjoint(kwargs)
 
 
 def with_serving_kwargs(kwargs, ssm_state_indices, num_accepted_tokens, inplace_final_state):
@@ -32,10 +30,17 @@ def with_serving_kwargs(kwargs, ssm_state_indices, num_accepted_tokens, inplace_
     return kwargs
 
 
-def signature_without(fn, names):
-    """fn's signature less the parameters in names (for fn.__signature__)."""
+def serving_form(fn):
+    """Gives fn, a fused_recurrent_* function that takes the serving keywords as keyword-only
+    parameters (default ABSENT), fla's signature: inspect shows fla's parameters. They are
+    parameters rather than **kwargs entries for speed alone: CPython matches a parameter's
+    name by identity, but compares a **kwargs entry's name with every parameter name first
+    (~0.4 us a keyword with fla's 17 or 18, bench/serving_host_overhead.py)."""
     sig = inspect.signature(fn)
-    return sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in names])
+    fn.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values()
+                                               if p.name not in SERVING_KWARGS])
+    return fn
+
 
 # fla keyword arguments that tune fla's own kernels: accepted and ignored (the result is
 # the same without them).

@@ -6,8 +6,8 @@ Drop-in for fla.ops.gated_delta_rule: same names, parameters, defaults and retur
 """
 
 from .. import _api
-from ._common import (SERVING_KWARGS, check_arrays, extra_options, is_serving, ones_beta, run,
-                      serving_call, serving_direct)
+from ._common import (ABSENT, check_arrays, extra_options, ones_beta, run, serving_call,
+                      serving_direct, serving_form, with_serving_kwargs)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
@@ -58,12 +58,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                cu_seqlens_cpu=cu_seqlens_cpu)
 
 
+@serving_form
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
                                      initial_state=None, output_final_state=False,
                                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                                      A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
                                      allow_neg_eigval=False, state_v_first=False,
-                                     cu_seqlens=None, **kwargs):
+                                     cu_seqlens=None, *, ssm_state_indices=ABSENT,
+                                     num_accepted_tokens=ABSENT, inplace_final_state=ABSENT,
+                                     **kwargs):
     r"""Gated DeltaNet, token-by-token schedule (decode). Arguments as in
     ``chunk_gated_delta_rule``, plus:
 
@@ -99,20 +102,24 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
         mechanism, g = "kda", gk if g is None else g[..., None] + gk
     elif g is None:
         mechanism = "deltanet"
-    if kwargs and serving_direct is not None and kwargs.keys() <= SERVING_KWARGS:
+    if ssm_state_indices is not ABSENT and not kwargs and serving_direct is not None:
         o = serving_direct(mechanism, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                            use_qk_l2norm_in_kernel, use_gate_in_kernel,
                            use_beta_sigmoid_in_kernel, allow_neg_eigval, None, state_v_first,
-                           cu_seqlens, kwargs.get("ssm_state_indices"),
-                           kwargs.get("num_accepted_tokens"),
-                           kwargs.get("inplace_final_state", True))
+                           cu_seqlens, ssm_state_indices,
+                           None if num_accepted_tokens is ABSENT else num_accepted_tokens,
+                           True if inplace_final_state is ABSENT else inplace_final_state)
         if o is not None:
             return o, initial_state
-    if is_serving(kwargs):
+    if (ssm_state_indices is not ABSENT or num_accepted_tokens is not ABSENT
+            or inplace_final_state is not ABSENT):
         return serving_call(mechanism, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                             use_qk_l2norm_in_kernel, use_gate_in_kernel,
                             use_beta_sigmoid_in_kernel, allow_neg_eigval, None, state_v_first,
-                            cu_seqlens, kwargs, "fused_recurrent_gated_delta_rule")
+                            cu_seqlens,
+                            with_serving_kwargs(kwargs, ssm_state_indices, num_accepted_tokens,
+                                                inplace_final_state),
+                            "fused_recurrent_gated_delta_rule")
     state_v_first, chunk_size, schedule = extra_options("fused_recurrent_gated_delta_rule",
                                                         kwargs, state_v_first)
     return run(mechanism, q, k, v, g, beta, scale=scale, initial_state=initial_state,

@@ -6,8 +6,8 @@ Drop-in for fla.ops.kda: same names, parameters, defaults and return values.
 """
 
 from .. import _api
-from ._common import (ABSENT, SERVING_KWARGS, extra_options, is_serving, run, serving_call,
-                      serving_direct, signature_without, with_serving_kwargs)
+from ._common import (ABSENT, extra_options, run, serving_call, serving_direct, serving_form,
+                      with_serving_kwargs)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -83,6 +83,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                cu_seqlens_cpu=cu_seqlens_cpu, keep_chunk_states=disable_recompute)
 
 
+@serving_form
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
                         initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
@@ -108,13 +109,12 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
             return o, initial_state
     if (ssm_state_indices is not ABSENT or num_accepted_tokens is not ABSENT
             or inplace_final_state is not ABSENT):
-        kwargs = with_serving_kwargs(kwargs, ssm_state_indices, num_accepted_tokens,
-                                     inplace_final_state)
-    if is_serving(kwargs):
         return serving_call("kda", q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                             use_qk_l2norm_in_kernel, use_gate_in_kernel,
                             use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-                            state_v_first, cu_seqlens, kwargs, "fused_recurrent_kda")
+                            state_v_first, cu_seqlens,
+                            with_serving_kwargs(kwargs, ssm_state_indices, num_accepted_tokens,
+                                                inplace_final_state), "fused_recurrent_kda")
     state_v_first, chunk_size, schedule = extra_options("fused_recurrent_kda", kwargs,
                                                         state_v_first)
     return run("kda", q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -124,10 +124,3 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
                qk_l2norm=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                A_log=A_log, dt_bias=dt_bias, beta_sigmoid=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound)
-
-
-# inspect shows fla's parameters. The serving keywords are keyword-only parameters rather than
-# **kwargs entries for speed alone: CPython matches a parameter's name by identity, but
-# compares a **kwargs entry's name with every parameter name first (~0.4 us a keyword with
-# fla's 17, bench/serving_host_overhead.py).
-fused_recurrent_kda.__signature__ = signature_without(fused_recurrent_kda, SERVING_KWARGS)
