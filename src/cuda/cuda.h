@@ -15,21 +15,16 @@ void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream)
 void cuda_recurrent_decode(const DecodeProblem& d, const TensorView& o, void* stream);
 // The recurrent schedule's kernels: the block kernel's wide and narrow tiles
 // (cuda/recurrent_tile.cuh) and the warp kernel (cuda/recurrent_warp_kernel.cu), which
-// takes V-first states (K-first ones only where asked for), K in {32, 64, 128, 256} and V a
-// multiple of its task width.
+// takes only V-first states, K in {32, 64, 128, 256} and V a multiple of its task width.
 enum class RecurrentKernel { wide, narrow, warp };
 // The kernel for a problem whose wide tile makes `wide_blocks` blocks on a GPU of `sms` SMs
 // and that makes `warp_tasks` warp kernel tasks (0: the warp kernel does not take it). The
 // environment variable FLASHDELTA_RECURRENT_TILE picks: unset or `auto`, the warp kernel
 // wherever it takes the problem, else the narrow tile when the wide tile leaves SMs
 // without a block, else the wide one; `wide` or `narrow`, that kernel (the same sums in
-// another order: equal to float32 rounding); `warp` is `auto`'s choice, and besides lets
-// the warp kernel take K-first states at K <= 128 (cuda_recurrent_warp_forced; 4 keys per
-// lane whatever FLASHDELTA_RECURRENT_WARP_KEYS says, no prefetch blocks). Any other value
-// throws Error(invalid_argument) naming the variable.
+// another order: equal to float32 rounding); `warp` is `auto`'s choice, kept as a name.
+// Any other value throws Error(invalid_argument) naming the variable.
 RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks);
-// Whether FLASHDELTA_RECURRENT_TILE is `warp` (throws as above on a value it does not take).
-bool cuda_recurrent_warp_forced();
 // Whether the warp kernel's grid is (value tiles, HV, N), each block's index its task, for
 // N sequences of HV value heads: where both fit a grid dimension (65,535) and
 // FLASHDELTA_RECURRENT_WARP_GRID is unset or `auto`; `loop` takes the grid-stride loop over

@@ -136,11 +136,8 @@ void launch_recurrent(const RecurrentParams& p, DType state_dtype, bool key_cont
 // The warp kernel (cuda/recurrent_warp_kernel.cu) on a key-contiguous (V-first) state, for
 // K in {32, 64, 128, 256}, V a multiple of recurrent_warp_columns(K, p.warp_keys),
 // p.vector_ok and a head's tile addressable in 32 bits ((V - 1) |value_stride| + K <=
-// INT32_MAX); p.value_tiles = V / that. On a value-contiguous (K-first) state
-// (key_contiguous false): p.warp_keys 4 (K <= 128), p.prefetch_eighths 0, and the tile
-// addressable as (K - 1) |key_stride| + V <= INT32_MAX.
-void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
-                           void* stream);
+// INT32_MAX); p.value_tiles = V / that.
+void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream);
 // Value columns of one warp kernel task for head size K and keys_per_lane keys per lane (8
 // at K = 256; 4 or 8 at K = 128; 4 below); 0 where the kernel does not run.
 int64_t recurrent_warp_columns(int64_t K, int keys_per_lane);

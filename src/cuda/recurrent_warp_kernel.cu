@@ -15,10 +15,7 @@
 // The host (cuda/recurrent.cpp) sends it the common case only: a key-contiguous (V-first)
 // state, so that a warp's load is whole columns (one 512-byte column of fp32 state at
 // K = 128; on a K-first state its rows would be short segments: measured at 35-48% of the
-// copy bandwidth, bench/NOTES.md (ae)), or, with kKeyFirst (4 keys per lane, no prefetch
-// blocks), a value-contiguous (K-first) state where few tasks make the step a latency
-// chain and the block kernel's barriers cost more than those segments (bench/NOTES.md
-// (bi)); K a
+// copy bandwidth, bench/NOTES.md (ae)); K a
 // power of two in [32, 256] (no key masking); V a multiple of CW (no column masking);
 // states that allow aligned vector runs and whose head tiles are addressable in 32 bits;
 // token tensors of float32 or 16-bit with unit channel stride, aligned. The math is the
@@ -76,11 +73,10 @@ struct TokenTypes {
   __device__ static DType of(const TokenTensor& x) { return AllBf16 ? DType::bf16 : x.dtype; }
 };
 
-// One-warp blocks per SM the register budget is sized for. The K-first form runs where
-// tasks are few (a latency chain, not a stream): registers over residency, no spills.
-template <int RK, class T, bool kKeyFirst = false>
+// One-warp blocks per SM the register budget is sized for.
+template <int RK, class T>
 constexpr int warp_min_blocks() {
-  return RK >= 8 || kKeyFirst ? 12 : T::kAllBf16 ? 24 : 20;
+  return RK >= 8 ? 12 : T::kAllBf16 ? 24 : 20;
 }
 
 // Sums x[e] over the KL key lanes for every e < CPL, transposing as it goes: each exchange
@@ -235,38 +231,14 @@ __device__ void transform_lane_token(const RecurrentParams& p, const LaneToken<W
   }
 }
 
-// The lane's state x[kChunks][4]: chunk c holds keys key(4 (c / kColumns))..+3 of column
-// c % kColumns, a run of 4 adjacent elements of a V-first state. On a K-first state a run is
-// 4 adjacent columns of one key instead: run (r, h) holds columns 4 h .. 4 h + 3 of the
-// lane's key r, i.e. element m of it is x[(r / 4) kColumns + 4 h + m][r % 4]. Offsets are
-// 32-bit (the host checks that a tile's extent fits): a 64-bit offset per run would hold two
-// registers each through the task.
-template <class W, bool kKeyFirst>
-struct LaneRuns {
-  static constexpr int C = W::kColumns, kRuns = W::RK / 4 * C;
-  static_assert(!kKeyFirst || C % 4 == 0, "runs of 4 columns");
-  __device__ static int offset(const StateTensor& st, const W& tile, int col, int run) {
-    if constexpr (kKeyFirst) {
-      const int r = run / (C / 4), h = run % (C / 4);
-      return tile.key(r) * static_cast<int>(st.key_stride) + col + 4 * h;
-    } else {
-      return (col + run % C) * static_cast<int>(st.value_stride) + tile.key(4 * (run / C));
-    }
-  }
-  // Element m of run `run` in x (the chunk and the place in it).
-  __device__ static constexpr int chunk(int run, int m) {
-    if constexpr (kKeyFirst) {
-      const int r = run / (C / 4), h = run % (C / 4);
-      return (r / 4) * C + 4 * h + m;
-    } else {
-      return run;
-    }
-  }
-  __device__ static constexpr int place(int run, int m) {
-    if constexpr (kKeyFirst) return (run / (C / 4)) % 4;
-    else return m;
-  }
-};
+// Element offset of the lane's chunk c from the tile base: chunk c holds keys
+// key(4 (c / kColumns))..+3 of column c % kColumns. 32-bit (the host checks that a tile's
+// extent fits): a 64-bit offset per chunk would hold two registers each through the task.
+template <class W>
+__device__ __forceinline__ int chunk_offset(const StateTensor& st, const W& tile, int col, int c) {
+  constexpr int C = W::kColumns;
+  return (col + c % C) * static_cast<int>(st.value_stride) + tile.key(4 * (c / C));
+}
 
 // Plain loads: evict-first ones (ld.global.cs) measured ~2% slower at N = 256, where the
 // state streams through L2 once each way (bench/NOTES.md (aj)).
@@ -278,34 +250,6 @@ __device__ __forceinline__ void load_state_run(const __nv_bfloat16* p, float (&x
   const uint2 v = *reinterpret_cast<const uint2*>(p);
   x[0] = __uint_as_float(v.x << 16), x[1] = __uint_as_float(v.x & 0xffff0000u);
   x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
-}
-
-// The lane's state from a tile (LaneRuns' order), and back.
-template <class W, bool kKeyFirst, class S>
-__device__ __forceinline__ void load_lane_state(const S* src, const StateTensor& st,
-                                                const W& tile, int col,
-                                                float (&x)[LaneRuns<W, kKeyFirst>::kRuns][4]) {
-  using L = LaneRuns<W, kKeyFirst>;
-#pragma unroll
-  for (int run = 0; run < L::kRuns; ++run) {
-    float v[4];
-    load_state_run(src + L::offset(st, tile, col, run), v);
-#pragma unroll
-    for (int m = 0; m < 4; ++m) x[L::chunk(run, m)][L::place(run, m)] = v[m];
-  }
-}
-template <class W, bool kKeyFirst, class S>
-__device__ __forceinline__ void store_lane_state(S* dst, const StateTensor& st, const W& tile,
-                                                 int col,
-                                                 const float (&x)[LaneRuns<W, kKeyFirst>::kRuns][4]) {
-  using L = LaneRuns<W, kKeyFirst>;
-#pragma unroll
-  for (int run = 0; run < L::kRuns; ++run) {
-    float v[4];
-#pragma unroll
-    for (int m = 0; m < 4; ++m) v[m] = x[L::chunk(run, m)][L::place(run, m)];
-    store_run<4>(dst + L::offset(st, tile, col, run), 1, 4, true, v);
-  }
 }
 
 // A prefetch block's work: the whole state of (row n, value head hv), every value column,
@@ -323,7 +267,7 @@ __device__ __noinline__ void prefetch_pair(const RecurrentParams& p, int64_t n, 
 
 // One task: its token inputs, its state (zeros without an initial state), the steps, the
 // stores.
-template <class W, class T, class S, bool kKeyFirst>
+template <class W, class T, class S>
 __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w) {
   constexpr int RK = W::RK, CPL = W::kColumns, kChunks = RK / 4 * CPL;
   const int64_t n = w.n, hv = w.hv;
@@ -351,8 +295,10 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
 
   float x[kChunks][4];
   if (p.state_in.data) {
-    load_lane_state<W, kKeyFirst>(tile_base<const S>(p.state_in, w.start, hv), p.state_in, tile,
-                                  col, x);
+    const S* src = tile_base<const S>(p.state_in, w.start, hv);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      load_state_run(src + chunk_offset(p.state_in, tile, col, c), x[c]);
   } else {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c)
@@ -398,28 +344,28 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
     // S'' = S' + k r^T, kept for the next token and written to its slot, if any.
     const int64_t slot = slot_after(p, n, t, seq.len, w.start);
     S* const dst = slot >= 0 ? tile_base<S>(p.state_out, slot, hv) : nullptr;
-    // V-first: each run stored as soon as it is updated (the form measured at N = 256).
-    using L = LaneRuns<W, kKeyFirst>;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
       for (int m = 0; m < 4; ++m)
         x[c][m] = fmaf(in.k[4 * (c / CPL) + m], r_col[c % CPL], x[c][m]);
-      if (!kKeyFirst && dst) store_run<4>(dst + L::offset(p.state_out, tile, col, c), 1, 4, true, x[c]);
+      if (dst) store_run<4>(dst + chunk_offset(p.state_out, tile, col, c), 1, 4, true, x[c]);
     }
-    if (kKeyFirst && dst) store_lane_state<W, kKeyFirst>(dst, p.state_out, tile, col, x);
   }
-  if (!p.serving && seq.len == 0 && p.state_out.data)  // empty sequence: state passes through
-    store_lane_state<W, kKeyFirst>(tile_base<S>(p.state_out, n, hv), p.state_out, tile, col, x);
+  if (!p.serving && seq.len == 0 && p.state_out.data) {  // empty sequence: state passes through
+    S* const dst = tile_base<S>(p.state_out, n, hv);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      store_run<4>(dst + chunk_offset(p.state_out, tile, col, c), 1, 4, true, x[c]);
+  }
 }
 
 // Blocks of one warp: the task grid, else a grid-stride loop (only past 2^31 - 1 tasks).
 // With kPrefetch (the task grid only), each row and value head has a prefetch block past
 // its value tiles; a template parameter, so that the kernels without are unchanged by it.
-template <int KB, int RK, class T, class S, bool kPrefetch, bool kKeyFirst>
-__global__ void __launch_bounds__(32, (warp_min_blocks<RK, T, kKeyFirst>()))
+template <int KB, int RK, class T, class S, bool kPrefetch>
+__global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
     recurrent_warp_kernel(const __grid_constant__ RecurrentParams p) {
-  static_assert(!kKeyFirst || (RK == 4 && !kPrefetch), "K-first: 4 keys per lane, no prefetch");
   using W = WarpTile<KB, RK>;
   const W tile;
   if (p.task_grid) {  // the task is the block index: ~100 instructions of division saved
@@ -435,23 +381,16 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<RK, T, kKeyFirst>()))
     w.hv = static_cast<int>(blockIdx.y);
     w.n = blockIdx.z;
     w.start = start_slot(p, w.n);
-    return run_warp_task<W, T, S, kKeyFirst>(p, tile, w);
+    return run_warp_task<W, T, S>(p, tile, w);
   }
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   for (int64_t blk = blockIdx.x; blk < tasks; blk += gridDim.x)
-    run_warp_task<W, T, S, kKeyFirst>(p, tile, task_of<W::CW>(p, blk, tasks));
+    run_warp_task<W, T, S>(p, tile, task_of<W::CW>(p, blk, tasks));
 }
 
 template <int KB, int RK, class T, class S>
-void launch_kernel(const RecurrentParams& p, bool key_first, cudaStream_t stream) {
+void launch_kernel(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t tasks = p.N * p.HV * p.value_tiles;
-  const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
-                                       static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
-                                : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
-  if constexpr (RK == 4) {
-    if (key_first)
-      return recurrent_warp_kernel<KB, RK, T, S, false, true><<<grid, 32, 0, stream>>>(p);
-  }
   // Prefetch blocks only for the serving common case (bfloat16 tokens): a small
   // instantiation matrix.
   const int64_t rows = recurrent_prefetch_rows(p.prefetch_eighths, p.sms, warp_min_blocks<RK, T>(),
@@ -459,37 +398,39 @@ void launch_kernel(const RecurrentParams& p, bool key_first, cudaStream_t stream
   if (T::kAllBf16 && p.task_grid && rows > 0) {
     RecurrentParams q = p;
     q.prefetch_rows = rows;
-    const dim3 with_prefetch(static_cast<unsigned>(p.value_tiles + 1),
-                             static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N));
-    return recurrent_warp_kernel<KB, RK, T, S, T::kAllBf16, false>
-        <<<with_prefetch, 32, 0, stream>>>(q);
+    const dim3 grid(static_cast<unsigned>(p.value_tiles + 1), static_cast<unsigned>(p.HV),
+                    static_cast<unsigned>(p.N));
+    return recurrent_warp_kernel<KB, RK, T, S, T::kAllBf16><<<grid, 32, 0, stream>>>(q);
   }
-  recurrent_warp_kernel<KB, RK, T, S, false, false><<<grid, 32, 0, stream>>>(p);
+  const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
+                                       static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
+                                : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
+  recurrent_warp_kernel<KB, RK, T, S, false><<<grid, 32, 0, stream>>>(p);
 }
 
 template <class T, class S>
-void launch_for_k(const RecurrentParams& p, bool key_first, cudaStream_t stream) {
+void launch_for_k(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N * p.HV * p.value_tiles == 0) return;
   switch (p.K) {
-    case 32: return launch_kernel<32, 4, T, S>(p, key_first, stream);
-    case 64: return launch_kernel<64, 4, T, S>(p, key_first, stream);
+    case 32: return launch_kernel<32, 4, T, S>(p, stream);
+    case 64: return launch_kernel<64, 4, T, S>(p, stream);
     case 128:
-      if (p.warp_keys == 8) return launch_kernel<128, 8, T, S>(p, key_first, stream);
-      return launch_kernel<128, 4, T, S>(p, key_first, stream);
-    default: return launch_kernel<256, 8, T, S>(p, key_first, stream);
+      if (p.warp_keys == 8) return launch_kernel<128, 8, T, S>(p, stream);
+      return launch_kernel<128, 4, T, S>(p, stream);
+    default: return launch_kernel<256, 8, T, S>(p, stream);
   }
 }
 
 template <class S>
-void launch_for_tokens(const RecurrentParams& p, bool key_first, cudaStream_t stream) {
+void launch_for_tokens(const RecurrentParams& p, cudaStream_t stream) {
   const auto bf16 = [](const TokenTensor& x) { return x.dtype == DType::bf16; };
   // g and beta count only where the kernel reads them.
   const bool all_bf16 = bf16(p.q) && bf16(p.k) && bf16(p.v) && bf16(p.o) &&
                         (p.gate == GateForm::none || bf16(p.g)) && (!p.delta || bf16(p.beta));
   if (all_bf16)
-    launch_for_k<TokenTypes<true>, S>(p, key_first, stream);
+    launch_for_k<TokenTypes<true>, S>(p, stream);
   else
-    launch_for_k<TokenTypes<false>, S>(p, key_first, stream);
+    launch_for_k<TokenTypes<false>, S>(p, stream);
 }
 
 }  // namespace
@@ -505,13 +446,12 @@ int64_t recurrent_warp_columns(int64_t K, int keys_per_lane) {
   }
 }
 
-void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
-                           void* stream) {
+void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (state_dtype == DType::bf16)
-    launch_for_tokens<__nv_bfloat16>(p, !key_contiguous, s);
+    launch_for_tokens<__nv_bfloat16>(p, s);
   else
-    launch_for_tokens<float>(p, !key_contiguous, s);
+    launch_for_tokens<float>(p, s);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     throw Error(ErrorCode::runtime, std::string("CUDA recurrent warp kernel launch failed: ") +

@@ -249,66 +249,6 @@ TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
           }
 }
 
-// A [P, HV, A, B] pool as [P, HV, B, A] (K-first <-> V-first), element bytes moved as they are.
-HostTensor transposed_pool(const HostTensor& pool) {
-  const TensorView& v = pool.view;
-  const int64_t P = v.shape[0], HV = v.shape[1], A = v.shape[2], B = v.shape[3];
-  HostTensor out(v.dtype, {P, HV, B, A});
-  const size_t e = dtype_size(v.dtype);
-  for (int64_t t = 0; t < P * HV; ++t)
-    for (int64_t a = 0; a < A; ++a)
-      for (int64_t b = 0; b < B; ++b)
-        std::memcpy(out.bytes.data() + ((t * B + b) * A + a) * e,
-                    pool.bytes.data() + ((t * A + a) * B + b) * e, e);
-  return out;
-}
-
-// The warp kernel on K-first pools (FLASHDELTA_RECURRENT_TILE=warp; 4 keys per lane, K <= 128):
-// the same lanes and sums as on V-first pools, only the state's loads and stores address the
-// other layout, so a K-first step is bitwise the V-first step on the transposed pool (outputs
-// and every slot, poisoned ones untouched) and matches the reference. The block kernel, which
-// K-first pools take otherwise, sums in another order, so a step that fell back to it would
-// differ in the last bits. K = 32 (four column lanes per warp), 64 and 128; all-bfloat16
-// fused tokens and float16 ones with float32 output; float32 and bfloat16 pools; KDA and Gated
-// DeltaNet; a padding row; T = 1 and a 3-token step.
-TEST(CudaDecode, WarpKernelKeyFirstMatchesValueFirstBitwise) {
-  FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv warp("FLASHDELTA_RECURRENT_TILE", "warp");
-  struct Tokens {
-    const char* name;
-    DType inputs, o;
-  };
-  const Tokens kTokens[] = {{"bf16 fused, bf16 o", DType::bf16, DType::bf16},
-                            {"f16 fused, f32 o", DType::f16, DType::f32}};
-  const std::pair<int64_t, int64_t> kShapes[] = {{32, 64}, {64, 48}, {128, 24}};
-  uint64_t seed = 1200;
-  for (const auto& [K, V] : kShapes)
-    for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
-      for (const Tokens& tokens : kTokens)
-        for (const DType pool : {DType::f32, DType::bf16})
-          for (const int64_t T : {1, 3}) {
-            CaseConfig cfg = decode_config(m, 3, T, K, V, seed++);
-            cfg.layout = StateLayout::k_first;
-            cfg.dtype = tokens.inputs;
-            cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
-            if (m == Mechanism::kda) cfg.lower_bound = -5.0;
-            const DecodeCase kf = make_decode_case(cfg, 5, pool, {{3}, {-1}, {0}});
-            const std::string what = std::string(mechanism_name(m)) + " K=" + std::to_string(K) +
-                                     " V=" + std::to_string(V) + " T=" + std::to_string(T) +
-                                     " " + tokens.name + ", pool " + dtype_name(pool);
-            expect_decode_matches_reference(kf, what + ", k_first", decode_on_device, tokens.o);
-            DecodeCase vf = kf;
-            vf.c.cfg.layout = vf.c.options.state_layout = StateLayout::v_first;
-            vf.pool = transposed_pool(kf.pool);
-            HostTensor k_pool = kf.pool, v_pool = vf.pool;
-            HostTensor k_o = kf.c.make_output(tokens.o), v_o = vf.c.make_output(tokens.o);
-            decode_on_device(kf.args(k_o, k_pool), kf.c.options);
-            decode_on_device(vf.args(v_o, v_pool), vf.c.options);
-            EXPECT_EQ(k_o.bytes, v_o.bytes) << what << ": outputs";
-            EXPECT_EQ(transposed_pool(k_pool).bytes, v_pool.bytes) << what << ": pools";
-          }
-}
-
 // Decode case d (bfloat16 output) once under each value of the environment variable `name`:
 // every run matches the reference, and all are bitwise equal (outputs and pools).
 void expect_settings_agree_bitwise(const DecodeCase& d, const std::string& what, const char* name,
@@ -512,8 +452,7 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
 }
 
 // The kernel choice (host only): under `auto` the warp kernel wherever it takes the
-// problem, else the narrow tile below one wide block per SM; `warp` the same, and besides
-// the warp kernel on K-first states.
+// problem, else the narrow tile below one wide block per SM; `warp` the same.
 TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
   using detail::RecurrentKernel;
   using detail::cuda_recurrent_kernel;
@@ -537,16 +476,6 @@ TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
       EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks), RecurrentKernel::narrow);
     }
   expect_setting_rejected(kTile, "Narrow", [] { cuda_recurrent_kernel(64, 132, 0); });
-  // `warp` alone lets the warp kernel take K-first states (the host's warp_tasks).
-  for (const char* value : {static_cast<const char*>(nullptr), "", "auto", "wide", "narrow"}) {
-    const ScopedEnv env(kTile, value);
-    EXPECT_FALSE(detail::cuda_recurrent_warp_forced()) << (value ? value : "unset");
-  }
-  {
-    const ScopedEnv env(kTile, "warp");
-    EXPECT_TRUE(detail::cuda_recurrent_warp_forced());
-  }
-  expect_setting_rejected(kTile, "Warp", [] { detail::cuda_recurrent_warp_forced(); });
 }
 
 // The multiply-shift division the kernels use for the key head of a value head (host
