@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Every test: the ctest suite (Release, warnings as errors; with CUDA where nvcc is found,
 # the GPU tests skipping on a machine without a GPU, and the library compiled for sm_80
-# too), the same suite under
-# AddressSanitizer + UndefinedBehaviorSanitizer, and the libFuzzer targets for a bounded
-# time. FUZZ_SECONDS (default 60) bounds each fuzzer; JOBS defaults to the core count.
-# PRUNE_BUILD_TREES=1 (set by .ci/run) removes the sanitizer and fuzzer build trees once
-# their stage has passed, leaving the disk to the Python stage's torch.
+# too), the same suite under AddressSanitizer + UndefinedBehaviorSanitizer, and the
+# libFuzzer targets for a bounded time. FUZZ_SECONDS (default 60) bounds each fuzzer; JOBS
+# defaults to the core count. PRUNE_BUILD_TREES=1 (set by .ci/run) removes the sm_80,
+# sanitizer and fuzzer build trees once their stage has passed, leaving the disk to the
+# Python stage's torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${JOBS:-$(nproc)}
