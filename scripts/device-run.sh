@@ -70,7 +70,8 @@
 #                                  BASELINE_BENCH_BACKWARD_ARGS (defaults: this run's;
 #                                  name variants of this tree's in neither),
 #                                  BASELINE_KERNEL_BENCH_VARIANTS (default none: a variable
-#                                  of this tree may mean nothing there) and
+#                                  of this tree may mean nothing there),
+#                                  BASELINE_PREBUILT_KERNELS (default none: compiled) and
 #                                  FLASHDELTA_COMMIT=BASELINE_COMMIT; needs deps earlier in
 #                                  the run; -> baseline.tgz (its outputs) and its tables in
 #                                  the log. bench-chunk-baseline: the same stage's old name
@@ -105,6 +106,9 @@
 #   BUILD_TYPE   CMAKE_BUILD_TYPE (default Release)
 #   BUILD_DIR    the CMake build folder (default build-device; kept between calls while the
 #                machine stays warm, so a second run builds incrementally)
+#   PREBUILT_KERNELS  the CUDA kernels' objects compiled elsewhere (default: .whl/kernels where
+#                it exists, packed by scripts/pack-kernels.sh; "" compiles them): linked where
+#                their stamp is this tree's, else compiled (cmake/prebuilt_kernels.cmake)
 #   CMAKE_ARGS   extra configure arguments; FD_CUDA=OFF configures without CUDA (to check this
 #                script on a machine without a GPU)
 #   TRITON_CACHE_DIR  Triton's cache (default: .triton-cache in the tree). fla's kernels take
@@ -141,6 +145,7 @@ export CUDA_ARCH=${CUDA_ARCH:-90a}
 export BUILD_TYPE=${BUILD_TYPE:-Release}
 export BUILD=${BUILD_DIR:-$ROOT/build-device}
 export FD_CUDA=${FD_CUDA:-ON} CMAKE_ARGS=${CMAKE_ARGS:-}
+if [ -d .whl/kernels ]; then export PREBUILT_KERNELS=${PREBUILT_KERNELS-$ROOT/.whl/kernels}; fi
 # python/flashdelta plus the module built in $BUILD (another for the baseline stage's tree)
 export PKG=${PKG_DIR:-/tmp/fd-python}
 export DEPS=/tmp/devdeps
@@ -212,7 +217,7 @@ stage_configure() {
   local common=(-S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE"
                 -DFLASHDELTA_CUDA="$FD_CUDA" -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH"
                 -DCMAKE_PREFIX_PATH="$DEPS/usr" -DPython_EXECUTABLE="$(command -v python3)"
-                $CMAKE_ARGS)
+                -DFLASHDELTA_PREBUILT_KERNELS="${PREBUILT_KERNELS:-}" $CMAKE_ARGS)
   if cmake "${common[@]}" -DFLASHDELTA_PYTHON=ON; then
     return 0
   fi
@@ -310,6 +315,7 @@ stage_baseline() {
   rm -rf "$dir" && mkdir -p "$dir" && tar xf "$BASELINE_TAR" -C "$dir" || return 1
   ln -sfn "$ROOT/.whl" "$dir/.whl"
   (cd "$dir" && OUT=$OUT/baseline PKG_DIR=/tmp/fd-python-baseline BUILD_DIR=$dir/build-device \
+    PREBUILT_KERNELS=${BASELINE_PREBUILT_KERNELS:-} \
     FLASHDELTA_COMMIT=${BASELINE_COMMIT:-baseline} BUILD_TARGETS=${BASELINE_BUILD_TARGETS:-_C} \
     STAGES=${BASELINE_STAGES:-"configure build bench-chunk"} \
     BENCH_CHUNK_ARGS=${BASELINE_BENCH_CHUNK_ARGS:-$BENCH_CHUNK_ARGS} \
