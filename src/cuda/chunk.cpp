@@ -34,9 +34,9 @@ constexpr const char* kStateStagesSetting = "FLASHDELTA_CHUNK_STATE_STAGES";
 // (ChunkParams::inverse_one_product): opt-in (-1-3% of the prepare kernel, outputs moved by
 // up to 2e-3 in weak-gate cases: bench/NOTES.md (at), (av)).
 constexpr const char* kInverseSetting = "FLASHDELTA_CHUNK_INVERSE";
-// `split` takes A_qk and its slices' operands as bfloat16 pairs (ChunkParams::split_aqk);
-// `auto` and `bf16` keep single bfloat16 until the pair is measured on a GPU (bench/NOTES.md
-// (as)).
+// `split` takes A_qk and its slices' operands as bfloat16 pairs (ChunkParams::split_aqk):
+// issue 5's first row 4.1e-3 -> 3.0e-3 against fp64, at +15% of the KDA forward (H100,
+// bench/NOTES.md (bk)). `auto` and `bf16` keep single bfloat16.
 constexpr const char* kAqkSetting = "FLASHDELTA_CHUNK_AQK";
 // A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
 // records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter

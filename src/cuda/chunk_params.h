@@ -88,7 +88,8 @@ struct ChunkParams {
   // keeps; the key tiles' operands are exact already) and store it as such a pair (aqk_lo
   // below), and
   // the state kernel takes A_qk v_new as two products. A template parameter of both kernels:
-  // those without it are unchanged by it. Opt-in until measured (FLASHDELTA_CHUNK_AQK=split).
+  // those without it are unchanged by it. Opt-in (FLASHDELTA_CHUNK_AQK=split): +15% of the KDA
+  // forward for 4.1e-3 -> 3.0e-3 (bench/NOTES.md (bk)).
   bool split_aqk = false;
   // [records][C, C] bf16, with split_aqk: A_qk - aqk rounded again (aqk + aqk_lo carries ~16
   // bits; record_of). These two last, so that the other members' offsets stay those of the
@@ -98,8 +99,8 @@ struct ChunkParams {
   // split hi + lo, float32's precision). T is rounded to bfloat16 next, and o's error against
   // fp64 moves by under 1% in the rounding model, but where T is far from the identity (weak
   // gates, beta near 1) its bfloat16 entries round differently and o moves by ~2e-3 from the
-  // three-product form (bench/NOTES.md (at)). Opt-in until measured
-  // (FLASHDELTA_CHUNK_INVERSE=tf32); not with split_aqk.
+  // three-product form (bench/NOTES.md (at)). Opt-in (FLASHDELTA_CHUNK_INVERSE=tf32; -1% of
+  // the KDA prepare kernel, -3% of GDN's in (av)); not with split_aqk.
   bool inverse_one_product = false;
 };
 

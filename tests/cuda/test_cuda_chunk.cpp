@@ -719,7 +719,7 @@ TEST(CudaChunk, InverseOrdersAgree) {
 }
 
 // A_qk as a bfloat16 pair hi + lo (FLASHDELTA_CHUNK_AQK=split) against single bfloat16 (the
-// default until the pair is measured): its operands' and its own rounding are the output's
+// default; the pair costs +15% of the KDA forward, bench/NOTES.md (bk)): its operands' and its own rounding are the output's
 // largest errors with a vector gate. In the rounding model (bench/NOTES.md (f), (as), (bf)) the
 // pair, with the column operands' low parts on the diagonal blocks only, takes KDA's output
 // error from 3.8e-3 to 2.54e-3 (0.665), and the partial forms a bug would leave stay above
