@@ -4,14 +4,16 @@
 # cmake/prebuilt_kernels.cmake checks that they are this tree's). Carry the folder with the
 # device tool (it lies in .whl/, which travels anyway); scripts/device-run.sh finds it there.
 #   scripts/pack-kernels.sh [DEST]    DEST defaults to .whl/kernels
-# BUILD_DIR (default build) is reconfigured for what the device builds (Release, sm_90a, no
-# extra CUDA flags) and its kernels built; JOBS defaults to the core count.
+# BUILD_DIR (default build) is reconfigured for what the device builds (Release, sm_90a,
+# CUDA_FLAGS: none by default; -lineinfo for the harness's ncu stages, whose CMAKE_ARGS then
+# name the same flags) and its kernels built; JOBS defaults to the core count.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build}
 dest=${1:-.whl/kernels}
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DFLASHDELTA_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_CUDA_FLAGS= -DFLASHDELTA_PREBUILT_KERNELS= >/dev/null
+  -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" \
+  -DFLASHDELTA_PREBUILT_KERNELS= >/dev/null
 cmake --build "$build" -j "${JOBS:-$(nproc)}" --target flashdelta_cuda_kernels
 rm -rf "$dest" && mkdir -p "$dest"
 find "$build/CMakeFiles/flashdelta_cuda_kernels.dir" -name '*.cu.o' -exec cp {} "$dest/" \;
