@@ -25,7 +25,7 @@ foreach(_fd_file CMakeLists.txt cmake/prebuilt_kernels.cmake ${_fd_inputs})
   string(APPEND _fd_text "${_fd_hash} ${_fd_file}\n")
 endforeach()
 string(SHA256 flashdelta_kernels_stamp "${_fd_text}")
-file(WRITE ${CMAKE_BINARY_DIR}/flashdelta_kernels.stamp "${flashdelta_kernels_stamp}\n")
+file(WRITE ${CMAKE_CURRENT_BINARY_DIR}/flashdelta_kernels.stamp "${flashdelta_kernels_stamp}\n")
 
 set(flashdelta_prebuilt_kernel_objects "")
 if(FLASHDELTA_PREBUILT_KERNELS)
