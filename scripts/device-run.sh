@@ -106,9 +106,10 @@
 #   BUILD_TYPE   CMAKE_BUILD_TYPE (default Release)
 #   BUILD_DIR    the CMake build folder (default build-device; kept between calls while the
 #                machine stays warm, so a second run builds incrementally)
-#   PREBUILT_KERNELS  the CUDA kernels' objects compiled elsewhere (default: .whl/kernels where
-#                it exists, packed by scripts/pack-kernels.sh; "" compiles them): linked where
-#                their stamp is this tree's, else compiled (cmake/prebuilt_kernels.cmake)
+#   PREBUILT_KERNELS  the CUDA kernels' objects compiled elsewhere, an archive from
+#                scripts/pack-kernels.sh (default: .whl/kernels.tgz where it exists; "" compiles
+#                them): unpacked and linked where their stamp is this tree's, else compiled
+#                (cmake/prebuilt_kernels.cmake)
 #   CMAKE_ARGS   extra configure arguments; FD_CUDA=OFF configures without CUDA (to check this
 #                script on a machine without a GPU)
 #   TRITON_CACHE_DIR  Triton's cache (default: .triton-cache in the tree). fla's kernels take
@@ -145,7 +146,7 @@ export CUDA_ARCH=${CUDA_ARCH:-90a}
 export BUILD_TYPE=${BUILD_TYPE:-Release}
 export BUILD=${BUILD_DIR:-$ROOT/build-device}
 export FD_CUDA=${FD_CUDA:-ON} CMAKE_ARGS=${CMAKE_ARGS:-}
-if [ -d .whl/kernels ]; then export PREBUILT_KERNELS=${PREBUILT_KERNELS-$ROOT/.whl/kernels}; fi
+if [ -f .whl/kernels.tgz ]; then export PREBUILT_KERNELS=${PREBUILT_KERNELS-$ROOT/.whl/kernels.tgz}; fi
 # python/flashdelta plus the module built in $BUILD (another for the baseline stage's tree)
 export PKG=${PKG_DIR:-/tmp/fd-python}
 export DEPS=/tmp/devdeps
@@ -213,11 +214,17 @@ stage_deps() {
 }
 
 stage_configure() {
+  local prebuilt=""
+  if [ -n "${PREBUILT_KERNELS:-}" ]; then
+    prebuilt=/tmp/fd-prebuilt-kernels
+    rm -rf "$prebuilt" && mkdir -p "$prebuilt" && tar xzf "$PREBUILT_KERNELS" -C "$prebuilt" ||
+      { echo "!! cannot unpack PREBUILT_KERNELS=$PREBUILT_KERNELS: compiling the kernels"; prebuilt=""; }
+  fi
   # shellcheck disable=SC2206
   local common=(-S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE"
                 -DFLASHDELTA_CUDA="$FD_CUDA" -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH"
                 -DCMAKE_PREFIX_PATH="$DEPS/usr" -DPython_EXECUTABLE="$(command -v python3)"
-                -DFLASHDELTA_PREBUILT_KERNELS="${PREBUILT_KERNELS:-}" $CMAKE_ARGS)
+                -DFLASHDELTA_PREBUILT_KERNELS="$prebuilt" $CMAKE_ARGS)
   if cmake "${common[@]}" -DFLASHDELTA_PYTHON=ON; then
     return 0
   fi
