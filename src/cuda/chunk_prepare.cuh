@@ -57,6 +57,11 @@ constexpr float kMinGateLog2 = -64.f;
 // A per-step log2 gate floored at kMinGateLog2 (NaN stays NaN: bad input is not hidden).
 __device__ __forceinline__ float floor_gate(float g) { return g < kMinGateLog2 ? kMinGateLog2 : g; }
 constexpr int kSliceLd = kSlice + 8;
+// The float32 rows of a slice (q, k, Gamma) are 36 floats apart: a quarter-warp's 16-byte
+// stores and loads in stage_slice and write_slice_factors (two tokens, four runs of 8
+// channels each) then fall in distinct banks, where rows of 32 floats put both tokens' runs
+// in the same four banks (two wavefronts for one).
+constexpr int kStageLd = kSlice + 4;
 // Token-major passes over a slice: kGroups threads per token, 8 channels each.
 constexpr int kGroups = kSlice / 8, kTokensPerPass = kThreads / kGroups, kPasses = kChunk / kTokensPerPass;
 static_assert(kThreads / kSlice == 4, "one thread per (row block, channel) of a slice");
@@ -74,9 +79,9 @@ template <int KP>
 struct PrepareShared {
   // Per key slice (steps 1-2).
   struct Slice {
-    alignas(16) float q[kChunk][kSlice];  // transformed q, k (zero past len / K)
-    alignas(16) float k[kChunk][kSlice];
-    alignas(16) float gamma[kChunk][kSlice];  // vector gate: Gamma after each token
+    alignas(16) float q[kChunk][kStageLd];  // transformed q, k (zero past len / K)
+    alignas(16) float k[kChunk][kStageLd];
+    alignas(16) float gamma[kChunk][kStageLd];  // vector gate: Gamma after each token
     alignas(16) bf16 xq[4][kSubChunk][kSliceLd];  // row factors per warp
     alignas(16) bf16 xk[4][kSubChunk][kSliceLd];  // vector gate only (else kbar's rows)
     // Column factors per row block (kbar_base); without a vector gate rows 0 .. 63 hold k.
@@ -410,10 +415,12 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
   auto& s = sh.u.s;
   const int I = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = kSubChunk * I;
   const bool exact = G != GateForm::vector || s.exact[I][lane];  // lane = key channel here
-  // The factors: a lane takes a pair of channels (cp, cp + 1) and every other row or token
-  // (parity h), so that each float32 read and bfloat16 store moves the pair at once.
+  // The factors: a lane takes a pair of channels (cp, cp + 1) and half of the rows or tokens
+  // (h), so that each float32 read and bfloat16 store moves the pair at once. The half-warps
+  // take rows 4 apart (320 bytes of xq or kbar: the other 16 banks), not adjacent ones (80
+  // bytes: 4 banks in common).
   const int cp = 2 * (lane % 16), h = lane / 16;
-  auto pair = [&](const float (&row)[kSlice]) { return *reinterpret_cast<const float2*>(&row[cp]); };
+  auto pair = [&](const float* row) { return *reinterpret_cast<const float2*>(row + cp); };
   auto store = [&](bf16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = pack_bf16(lo, hi); };
   // split_aqk: the low parts of a diagonal-block column factor pair of token j (block B;
   // without a vector gate the row is j: every token's factor is k_j).
@@ -424,7 +431,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
     const float2 r = G == GateForm::vector ? pair(s.ref[I]) : make_float2(0.f, 0.f);
 #pragma unroll
     for (int u = 0; u < kSubChunk / 2; ++u) {
-      const int i = 2 * u + h;
+      const int i = u % 4 + 8 * (u / 4) + 4 * h;
       float2 e = make_float2(1.f, 1.f);
       if constexpr (G == GateForm::vector) {
         const float2 g = pair(s.gamma[r0 + i]);
