@@ -4,7 +4,8 @@
 ncu attributes warp-stall samples and executed instructions to SASS instructions and, with
 -lineinfo, to the CUDA source lines they came from. This sums them per kernel and source
 line and prints the lines with the most samples, with each line's two largest stall
-reasons. It is how the chunk kernels' per-element loads, column factors and record fetch
+reasons, then, for each "...Excessive" column of the export (e.g. shared-memory wavefronts
+beyond the minimum: bank conflicts), the lines with the most. It is how the chunk kernels' per-element loads, column factors and record fetch
 were found (bench/NOTES.md, 2026-11-30 (d)).
 
 On the device (a -lineinfo build of the program, e.g. CMAKE_CUDA_FLAGS=-lineinfo):
@@ -36,8 +37,15 @@ def short_kernel(name):
     return f"{base}<{','.join(values)}>"
 
 
+def count(text):
+    """An ncu number ('1,234' or '1234'), or None for an empty or other cell."""
+    text = text.replace(",", "").strip()
+    return int(text) if text.isdigit() else None
+
+
 def read(path):
-    """{kernel: {(file, line): [samples, instructions, Counter(stall reason), source]}}."""
+    """{kernel: {(file, line): [samples, instructions, Counter(stall reason), source,
+    Counter(excess metric)]}}."""
     kernels = collections.defaultdict(dict)
     file = kernel = None
     header = None
@@ -57,13 +65,19 @@ def read(path):
                     samples, instr = int(row[col[SAMPLES]]), int(row[col[INSTRUCTIONS]])
                 except (KeyError, ValueError):
                     continue
-                entry = kernels[kernel].setdefault((file, int(row[0])),
-                                                   [0, 0, collections.Counter(), row[1].strip()])
+                entry = kernels[kernel].setdefault(
+                    (file, int(row[0])),
+                    [0, 0, collections.Counter(), row[1].strip(), collections.Counter()])
                 entry[0] += samples
                 entry[1] += instr
                 for i, h in enumerate(header):
-                    if h.startswith("stall_") and "Not Issued" not in h and row[i].isdigit():
-                        entry[2][h[len("stall_"):]] += int(row[i])
+                    n = count(row[i]) if i < len(row) else None
+                    if n is None:
+                        continue
+                    if h.startswith("stall_") and "Not Issued" not in h:
+                        entry[2][h[len("stall_"):]] += n
+                    elif "Excessive" in h:
+                        entry[4][h] += n
     return kernels
 
 
@@ -72,6 +86,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv", help="ncu --page source --csv --print-source cuda,sass output")
     p.add_argument("--top", type=int, default=25, help="lines per kernel")
+    p.add_argument("--top-excess", type=int, default=10,
+                   help='lines per kernel and "...Excessive" column')
     args = p.parse_args(argv)
     kernels = read(args.csv)
     if not kernels:
@@ -84,10 +100,19 @@ def main(argv=None):
               + ", ".join(f"{r} {100 * n // total_s}%" for r, n in stalls.most_common(7)))
         print(f"{'samples':>8} {'instr':>6}  line  [top stalls, % of the line]  source")
         ranked = sorted(lines.items(), key=lambda kv: -kv[1][0])[:args.top]
-        for (file, line), (s, i, reasons, source) in ranked:
+        for (file, line), (s, i, reasons, source, _) in ranked:
             top = ", ".join(f"{r} {100 * n // max(s, 1)}" for r, n in reasons.most_common(2))
             print(f"{100 * s / total_s:7.1f}% {100 * i / total_i:5.1f}%  {file}:{line} [{top}]  "
                   f"{source[:70]}")
+        excess = sum((e[4] for e in lines.values()), collections.Counter())
+        for metric, total in sorted(excess.items()):
+            if total == 0:
+                continue
+            print(f"  {metric}: {total} in all; the lines with the most")
+            ranked = sorted(lines.items(), key=lambda kv: -kv[1][4][metric])[:args.top_excess]
+            for (file, line), entry in ranked:
+                if entry[4][metric]:
+                    print(f"{100 * entry[4][metric] / total:7.1f}%  {file}:{line}  {entry[3][:70]}")
         print()
 
 
