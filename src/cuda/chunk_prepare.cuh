@@ -150,7 +150,7 @@ static_assert(2 * sizeof(bf16) * kChunk * 64 <= sizeof(float) * kChunk * (kChunk
               "T in bfloat16 and beta v fit in the places of A_kk and T in float32");
 // Three blocks per SM at KP <= 128 (the kernel is latency-bound: more warps hide more); the
 // cap of 168 registers spills a few loop-invariant values with the vector gate (ptxas at
-// KP = 128: 20 bytes). Shared memory allows 3 at KP <= 128 only (71 KB a block at KP = 128),
+// KP = 128: 20 bytes). Shared memory allows 3 at KP <= 128 only (74 KB a block at KP = 128),
 // and with the key tiles 4 (55 KB; their 128 registers spill nothing).
 constexpr int kMinBlocks(int KP, bool key_tiles) {
   return KP > 128 ? 2 : key_tiles ? 4 : 3;
