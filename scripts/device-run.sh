@@ -108,9 +108,10 @@
 #                machine stays warm, so a second run builds incrementally)
 #   PREBUILT_KERNELS  the CUDA kernels' objects compiled elsewhere, an archive from
 #                scripts/pack-kernels.sh (default: .whl/kernels.tgz where it exists; "" compiles
-#                them): unpacked and linked where their stamp is this tree's, else compiled
-#                (cmake/prebuilt_kernels.cmake)
-#   CMAKE_ARGS   extra configure arguments; FD_CUDA=OFF configures without CUDA (to check this
+#                them): unpacked into the build folder and linked where their stamp is this
+#                tree's, else compiled (cmake/prebuilt_kernels.cmake; the configure stage says so)
+#   CMAKE_ARGS   extra configure arguments (CMAKE_CUDA_FLAGS is reset to none at each configure
+#                unless they set it, e.g. -DCMAKE_CUDA_FLAGS=-lineinfo for the ncu stages); FD_CUDA=OFF configures without CUDA (to check this
 #                script on a machine without a GPU)
 #   TRITON_CACHE_DIR  Triton's cache (default: .triton-cache in the tree). fla's kernels take
 #                minutes of autotuning per new shape; Triton keeps the winners there
@@ -214,24 +215,36 @@ stage_deps() {
 }
 
 stage_configure() {
-  local prebuilt=""
-  if [ -n "${PREBUILT_KERNELS:-}" ]; then
-    prebuilt=/tmp/fd-prebuilt-kernels
-    rm -rf "$prebuilt" && mkdir -p "$prebuilt" && tar xzf "$PREBUILT_KERNELS" -C "$prebuilt" ||
-      { echo "!! cannot unpack PREBUILT_KERNELS=$PREBUILT_KERNELS: compiling the kernels"; prebuilt=""; }
+  # The prebuilt kernels are unpacked into the build folder (each tree's its own), and
+  # CMAKE_CUDA_FLAGS is reset each time (CMAKE_ARGS may set it again): a warm folder keeps
+  # neither another archive's objects nor an earlier call's -lineinfo.
+  local prebuilt=()
+  if [ -n "${PREBUILT_KERNELS:-}" ] && [ "$FD_CUDA" != OFF ]; then
+    local dir=$BUILD/prebuilt-kernels-unpacked
+    if rm -rf "$dir" && mkdir -p "$dir" && tar xzf "$PREBUILT_KERNELS" -C "$dir"; then
+      prebuilt=(-DFLASHDELTA_PREBUILT_KERNELS="$dir")
+    else
+      echo "!! cannot unpack PREBUILT_KERNELS=$PREBUILT_KERNELS: compiling the kernels"
+    fi
   fi
+  [ ${#prebuilt[@]} -gt 0 ] || [ "$FD_CUDA" = OFF ] || prebuilt=(-DFLASHDELTA_PREBUILT_KERNELS=)
   # shellcheck disable=SC2206
   local common=(-S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE"
                 -DFLASHDELTA_CUDA="$FD_CUDA" -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH"
                 -DCMAKE_PREFIX_PATH="$DEPS/usr" -DPython_EXECUTABLE="$(command -v python3)"
-                -DFLASHDELTA_PREBUILT_KERNELS="$prebuilt" $CMAKE_ARGS)
-  if cmake "${common[@]}" -DFLASHDELTA_PYTHON=ON; then
-    return 0
+                -DCMAKE_CUDA_FLAGS= "${prebuilt[@]}" $CMAKE_ARGS)
+  local rc=0
+  if ! cmake "${common[@]}" -DFLASHDELTA_PYTHON=ON; then
+    echo "!! configuring with the Python module failed; configuring without it"
+    rm -f "$BUILD/CMakeCache.txt"
+    cmake "${common[@]}" -DFLASHDELTA_PYTHON=OFF
+    rc=1
   fi
-  echo "!! configuring with the Python module failed; configuring without it"
-  rm -f "$BUILD/CMakeCache.txt"
-  cmake "${common[@]}" -DFLASHDELTA_PYTHON=OFF
-  return 1
+  if [ -n "${PREBUILT_KERNELS:-}" ] && ! grep -q "^FLASHDELTA_PREBUILT_KERNELS_USED:INTERNAL=ON" \
+       "$BUILD/CMakeCache.txt" 2>/dev/null; then
+    echo "!! the prebuilt kernels were not used (see the warning above): the build compiles them"
+  fi
+  return $rc
 }
 
 stage_build() {

@@ -5,23 +5,30 @@
 # device tool (it lies in .whl/); scripts/device-run.sh finds it there. Gzipped, because the
 # device tool takes 64 MiB in all, the tree included (27 MB of objects -> 12; 61 -> 21 with
 # -lineinfo).
-#   scripts/pack-kernels.sh [DEST]    DEST defaults to .whl/kernels.tgz
-# BUILD_DIR (default build) is reconfigured for what the device builds (Release, sm_90a,
-# CUDA_FLAGS: none by default; -lineinfo for the harness's ncu stages, whose CMAKE_ARGS then
-# name the same flags) and its kernels built; JOBS defaults to the core count.
+#   scripts/pack-kernels.sh [DEST]    DEST defaults to .whl/kernels.tgz in the repository
+# BUILD_DIR (default build-kernels in the repository, a folder of its own: it is configured
+# afresh each time) is configured as the device builds (Ninja, Release, sm_90a, CUDA_FLAGS:
+# none by default; -lineinfo for the harness's ncu stages, whose CMAKE_ARGS then name the
+# same flags) and its kernels built; JOBS defaults to the core count.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-build=${BUILD_DIR:-build}
-dest=${1:-.whl/kernels.tgz}
+root=$(cd "$(dirname "$0")/.." && pwd)
+dest=$(realpath -m "${1:-$root/.whl/kernels.tgz}")
+build=$(realpath -m "${BUILD_DIR:-$root/build-kernels}")
 stage=$(mktemp -d)
-trap 'rm -rf "$stage"' EXIT
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DFLASHDELTA_CUDA=ON \
+trap 'rm -rf "$stage" "$dest.tmp"' EXIT
+cmake --fresh -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHDELTA_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" \
-  -DFLASHDELTA_PREBUILT_KERNELS= >/dev/null
+  -DFLASHDELTA_PREBUILT_KERNELS= -DFLASHDELTA_BUILD_TESTS=OFF -DFLASHDELTA_BUILD_TOOLS=OFF \
+  >/dev/null
 cmake --build "$build" -j "${JOBS:-$(nproc)}" --target flashdelta_cuda_kernels
-find "$build/CMakeFiles/flashdelta_cuda_kernels.dir" -name '*.cu.o' -exec cp {} "$stage/" \;
+mapfile -t objects < "$build/flashdelta_kernel_objects-Release.txt"
+for o in "${objects[@]}"; do
+  [ -n "$o" ] || continue
+  case $o in /*) ;; *) o=$build/$o ;; esac
+  cp "$o" "$stage/"
+done
 cp "$build/flashdelta_kernels.stamp" "$stage/"
 mkdir -p "$(dirname "$dest")"
-tar czf "$dest" -C "$stage" .
+tar czf "$dest.tmp" -C "$stage" . && mv "$dest.tmp" "$dest"
 echo "packed $(ls "$stage"/*.o | wc -l) objects ($(du -sh "$dest" | cut -f1)) into $dest," \
   "stamp $(cat "$stage/flashdelta_kernels.stamp")"
