@@ -110,9 +110,10 @@
 #                scripts/pack-kernels.sh (default: .whl/kernels.tgz where it exists; "" compiles
 #                them): unpacked into the build folder and linked where their stamp is this
 #                tree's, else compiled (cmake/prebuilt_kernels.cmake; the configure stage says so)
-#   CMAKE_ARGS   extra configure arguments (CMAKE_CUDA_FLAGS is reset to none at each configure
-#                unless they set it, e.g. -DCMAKE_CUDA_FLAGS=-lineinfo for the ncu stages); FD_CUDA=OFF configures without CUDA (to check this
-#                script on a machine without a GPU)
+#   CMAKE_ARGS   extra configure arguments (CMAKE_CUDA_FLAGS is reset to none at each
+#                configure unless they set it, e.g. -DCMAKE_CUDA_FLAGS=-lineinfo for the ncu
+#                stages); FD_CUDA=OFF configures without CUDA (to check this script on a
+#                machine without a GPU)
 #   TRITON_CACHE_DIR  Triton's cache (default: .triton-cache in the tree). fla's kernels take
 #                minutes of autotuning per new shape; Triton keeps the winners there
 #                (*.autotune.json, keyed by Triton, GPU, kernel source and shape). The run
@@ -218,7 +219,9 @@ stage_configure() {
   # The prebuilt kernels are unpacked into the build folder (each tree's its own), and
   # CMAKE_CUDA_FLAGS is reset each time (CMAKE_ARGS may set it again): a warm folder keeps
   # neither another archive's objects nor an earlier call's -lineinfo.
+  # Without CUDA the project has no such variable; with it, "" clears an earlier call's.
   local prebuilt=()
+  [ "$FD_CUDA" = OFF ] || prebuilt=(-DFLASHDELTA_PREBUILT_KERNELS=)
   if [ -n "${PREBUILT_KERNELS:-}" ] && [ "$FD_CUDA" != OFF ]; then
     local dir=$BUILD/prebuilt-kernels-unpacked
     if rm -rf "$dir" && mkdir -p "$dir" && tar xzf "$PREBUILT_KERNELS" -C "$dir"; then
@@ -227,7 +230,6 @@ stage_configure() {
       echo "!! cannot unpack PREBUILT_KERNELS=$PREBUILT_KERNELS: compiling the kernels"
     fi
   fi
-  [ ${#prebuilt[@]} -gt 0 ] || [ "$FD_CUDA" = OFF ] || prebuilt=(-DFLASHDELTA_PREBUILT_KERNELS=)
   # shellcheck disable=SC2206
   local common=(-S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE"
                 -DFLASHDELTA_CUDA="$FD_CUDA" -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH"

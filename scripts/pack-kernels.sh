@@ -22,11 +22,7 @@ cmake --fresh -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH
   >/dev/null
 cmake --build "$build" -j "${JOBS:-$(nproc)}" --target flashdelta_cuda_kernels
 mapfile -t objects < "$build/flashdelta_kernel_objects-Release.txt"
-for o in "${objects[@]}"; do
-  [ -n "$o" ] || continue
-  case $o in /*) ;; *) o=$build/$o ;; esac
-  cp "$o" "$stage/"
-done
+cp "${objects[@]}" "$stage/"  # absolute paths, one per kernel source
 cp "$build/flashdelta_kernels.stamp" "$stage/"
 mkdir -p "$(dirname "$dest")"
 tar czf "$dest.tmp" -C "$stage" . && mv "$dest.tmp" "$dest"

@@ -5,8 +5,9 @@ ncu attributes warp-stall samples and executed instructions to SASS instructions
 -lineinfo, to the CUDA source lines they came from. This sums them per kernel and source
 line and prints the lines with the most samples, with each line's two largest stall
 reasons, then, for each "...Excessive" column of the export (e.g. shared-memory wavefronts
-beyond the minimum: bank conflicts), the lines with the most. It is how the chunk kernels' per-element loads, column factors and record fetch
-were found (bench/NOTES.md, 2026-11-30 (d)).
+beyond the minimum: bank conflicts), the lines with the most. It is how the chunk kernels'
+per-element loads, column factors and record fetch were found (bench/NOTES.md, 2026-11-30
+(d)).
 
 On the device (a -lineinfo build of the program, e.g. CMAKE_CUDA_FLAGS=-lineinfo):
     ncu --section SourceCounters --section WarpStateStats --import-source yes \\
