@@ -23,7 +23,7 @@ enum class RecurrentKernel { wide, narrow, warp };
 // K-first state or not (`k_first`). The environment variable FLASHDELTA_RECURRENT_TILE
 // picks: unset or `auto`, the warp kernel wherever it takes a V-first problem, and a
 // K-first one where the wide tile leaves SMs without a block (few sequences, where the
-// block kernel is latency-bound: bench/NOTES.md (bm)); else the narrow tile when the wide
+// block kernel is latency-bound: bench/NOTES.md (bn)); else the narrow tile when the wide
 // tile leaves SMs without a block, else the wide one. `wide` or `narrow`, that kernel (the
 // same sums in another order: equal to float32 rounding); `warp`, the warp kernel wherever
 // it takes the problem, else `auto`'s choice. Any other value throws
