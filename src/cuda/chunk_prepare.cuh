@@ -57,27 +57,13 @@ constexpr float kMinGateLog2 = -64.f;
 // A per-step log2 gate floored at kMinGateLog2 (NaN stays NaN: bad input is not hidden).
 __device__ __forceinline__ float floor_gate(float g) { return g < kMinGateLog2 ? kMinGateLog2 : g; }
 constexpr int kSliceLd = kSlice + 8;
-// The float32 rows of a slice (q, k, Gamma) are 36 floats apart (4 banks): a quarter-warp's
-// 16-byte accesses (8 consecutive tokens, stage_token) then fall in 8 distinct groups of 4
-// banks, where rows of 32 floats put them all in the same four.
+// The float32 rows of a slice (q, k, Gamma) are 36 floats apart: a quarter-warp's 16-byte
+// stores and loads in stage_slice and write_slice_factors (two tokens, four runs of 8
+// channels each) then fall in distinct banks, where rows of 32 floats put both tokens' runs
+// in the same four banks (two wavefronts for one).
 constexpr int kStageLd = kSlice + 4;
 // Token-major passes over a slice: kGroups threads per token, 8 channels each.
 constexpr int kGroups = kSlice / 8, kTokensPerPass = kThreads / kGroups, kPasses = kChunk / kTokensPerPass;
-constexpr int kTokensPerWarp = 32 / kGroups;
-static_assert(kGroups == 4 && kTokensPerWarp == 8, "a quarter-warp: 8 tokens, one run each");
-// The stage map of these passes, in fetch_slice, stage_slice, write_slice_factors and
-// finish_norms alike: in pass x lane l of warp w takes token 8 w + l % 8 + 32 x, channels
-// 8 (l / 8) .. + 7. A quarter-warp (the 8 lanes one wavefront of 16-byte accesses serves)
-// holds 8 consecutive tokens at the same channels: rows 4 banks apart (kStageLd floats,
-// wsrc's KP + 8 bfloat16) put them in distinct banks. A token's four threads as adjacent
-// lanes (two tokens a quarter-warp) cannot avoid conflicts in both: wsrc's rows share banks
-// unless 4 apart, and 4 float rows apart (16 banks) a token's runs, 4 banks every 8, fall
-// on the other's. Spelled with shifts: other spellings of the same map spilled more in
-// ptxas's allocation of the vector gate's general-input kernels.
-__device__ __forceinline__ int stage_token(int tid, int x) {
-  return ((tid >> 5) << 3 | (tid & 7)) + kTokensPerPass * x;  // 8 (tid / 32) + tid % 8
-}
-__device__ __forceinline__ int stage_c8(int tid) { return 8 * (tid % 32 / kTokensPerWarp); }
 static_assert(kThreads / kSlice == 4, "one thread per (row block, channel) of a slice");
 constexpr int kValueTile = 64;  // value columns of u per pass
 constexpr int kValueLd = kValueTile + 8;
@@ -226,8 +212,8 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
 }
 
 // The raw runs of key channels [c0, c0 + kSlice) of q, k and the vector gate that a thread
-// loads (the stage map: kGroups threads per token, 8 channels each; TokenRuns<Dense>):
-// fetched a slice ahead, so that their latency passes behind the previous slice's products.
+// loads (kGroups threads per token, 8 channels each; TokenRuns<Dense>): fetched a slice
+// ahead, so that their latency passes behind the previous slice's products.
 struct SliceRuns {
   Run8 q[kPasses], k[kPasses], g[kPasses];
 };
@@ -235,7 +221,7 @@ struct SliceRuns {
 template <GateForm G, bool Dense>
 __device__ SliceRuns fetch_slice(const RecurrentParams& p, const ChunkRef& ref, int64_t hv,
                                  int c0) {
-  const int tid = threadIdx.x, c8 = stage_c8(tid);
+  const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
   const int64_t key = c0 + c8, h = hv / p.group;
   const int valid_k = clamp_run(p.K - key);
   const int64_t oq = token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1] + key * p.q.stride[3];
@@ -245,7 +231,7 @@ __device__ SliceRuns fetch_slice(const RecurrentParams& p, const ChunkRef& ref, 
   SliceRuns r;
 #pragma unroll
   for (int x = 0; x < kPasses; ++x) {
-    const int t = stage_token(tid, x);
+    const int t = tid / kGroups + x * kTokensPerPass;
     const int valid = t < ref.len ? valid_k : 0;
     r.q[x] = Runs::load(p.q, oq + t * p.q.stride[1], valid);
     r.k[x] = Runs::load(p.k, ok + t * p.k.stride[1], valid);
@@ -263,13 +249,13 @@ __device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, con
                            const SliceRuns& runs, float a_gate, int c0, float (&sq)[kPasses],
                            float (&sk)[kPasses]) {
   auto& s = sh.u.s;
-  const int tid = threadIdx.x, c8 = stage_c8(tid);
+  const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
   const int valid_k = clamp_run(p.K - (c0 + c8));
   using Runs = TokenRuns<Dense>;
   const Run8 (&rq)[kPasses] = runs.q, (&rk)[kPasses] = runs.k, (&rg)[kPasses] = runs.g;
 #pragma unroll
   for (int x = 0; x < kPasses; ++x) {
-    const int t = stage_token(tid, x);
+    const int t = tid / kGroups + x * kTokensPerPass;
     float q[8], k[8], g[8] = {};
     Runs::to_float(rq[x], p.q, q);
     Runs::to_float(rk[x], p.k, k);
@@ -351,14 +337,14 @@ template <GateForm G, int KP>
 __device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>& sh,
                                     const Record& rec, const ChunkRef& ref, int c0) {
   const auto& s = sh.u.s;
-  const int tid = threadIdx.x, c8 = stage_c8(tid);
+  const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
   if (tid < kSlice) rec.decay[c0 + tid] = exp2_approx(gamma_at<G>(sh, ref.len - 1, tid));
   float gend[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) gend[e] = gamma_at<G>(sh, ref.len - 1, c8 + e);
 #pragma unroll
   for (int x = 0; x < kPasses; ++x) {
-    const int t = stage_token(tid, x);
+    const int t = tid / kGroups + x * kTokensPerPass;
     float qg[8], kg[8], wk[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -625,8 +611,7 @@ __device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& 
 
 // The inverse lengths of q and k, 1 / sqrt(sum of squares + eps) with the L2 norm and 1
 // without (0 past the chunk's last token), from the sums stage_slice gathered (two shuffles per
-// pass: a token's kGroups threads are lanes 8 apart, stage_token; paired as adjacent lanes
-// were, (c0 + c1) + (c2 + c3), so the sums are the same), to the record and k's to shared
+// pass: a token's kGroups threads are adjacent lanes), to the record and k's to shared
 // memory, which the caller's barrier publishes.
 template <int KP>
 __device__ void finish_norms(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
@@ -635,9 +620,9 @@ __device__ void finish_norms(const RecurrentParams& p, PrepareShared<KP>& sh, co
   const int tid = threadIdx.x;
 #pragma unroll
   for (int x = 0; x < kPasses; ++x) {
-    const int t = stage_token(tid, x);
-    const float q2 = lane_sum<kTokensPerWarp, 16>(sq[x]), k2 = lane_sum<kTokensPerWarp, 16>(sk[x]);
-    if (stage_c8(tid) == 0) {
+    const int t = tid / kGroups + x * kTokensPerPass;
+    const float q2 = lane_sum<1, kGroups / 2>(sq[x]), k2 = lane_sum<1, kGroups / 2>(sk[x]);
+    if (tid % kGroups == 0) {
       const bool norm = p.qk_l2norm, live = t < ref.len;
       rec.inv_q[t] = !live ? 0.f : norm ? rsqrtf(q2 + kL2NormEps) : 1.f;
       sh.inv_k[t] = rec.inv_k[t] = !live ? 0.f : norm ? rsqrtf(k2 + kL2NormEps) : 1.f;
