@@ -15,21 +15,16 @@ void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream)
 void cuda_recurrent_decode(const DecodeProblem& d, const TensorView& o, void* stream);
 // The recurrent schedule's kernels: the block kernel's wide and narrow tiles
 // (cuda/recurrent_tile.cuh) and the warp kernel (cuda/recurrent_warp_kernel.cu), which
-// takes V-first states with K in {32, 64, 128, 256} and K-first ones with K in {32, 64,
-// 128}, V a multiple of its task width.
+// takes only V-first states, K in {32, 64, 128, 256} and V a multiple of its task width.
 enum class RecurrentKernel { wide, narrow, warp };
 // The kernel for a problem whose wide tile makes `wide_blocks` blocks on a GPU of `sms` SMs
-// and that makes `warp_tasks` warp kernel tasks (0: the warp kernel does not take it), on a
-// K-first state or not (`k_first`). The environment variable FLASHDELTA_RECURRENT_TILE
-// picks: unset or `auto`, the warp kernel wherever it takes a V-first problem, and a
-// K-first one where the wide tile leaves SMs without a block (few sequences, where the
-// block kernel is latency-bound: bench/NOTES.md (bn)); else the narrow tile when the wide
-// tile leaves SMs without a block, else the wide one. `wide` or `narrow`, that kernel (the
-// same sums in another order: equal to float32 rounding); `warp`, the warp kernel wherever
-// it takes the problem, else `auto`'s choice. Any other value throws
-// Error(invalid_argument) naming the variable.
-RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks,
-                                      bool k_first);
+// and that makes `warp_tasks` warp kernel tasks (0: the warp kernel does not take it). The
+// environment variable FLASHDELTA_RECURRENT_TILE picks: unset or `auto`, the warp kernel
+// wherever it takes the problem, else the narrow tile when the wide tile leaves SMs
+// without a block, else the wide one; `wide` or `narrow`, that kernel (the same sums in
+// another order: equal to float32 rounding); `warp` is `auto`'s choice, kept as a name.
+// Any other value throws Error(invalid_argument) naming the variable.
+RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks);
 // Whether the warp kernel's grid is (value tiles, HV, N), each block's index its task, for
 // N sequences of HV value heads: where both fit a grid dimension (65,535) and
 // FLASHDELTA_RECURRENT_WARP_GRID is unset or `auto`; `loop` takes the grid-stride loop over

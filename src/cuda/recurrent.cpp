@@ -43,14 +43,13 @@ bool allows_runs_of_4(const cuda::TokenTensor& x) {
 
 // Whether the warp kernel takes the problem (see cuda/recurrent_warp_kernel.cu).
 bool warp_kernel_fits(const RecurrentParams& r, bool key_contiguous) {
-  const int64_t columns = cuda::recurrent_warp_columns(r.K, r.warp_keys, key_contiguous);
+  const int64_t columns = cuda::recurrent_warp_columns(r.K, r.warp_keys);
   const bool vector_gate = r.gate == cuda::GateForm::vector;
   // The kernel addresses within a head's tile in 32 bits (strides may be negative).
   const auto tile_fits_32_bits = [&](const StateTensor& s) {
-    return !s.data ||
-           (r.V - 1) * std::abs(s.value_stride) + (r.K - 1) * std::abs(s.key_stride) < INT32_MAX;
+    return !s.data || (r.V - 1) * std::abs(s.value_stride) + r.K <= INT32_MAX;
   };
-  return columns > 0 && r.V % columns == 0 && r.vector_ok &&
+  return key_contiguous && columns > 0 && r.V % columns == 0 && r.vector_ok &&
          tile_fits_32_bits(r.state_in) && tile_fits_32_bits(r.state_out) &&
          allows_runs_of_4(r.q) && allows_runs_of_4(r.k) && allows_runs_of_4(r.v) &&
          allows_runs_of_4(r.o) && (!vector_gate || allows_runs_of_4(r.g)) &&
@@ -69,10 +68,10 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
   const int64_t wide_blocks =
       r.N * r.HV * tiles(cuda::recurrent_block_columns(r.K, cuda::RecurrentTile::wide));
   r.warp_keys = cuda_recurrent_warp_keys(r.K, r.V, r.N * r.HV, state_dtype == DType::bf16, sms);
-  const int64_t warp_columns = cuda::recurrent_warp_columns(r.K, r.warp_keys, key_contiguous);
+  const int64_t warp_columns = cuda::recurrent_warp_columns(r.K, r.warp_keys);
   const int64_t warp_tasks =
       warp_kernel_fits(r, key_contiguous) ? r.N * r.HV * (r.V / warp_columns) : 0;
-  switch (cuda_recurrent_kernel(wide_blocks, sms, warp_tasks, !key_contiguous)) {
+  switch (cuda_recurrent_kernel(wide_blocks, sms, warp_tasks)) {
     case RecurrentKernel::warp:
       r.value_tiles = r.V / warp_columns;
       r.task_grid = cuda_recurrent_warp_task_grid(r.N, r.HV);
@@ -80,7 +79,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
       r.prefetch_eighths = cuda_recurrent_warp_prefetch_eighths(
           r.serving && r.T == 1 && !r.cu_seqlens.data);
       r.sms = sms;
-      return cuda::launch_recurrent_warp(r, state_dtype, key_contiguous, stream);
+      return cuda::launch_recurrent_warp(r, state_dtype, stream);
     case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
     case RecurrentKernel::wide: r.tile = cuda::RecurrentTile::wide; break;
   }
@@ -90,15 +89,13 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
 
 }  // namespace
 
-RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks,
-                                      bool k_first) {
+RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks) {
   const std::string setting =
       env_setting("FLASHDELTA_RECURRENT_TILE", {"auto", "wide", "narrow", "warp"});
   if (setting == "wide") return RecurrentKernel::wide;
   if (setting == "narrow") return RecurrentKernel::narrow;
-  const bool few = wide_blocks < sms;
-  if (warp_tasks > 0 && (setting == "warp" || !k_first || few)) return RecurrentKernel::warp;
-  return few ? RecurrentKernel::narrow : RecurrentKernel::wide;
+  if (warp_tasks > 0) return RecurrentKernel::warp;
+  return wide_blocks < sms ? RecurrentKernel::narrow : RecurrentKernel::wide;
 }
 
 bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {

@@ -133,17 +133,14 @@ struct RecurrentParams {
 void launch_recurrent(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
                       void* stream);
 
-// The warp kernel (cuda/recurrent_warp_kernel.cu): on a key-contiguous (V-first) state for
-// K in {32, 64, 128, 256}, on a value-contiguous (K-first) one for K in {32, 64, 128}; V a
-// multiple of recurrent_warp_columns(K, p.warp_keys, key_contiguous), p.vector_ok and a
-// head's tile addressable in 32 bits ((V - 1) |value_stride| + (K - 1) |key_stride| <
+// The warp kernel (cuda/recurrent_warp_kernel.cu) on a key-contiguous (V-first) state, for
+// K in {32, 64, 128, 256}, V a multiple of recurrent_warp_columns(K, p.warp_keys),
+// p.vector_ok and a head's tile addressable in 32 bits ((V - 1) |value_stride| + K <=
 // INT32_MAX); p.value_tiles = V / that.
-void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
-                           void* stream);
-// Value columns of one warp kernel task for head size K: V-first with keys_per_lane keys
-// per lane (8 at K = 256; 4 or 8 at K = 128; 4 below), K-first 16 (K / 8 keys per lane);
-// 0 where the kernel does not run.
-int64_t recurrent_warp_columns(int64_t K, int keys_per_lane, bool key_contiguous);
+void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream);
+// Value columns of one warp kernel task for head size K and keys_per_lane keys per lane (8
+// at K = 256; 4 or 8 at K = 128; 4 below); 0 where the kernel does not run.
+int64_t recurrent_warp_columns(int64_t K, int keys_per_lane);
 
 // Columns of V one thread block covers for head size K and a tile (the kernel's tile width).
 int64_t recurrent_block_columns(int64_t K, RecurrentTile tile);

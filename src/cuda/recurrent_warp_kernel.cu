@@ -1,32 +1,25 @@
-// The CUDA recurrent schedule's warp kernel: one warp per task of (sequence, value head, CW
-// value columns), its K x CW state tile in registers, and no shared memory and no barrier
-// at all. Every lane loads and transforms the token inputs of its own keys, and the sums
-// over keys (the norms, k^T S' and q^T S') are shuffles.
+// The CUDA recurrent schedule's warp kernel for V-first states: one warp per task of
+// (sequence, value head, CW value columns), its K x CW state tile in registers, and no
+// shared memory and no barrier at all. Every lane loads and transforms the token inputs of
+// its own keys, and the sums over keys (the norms, k^T S' and q^T S') are shuffles. The
+// tasks are 8 columns (4 KB of fp32 state at K = 128): small enough that a step has no
+// ramp or drain to speak of at any batch size (the block kernel, cuda/recurrent_kernel.cu,
+// costs ~10 us per launch in its first and last waves) and short chains where few
+// sequences are latency only; large enough that the per-token work (loads, gate, norms)
+// is spread over 4 KB of state. With 8 keys per lane (K = 256, and K = 128 for bfloat16
+// states of many sequences: cuda_recurrent_warp_keys) the tasks are 16 columns. Where
+// cuda_recurrent_warp_prefetch_eighths says so (one-token pool steps by default), each row
+// and value head gets a prefetch block that queues a later row's states into L2 ahead of
+// that row's tasks.
 //
-// On V-first states it runs every step. The tasks are 8 columns (4 KB of fp32 state at
-// K = 128): small enough that a step has no ramp or drain to speak of at any batch size
-// (the block kernel, cuda/recurrent_kernel.cu, costs ~10 us per launch in its first and
-// last waves) and short chains where few sequences are latency only; large enough that the
-// per-token work (loads, gate, norms) is spread over 4 KB of state. With 8 keys per lane
-// (K = 256, and K = 128 for bfloat16 states of many sequences: cuda_recurrent_warp_keys)
-// the tasks are 16 columns. Where cuda_recurrent_warp_prefetch_eighths says so (one-token
-// pool steps by default), each row and value head gets a prefetch block that queues a
-// later row's states into L2 ahead of that row's tasks. A warp's load is whole columns
-// (KL x 16 contiguous bytes of each).
-//
-// On K-first states it runs where few sequences leave the block kernel latency-bound (the
-// host's choice), at K <= 128: a lane owns 4 adjacent columns of K / 8 keys, and 8 key
-// lanes x 4 column lanes make a 16-column task, so that a warp's load is 8 rows of 64
-// contiguous bytes. Rows of 16 bytes (one column lane) took 6.7 us at N = 1 against the
-// block kernel's 5.5 (bench/NOTES.md (ae)): counted in L1 wavefronts (one per row segment),
-// an N = 1 step's 2 MB at 16 bytes a segment make ~1,000 per SM each way (~0.6 us); at 64
-// bytes a quarter of that, as in the block kernel.
-//
-// The host (cuda/recurrent.cpp) sends it: K a power of two in [32, 256] (no key masking;
-// K-first [32, 128]); V a multiple of CW (no column masking); states that allow aligned
-// vector runs and whose head tiles are addressable in 32 bits; token tensors of float32 or
-// 16-bit with unit channel stride, aligned. The math is the block kernel's: with
-// S' = Diag(exp g) S and r = beta (v - S'^T k),
+// The host (cuda/recurrent.cpp) sends it the common case only: a key-contiguous (V-first)
+// state, so that a warp's load is whole columns (one 512-byte column of fp32 state at
+// K = 128; on a K-first state its rows would be short segments: measured at 35-48% of the
+// copy bandwidth, bench/NOTES.md (ae)); K a
+// power of two in [32, 256] (no key masking); V a multiple of CW (no column masking);
+// states that allow aligned vector runs and whose head tiles are addressable in 32 bits;
+// token tensors of float32 or 16-bit with unit channel stride, aligned. The math is the
+// block kernel's: with S' = Diag(exp g) S and r = beta (v - S'^T k),
 //     S'' = S' + k r^T,    o = S''^T q = S'^T q + (q . k) r.
 #include <climits>
 #include <string>
@@ -39,29 +32,21 @@
 namespace flashdelta::detail::cuda {
 namespace {
 
-// Lane geometry for head size KB: a lane owns RK keys x kColumns adjacent columns, KL key
-// lanes x CL column lanes make the warp. The keys come in RK / 4 runs of 4 with the key
-// lanes' runs adjacent (the token inputs' vector loads). The lane's state is kChunks runs
-// of 4 elements along the state's contiguous axis: V-first (KeyContig), chunk c holds keys
-// key(4 (c / kColumns))..+3 of column c % kColumns, so that a warp's load is KL x 16
-// contiguous bytes of a column; K-first, chunk c holds columns 0..3 of key row key(c), so
-// that a warp's load is KL rows of CL x 16 contiguous bytes.
-template <int KB, int KeysPerLane, bool KeyContig>
+// Lane geometry for head size KB: a lane owns RK keys x 8 adjacent columns, KL key lanes x
+// CL column lanes make the warp. The keys come in RK / 4 runs of 4 with the key lanes' runs
+// adjacent, so that a warp's load is KL x 16 contiguous bytes of each column.
+template <int KB, int KeysPerLane>
 struct WarpTile {
   static constexpr int kKeys = KB;
-  static constexpr bool kKeyContig = KeyContig;
-  static constexpr int RK = KeysPerLane;  // V-first 4, or 8 (tasks of 16 columns); K-first KB / 8
-  static constexpr int KL = kKeys / RK;
+  static constexpr int RK = KeysPerLane;  // 4, or 8 at K >= 128 (tasks of 16 columns)
+  static constexpr int KL = KB / RK;
   static constexpr int CL = 32 / KL;
-  // Per lane: V-first 8 (4 measured 25-35% slower from N = 64 on); K-first 4, one run.
-  static constexpr int kColumns = KeyContig ? 8 : 4;
+  static constexpr int kColumns = 8;  // per lane (4 measured 25-35% slower from N = 64 on)
   static constexpr int CW = CL * kColumns;
-  static constexpr int kChunks = RK * kColumns / 4;
   // After the transposing sums over key lanes (column_sum) a column's sum is held by
   // KL / kColumns adjacent key lanes.
   static constexpr int kSpread = KL / kColumns;
   static_assert(KL * CL == 32 && kSpread >= 1, "a warp of key x column lanes");
-  static_assert(KeyContig || RK * 8 == KB, "K-first: 8 key lanes of 64-byte rows");
 
   int key_lane, column;  // column: first of the lane's kColumns, within the task's CW
   int sum_column;        // the lane's column (of its kColumns) after column_sum
@@ -73,11 +58,6 @@ struct WarpTile {
   }
   // Key r of the lane's RK: run r / 4, element r % 4.
   __device__ int key(int r) const { return (r / 4) * (KL * 4) + key_lane * 4 + r % 4; }
-  // Element m of chunk c: key chunk_key(c, m) of the lane's RK, column chunk_column(c, m).
-  __device__ static constexpr int chunk_key(int c, int m) {
-    return KeyContig ? 4 * (c / kColumns) + m : c;
-  }
-  __device__ static constexpr int chunk_column(int c, int m) { return KeyContig ? c % kColumns : m; }
   // Lane (within the key lanes of the caller's column lane) that holds column e's sum.
   __device__ static int sum_lane(int e) { return e * kSpread; }
 };
@@ -93,12 +73,10 @@ struct TokenTypes {
   __device__ static DType of(const TokenTensor& x) { return AllBf16 ? DType::bf16 : x.dtype; }
 };
 
-// One-warp blocks per SM the register budget is sized for. K-first tasks run only a wave or
-// less (few sequences), where registers are not what limits the blocks per SM.
-template <class W, class T>
+// One-warp blocks per SM the register budget is sized for.
+template <int RK, class T>
 constexpr int warp_min_blocks() {
-  if constexpr (!W::kKeyContig) return 8;
-  return W::RK >= 8 ? 12 : T::kAllBf16 ? 24 : 20;
+  return RK >= 8 ? 12 : T::kAllBf16 ? 24 : 20;
 }
 
 // Sums x[e] over the KL key lanes for every e < CPL, transposing as it goes: each exchange
@@ -253,16 +231,13 @@ __device__ void transform_lane_token(const RecurrentParams& p, const LaneToken<W
   }
 }
 
-// Element offset of the lane's chunk c (WarpTile) from the tile base. 32-bit (the host
-// checks that a tile's extent fits): a 64-bit offset per chunk would hold two registers
-// each through the task.
+// Element offset of the lane's chunk c from the tile base: chunk c holds keys
+// key(4 (c / kColumns))..+3 of column c % kColumns. 32-bit (the host checks that a tile's
+// extent fits): a 64-bit offset per chunk would hold two registers each through the task.
 template <class W>
 __device__ __forceinline__ int chunk_offset(const StateTensor& st, const W& tile, int col, int c) {
   constexpr int C = W::kColumns;
-  if constexpr (W::kKeyContig)
-    return (col + c % C) * static_cast<int>(st.value_stride) + tile.key(4 * (c / C));
-  else
-    return tile.key(c) * static_cast<int>(st.key_stride) + col;
+  return (col + c % C) * static_cast<int>(st.value_stride) + tile.key(4 * (c / C));
 }
 
 // Plain loads: evict-first ones (ld.global.cs) measured ~2% slower at N = 256, where the
@@ -294,7 +269,7 @@ __device__ __noinline__ void prefetch_pair(const RecurrentParams& p, int64_t n, 
 // stores.
 template <class W, class T, class S>
 __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w) {
-  constexpr int RK = W::RK, CPL = W::kColumns, kChunks = W::kChunks;
+  constexpr int RK = W::RK, CPL = W::kColumns, kChunks = RK / 4 * CPL;
   const int64_t n = w.n, hv = w.hv;
   const int64_t h = p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(hv), p.group_divisor)
                                        : hv / p.group;
@@ -350,7 +325,7 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
     for (int c = 0; c < kChunks; ++c)
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        const int r = W::chunk_key(c, m), e = W::chunk_column(c, m);
+        const int r = 4 * (c / CPL) + m, e = c % CPL;  // key r of the lane's, column e
         x[c][m] *= in.d[r];
         pred[e] = fmaf(in.k[r], x[c][m], pred[e]);
         out[e] = fmaf(in.q[r], x[c][m], out[e]);
@@ -373,7 +348,7 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
     for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
       for (int m = 0; m < 4; ++m)
-        x[c][m] = fmaf(in.k[W::chunk_key(c, m)], r_col[W::chunk_column(c, m)], x[c][m]);
+        x[c][m] = fmaf(in.k[4 * (c / CPL) + m], r_col[c % CPL], x[c][m]);
       if (dst) store_run<4>(dst + chunk_offset(p.state_out, tile, col, c), 1, 4, true, x[c]);
     }
   }
@@ -388,9 +363,10 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
 // Blocks of one warp: the task grid, else a grid-stride loop (only past 2^31 - 1 tasks).
 // With kPrefetch (the task grid only), each row and value head has a prefetch block past
 // its value tiles; a template parameter, so that the kernels without are unchanged by it.
-template <class W, class T, class S, bool kPrefetch>
-__global__ void __launch_bounds__(32, (warp_min_blocks<W, T>()))
+template <int KB, int RK, class T, class S, bool kPrefetch>
+__global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
     recurrent_warp_kernel(const __grid_constant__ RecurrentParams p) {
+  using W = WarpTile<KB, RK>;
   const W tile;
   if (p.task_grid) {  // the task is the block index: ~100 instructions of division saved
     if constexpr (kPrefetch) {
@@ -412,87 +388,70 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<W, T>()))
     run_warp_task<W, T, S>(p, tile, task_of<W::CW>(p, blk, tasks));
 }
 
-template <class W, class T, class S>
+template <int KB, int RK, class T, class S>
 void launch_kernel(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t tasks = p.N * p.HV * p.value_tiles;
-  // Prefetch blocks only for the serving common case (bfloat16 tokens, V-first): a small
+  // Prefetch blocks only for the serving common case (bfloat16 tokens): a small
   // instantiation matrix.
-  constexpr bool kPrefetch = T::kAllBf16 && W::kKeyContig;
-  const int64_t rows = recurrent_prefetch_rows(p.prefetch_eighths, p.sms, warp_min_blocks<W, T>(),
+  const int64_t rows = recurrent_prefetch_rows(p.prefetch_eighths, p.sms, warp_min_blocks<RK, T>(),
                                                 p.HV * p.value_tiles, p.N);
-  if (kPrefetch && p.task_grid && rows > 0) {
+  if (T::kAllBf16 && p.task_grid && rows > 0) {
     RecurrentParams q = p;
     q.prefetch_rows = rows;
     const dim3 grid(static_cast<unsigned>(p.value_tiles + 1), static_cast<unsigned>(p.HV),
                     static_cast<unsigned>(p.N));
-    return recurrent_warp_kernel<W, T, S, kPrefetch><<<grid, 32, 0, stream>>>(q);
+    return recurrent_warp_kernel<KB, RK, T, S, T::kAllBf16><<<grid, 32, 0, stream>>>(q);
   }
   const dim3 grid = p.task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
                                        static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
                                 : dim3(static_cast<unsigned>(tasks < INT_MAX ? tasks : INT_MAX));
-  recurrent_warp_kernel<W, T, S, false><<<grid, 32, 0, stream>>>(p);
+  recurrent_warp_kernel<KB, RK, T, S, false><<<grid, 32, 0, stream>>>(p);
 }
 
 template <class T, class S>
-void launch_for_k(const RecurrentParams& p, bool key_contiguous, cudaStream_t stream) {
+void launch_for_k(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N * p.HV * p.value_tiles == 0) return;
-  if (!key_contiguous) {
-    switch (p.K) {
-      case 32: return launch_kernel<WarpTile<32, 4, false>, T, S>(p, stream);
-      case 64: return launch_kernel<WarpTile<64, 8, false>, T, S>(p, stream);
-      default: return launch_kernel<WarpTile<128, 16, false>, T, S>(p, stream);
-    }
-  }
   switch (p.K) {
-    case 32: return launch_kernel<WarpTile<32, 4, true>, T, S>(p, stream);
-    case 64: return launch_kernel<WarpTile<64, 4, true>, T, S>(p, stream);
+    case 32: return launch_kernel<32, 4, T, S>(p, stream);
+    case 64: return launch_kernel<64, 4, T, S>(p, stream);
     case 128:
-      if (p.warp_keys == 8) return launch_kernel<WarpTile<128, 8, true>, T, S>(p, stream);
-      return launch_kernel<WarpTile<128, 4, true>, T, S>(p, stream);
-    default: return launch_kernel<WarpTile<256, 8, true>, T, S>(p, stream);
+      if (p.warp_keys == 8) return launch_kernel<128, 8, T, S>(p, stream);
+      return launch_kernel<128, 4, T, S>(p, stream);
+    default: return launch_kernel<256, 8, T, S>(p, stream);
   }
 }
 
 template <class S>
-void launch_for_tokens(const RecurrentParams& p, bool key_contiguous, cudaStream_t stream) {
+void launch_for_tokens(const RecurrentParams& p, cudaStream_t stream) {
   const auto bf16 = [](const TokenTensor& x) { return x.dtype == DType::bf16; };
   // g and beta count only where the kernel reads them.
   const bool all_bf16 = bf16(p.q) && bf16(p.k) && bf16(p.v) && bf16(p.o) &&
                         (p.gate == GateForm::none || bf16(p.g)) && (!p.delta || bf16(p.beta));
   if (all_bf16)
-    launch_for_k<TokenTypes<true>, S>(p, key_contiguous, stream);
+    launch_for_k<TokenTypes<true>, S>(p, stream);
   else
-    launch_for_k<TokenTypes<false>, S>(p, key_contiguous, stream);
+    launch_for_k<TokenTypes<false>, S>(p, stream);
 }
 
 }  // namespace
 
-int64_t recurrent_warp_columns(int64_t K, int keys_per_lane, bool key_contiguous) {
-  if (!key_contiguous) {
-    switch (K) {
-      case 32: return WarpTile<32, 4, false>::CW;
-      case 64: return WarpTile<64, 8, false>::CW;
-      case 128: return WarpTile<128, 16, false>::CW;
-      default: return 0;
-    }
-  }
+int64_t recurrent_warp_columns(int64_t K, int keys_per_lane) {
   const bool eight = keys_per_lane == 8;
   switch (K) {
-    case 32: return eight ? 0 : WarpTile<32, 4, true>::CW;
-    case 64: return eight ? 0 : WarpTile<64, 4, true>::CW;
-    case 128: return eight ? WarpTile<128, 8, true>::CW : WarpTile<128, 4, true>::CW;
-    case 256: return eight ? WarpTile<256, 8, true>::CW : 0;
+    case 32: return eight ? 0 : WarpTile<32, 4>::CW;
+    case 64: return eight ? 0 : WarpTile<64, 4>::CW;
+    case 128: return eight ? WarpTile<128, 8>::CW : WarpTile<128, 4>::CW;
+    case 256: return eight ? WarpTile<256, 8>::CW : 0;
     default: return 0;
   }
 }
 
-void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, bool key_contiguous,
-                           void* stream) {
+void launch_recurrent_warp(const RecurrentParams& p, DType state_dtype, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (state_dtype == DType::bf16)
-    launch_for_tokens<__nv_bfloat16>(p, key_contiguous, s);
+    launch_for_tokens<__nv_bfloat16>(p, s);
   else
-    launch_for_tokens<float>(p, key_contiguous, s);
+    launch_for_tokens<float>(p, s);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     throw Error(ErrorCode::runtime, std::string("CUDA recurrent warp kernel launch failed: ") +

@@ -212,13 +212,13 @@ TEST(CudaDecode, OutOfRangeDeviceIndicesArePaddingRows) {
   }
 }
 
-// The warp kernel's shapes and instantiations on one layout: all-bfloat16 tokens (the
-// compile-time bf16 instantiation) and bf16 / f16 inputs with other output or gate dtypes
-// (the runtime-dtype one); float32 and bfloat16 pools; padding rows; T = 1 and a 3-token
-// step; each (K, V) of `shapes` a few tasks wide.
-void expect_warp_kernel_shapes_match(StateLayout layout,
-                                     std::initializer_list<std::pair<int64_t, int64_t>> shapes,
-                                     uint64_t seed) {
+// The warp kernel's shapes and instantiations on V-first pools: K = 32 (four column lanes
+// per warp), 64, 128 and 256 (8 keys per lane), each V a few tasks wide; all-bfloat16
+// tokens (the compile-time bf16 instantiation) and bf16 / f16 inputs with other output or
+// gate dtypes (the runtime-dtype one); float32 and bfloat16 pools; padding rows; T = 1 and
+// a 3-token step.
+TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
+  FLASHDELTA_REQUIRE_GPU();
   struct Tokens {
     const char* name;
     DType inputs, o;
@@ -227,13 +227,15 @@ void expect_warp_kernel_shapes_match(StateLayout layout,
   const Tokens kTokens[] = {{"bf16 fused, bf16 o", DType::bf16, DType::bf16, true},
                             {"bf16, f32 gate and o", DType::bf16, DType::f32, false},
                             {"f16 fused, f16 o", DType::f16, DType::f16, true}};
-  for (const auto& [K, V] : shapes)
+  const std::pair<int64_t, int64_t> kShapes[] = {{32, 64}, {64, 48}, {128, 24}, {256, 40}};
+  uint64_t seed = 500;
+  for (const auto& [K, V] : kShapes)
     for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
       for (const Tokens& tokens : kTokens)
         for (const DType pool : {DType::f32, DType::bf16})
           for (const int64_t T : {1, 3}) {
             CaseConfig cfg = decode_config(m, 3, T, K, V, seed++);
-            cfg.layout = layout;
+            cfg.layout = StateLayout::v_first;
             cfg.dtype = tokens.inputs;
             cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = tokens.fused;
             if (tokens.fused && m == Mechanism::kda) cfg.lower_bound = -5.0;
@@ -245,21 +247,6 @@ void expect_warp_kernel_shapes_match(StateLayout layout,
                     ", pool " + dtype_name(pool),
                 decode_on_device, tokens.o);
           }
-}
-
-// V-first: K = 32 (four column lanes per warp), 64, 128 and 256 (8 keys per lane).
-TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
-  FLASHDELTA_REQUIRE_GPU();
-  expect_warp_kernel_shapes_match(StateLayout::v_first, {{32, 64}, {64, 48}, {128, 24}, {256, 40}},
-                                  500);
-}
-
-// K-first (16-column tasks of K / 8 keys per lane), forced: K = 32, 64 and 128, V one to
-// three tasks wide.
-TEST(CudaDecode, WarpKernelKFirstShapesAndTokenTypes) {
-  FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv env("FLASHDELTA_RECURRENT_TILE", "warp");
-  expect_warp_kernel_shapes_match(StateLayout::k_first, {{32, 48}, {64, 16}, {128, 32}}, 700);
 }
 
 // Decode case d (bfloat16 output) once under each value of the environment variable `name`:
@@ -285,27 +272,23 @@ void expect_settings_agree_bitwise(const DecodeCase& d, const std::string& what,
 // the grid-stride loop over task numbers that problems past 65,535 sequences or heads run
 // (FLASHDELTA_RECURRENT_WARP_GRID=loop). Bitwise equal, and equal to the reference, with
 // value-head groups of 1, 2 and 3 (the key head by a multiply-shift division), a padding
-// row, one-token and 3-token steps, on both layouts.
+// row, one-token and 3-token steps.
 TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
   FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv env("FLASHDELTA_RECURRENT_TILE", "warp");
   uint64_t seed = 900;
-  for (const StateLayout layout : {StateLayout::v_first, StateLayout::k_first})
-    for (const int64_t group : {1, 2, 3})
-      for (const int64_t T : {1, 3}) {
-        const bool v_first = layout == StateLayout::v_first;
-        CaseConfig cfg = decode_config(Mechanism::kda, 3, T, 128, v_first ? 24 : 32, seed++);
-        cfg.H = 2;
-        cfg.HV = 2 * group;
-        cfg.layout = layout;
-        cfg.dtype = DType::bf16;
-        cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
-        const DecodeCase d = make_decode_case(cfg, 5, DType::f32, {{3}, {-1}, {0}});
-        expect_settings_agree_bitwise(d,
-                                      std::string(v_first ? "v_first" : "k_first") + " group " +
-                                          std::to_string(group) + " T=" + std::to_string(T),
-                                      "FLASHDELTA_RECURRENT_WARP_GRID", {"auto", "loop"});
-      }
+  for (const int64_t group : {1, 2, 3})
+    for (const int64_t T : {1, 3}) {
+      CaseConfig cfg = decode_config(Mechanism::kda, 3, T, 128, 24, seed++);
+      cfg.H = 2;
+      cfg.HV = 2 * group;
+      cfg.layout = StateLayout::v_first;
+      cfg.dtype = DType::bf16;
+      cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
+      const DecodeCase d = make_decode_case(cfg, 5, DType::f32, {{3}, {-1}, {0}});
+      expect_settings_agree_bitwise(
+          d, "group " + std::to_string(group) + " T=" + std::to_string(T),
+          "FLASHDELTA_RECURRENT_WARP_GRID", {"auto", "loop"});
+    }
 }
 
 // The warp kernel's prefetch blocks, which queue a later row's states into L2
@@ -468,41 +451,31 @@ TEST(CudaDecode, PoolBeyond2To31ElementsAndManyBlocks) {
   expect_decode_matches_reference(w, "70,400 blocks", decode_on_device);
 }
 
-// The kernel choice (host only): under `auto` the warp kernel wherever it takes a V-first
-// problem and a K-first one below one wide block per SM, else the narrow tile below one
-// wide block per SM; `warp` the warp kernel wherever it takes the problem.
+// The kernel choice (host only): under `auto` the warp kernel wherever it takes the
+// problem, else the narrow tile below one wide block per SM; `warp` the same.
 TEST(CudaRecurrentTile, FollowsTheEnvironmentVariable) {
   using detail::RecurrentKernel;
   using detail::cuda_recurrent_kernel;
   constexpr const char* kTile = "FLASHDELTA_RECURRENT_TILE";
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto", "warp"}) {
     const ScopedEnv env(kTile, automatic);
-    const bool forced = automatic && std::string(automatic) == "warp";
-    for (const bool k_first : {false, true}) {
-      EXPECT_EQ(cuda_recurrent_kernel(64, 132, 1024, k_first), RecurrentKernel::warp);
-      EXPECT_EQ(cuda_recurrent_kernel(131, 132, 1024, k_first), RecurrentKernel::warp);
-      EXPECT_EQ(cuda_recurrent_kernel(64, 132, 0, k_first), RecurrentKernel::narrow);
-      EXPECT_EQ(cuda_recurrent_kernel(131, 132, 0, k_first), RecurrentKernel::narrow);
-      EXPECT_EQ(cuda_recurrent_kernel(132, 132, 0, k_first), RecurrentKernel::wide);
-      EXPECT_EQ(cuda_recurrent_kernel(2048, 132, 0, k_first), RecurrentKernel::wide);
-    }
-    EXPECT_EQ(cuda_recurrent_kernel(100000, 132, 1 << 20, false), RecurrentKernel::warp);
-    EXPECT_EQ(cuda_recurrent_kernel(132, 132, 2112, true),
-              forced ? RecurrentKernel::warp : RecurrentKernel::wide);
-    EXPECT_EQ(cuda_recurrent_kernel(100000, 132, 1 << 20, true),
-              forced ? RecurrentKernel::warp : RecurrentKernel::wide);
+    EXPECT_EQ(cuda_recurrent_kernel(64, 132, 1024), RecurrentKernel::warp);
+    EXPECT_EQ(cuda_recurrent_kernel(100000, 132, 1 << 20), RecurrentKernel::warp);
+    EXPECT_EQ(cuda_recurrent_kernel(64, 132, 0), RecurrentKernel::narrow);
+    EXPECT_EQ(cuda_recurrent_kernel(131, 132, 0), RecurrentKernel::narrow);
+    EXPECT_EQ(cuda_recurrent_kernel(132, 132, 0), RecurrentKernel::wide);
+    EXPECT_EQ(cuda_recurrent_kernel(2048, 132, 0), RecurrentKernel::wide);
   }
   for (const int64_t blocks : {1, 100000})
-    for (const int64_t tasks : {int64_t{0}, int64_t{16}, int64_t{1} << 20})
-      for (const bool k_first : {false, true}) {
-        {
-          const ScopedEnv env(kTile, "wide");
-          EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks, k_first), RecurrentKernel::wide);
-        }
-        const ScopedEnv env(kTile, "narrow");
-        EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks, k_first), RecurrentKernel::narrow);
+    for (const int64_t tasks : {int64_t{0}, int64_t{16}, int64_t{1} << 20}) {
+      {
+        const ScopedEnv env(kTile, "wide");
+        EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks), RecurrentKernel::wide);
       }
-  expect_setting_rejected(kTile, "Narrow", [] { cuda_recurrent_kernel(64, 132, 0, false); });
+      const ScopedEnv env(kTile, "narrow");
+      EXPECT_EQ(cuda_recurrent_kernel(blocks, 132, tasks), RecurrentKernel::narrow);
+    }
+  expect_setting_rejected(kTile, "Narrow", [] { cuda_recurrent_kernel(64, 132, 0); });
 }
 
 // The multiply-shift division the kernels use for the key head of a value head (host
