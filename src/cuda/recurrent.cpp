@@ -74,7 +74,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
   switch (cuda_recurrent_kernel(wide_blocks, sms, warp_tasks)) {
     case RecurrentKernel::warp:
       r.value_tiles = r.V / warp_columns;
-      r.task_grid = cuda_recurrent_warp_task_grid(r.N, r.HV);
+      r.task_grid = cuda_recurrent_task_grid(r.N, r.HV);
       // used on the task grid; auto's measured case: a one-token step on a pool in place
       r.prefetch_eighths = cuda_recurrent_warp_prefetch_eighths(
           r.serving && r.T == 1 && !r.cu_seqlens.data);
@@ -84,6 +84,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
     case RecurrentKernel::wide: r.tile = cuda::RecurrentTile::wide; break;
   }
   r.value_tiles = tiles(cuda::recurrent_block_columns(r.K, r.tile));
+  r.task_grid = cuda_recurrent_task_grid(r.N, r.HV);
   cuda::launch_recurrent(r, state_dtype, key_contiguous, stream);
 }
 
@@ -98,8 +99,8 @@ RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp
   return wide_blocks < sms ? RecurrentKernel::narrow : RecurrentKernel::wide;
 }
 
-bool cuda_recurrent_warp_task_grid(int64_t N, int64_t HV) {
-  const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_GRID", {"auto", "loop"});
+bool cuda_recurrent_task_grid(int64_t N, int64_t HV) {
+  const std::string setting = env_setting("FLASHDELTA_RECURRENT_GRID", {"auto", "loop"});
   constexpr int64_t kGridYZ = 65535;
   return setting != "loop" && N <= kGridYZ && HV <= kGridYZ;  // unset reads as ""
 }

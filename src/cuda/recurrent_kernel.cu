@@ -55,13 +55,15 @@ __device__ void sum_over_key_warps(Shared& sh, const T& tile, float (&pred)[4], 
   }
 }
 
-// Processes one task with its state tile in `state` (this block's shared memory).
-template <int KB, int RK, bool KeyContig, class S>
+// Processes one task with its state tile in `state` (this block's shared memory); Tk: the
+// token tensors' types (TokenTypes).
+template <int KB, int RK, bool KeyContig, class S, class Tk>
 __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK, KeyContig>& tile,
                          const Task& w, S* state) {
   using T = Tile<KB, RK, KeyContig>;
   // The key head in 32-bit arithmetic (w.hv is an int): a 64-bit division is a long call on
-  // the critical path of a one-token step.
+  // the critical path of a one-token step. (key_head's multiply-shift moved the wide tile's
+  // registers at K = 64 into 48 bytes of spills.)
   const int64_t n = w.n, hv = w.hv,
                 h = p.group <= INT_MAX ? w.hv / static_cast<int>(p.group) : hv / p.group;
   const int j0 = w.j0;
@@ -73,7 +75,7 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
     for (int64_t e = threadIdx.x; e < seq.len * T::VT; e += kThreads) {
       const int j = j0 + static_cast<int>(e % T::VT);
       if (j < p.V)
-        store_float(const_cast<void*>(p.o.data), p.o.dtype,
+        store_float(const_cast<void*>(p.o.data), Tk::of(p.o),
                     row.o + (e / T::VT) * p.o.stride[1] + j * p.o.stride[3], 0.f);
     }
     return;
@@ -86,7 +88,7 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
   else
     zero_state<RK>(state);
   TokenRaw<KB> raw;
-  if (seq.len > 0) fetch_token<KB>(p, row, 0, hv, col, raw);
+  if (seq.len > 0) fetch_token<KB, Tk>(p, row, 0, hv, col, raw);
   const uint32_t a_raw = p.A_log ? load_raw(p.A_log, p.A_log_dtype, hv * p.A_log_stride) : 0u;
   const float a = p.A_log ? expf(raw_to_float(a_raw, p.A_log_dtype)) : 1.f;
   // Each thread reads only the slots it copied: no barrier. On K-first states the first
@@ -97,11 +99,11 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
   if constexpr (KeyContig) wait_async<0>();
 
   for (int64_t t = 0; t < seq.len; ++t) {
-    if (t > 0) fetch_token<KB>(p, row, t, hv, col, raw);
+    if (t > 0) fetch_token<KB, Tk>(p, row, t, hv, col, raw);
     float v[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = raw_to_float(raw.v[e], p.v.dtype);
-    stage_token<KB>(p, sh, raw, a);
+    for (int e = 0; e < 4; ++e) v[e] = raw_to_float(raw.v[e], Tk::of(p.v));
+    stage_token<KB, Tk>(p, sh, raw, a);
 
     float sq = 0.f, sk = 0.f, sqk = 0.f;
 #pragma unroll
@@ -154,7 +156,7 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         if (col + e < p.V)
-          store_float(const_cast<void*>(p.o.data), p.o.dtype, oo + (col + e) * p.o.stride[3],
+          store_float(const_cast<void*>(p.o.data), Tk::of(p.o), oo + (col + e) * p.o.stride[3],
                       fmaf(qk, r_col[e], out[e]));
     }
 
@@ -192,32 +194,54 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
   }
 }
 
-// One block per task (a grid-stride loop only past 2^31 - 1 tasks). Blocks are short and
-// many, so the hardware balances them over the SMs and the tail is one block long.
-template <int KB, int RK, bool KeyContig, class S>
+// One block per task: on the task grid (value tiles, HV, N) the block's index, else a
+// grid-stride loop over task numbers (past 65,535 sequences or heads). Blocks are short and
+// many, so the hardware balances them over the SMs and the tail is one block long. Only the
+// narrow tile takes the task grid: it runs few sequences, where a one-token step is one
+// thread's instruction chain and the grid saves its divisions; in the wide tile's 80-96
+// registers a second path costs spills (ptxas: up to 124 bytes) to save ~100 instructions
+// beside its 64-element passes.
+template <int KB, int RK, bool KeyContig, class S, class Tk>
 __global__ void __launch_bounds__(kThreads, Tile<KB, RK, KeyContig>::kMinBlocks)
     recurrent_kernel(const __grid_constant__ RecurrentParams p) {
   using T = Tile<KB, RK, KeyContig>;
   __shared__ Shared sh;
   __shared__ __align__(16) S state[T::kTileElements];
   const T tile;
+  if constexpr (T::kNarrow)
+    if (p.task_grid)
+      return run_task<KB, RK, KeyContig, S, Tk>(p, sh, tile, task_of_grid<T::VT>(p), state);
   const int64_t blocks = p.N * p.HV * p.value_tiles;
   for (int64_t blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
-    run_task(p, sh, tile, task_of<T::VT>(p, blk, blocks), state);
+    run_task<KB, RK, KeyContig, S, Tk>(p, sh, tile, task_of<T::VT>(p, blk, blocks), state);
     if (blk + gridDim.x < blocks) __syncthreads();  // the next task reuses the staging
   }
 }
 
+template <int KB, int RK, bool KeyContig, class S, class Tk>
+void launch_tile(const RecurrentParams& p, cudaStream_t stream) {
+  const int64_t blocks = p.N * p.HV * p.value_tiles;
+  const bool task_grid = p.task_grid && Tile<KB, RK, KeyContig>::kNarrow;
+  const dim3 grid = task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
+                                       static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))
+                                : dim3(static_cast<unsigned>(blocks < INT_MAX ? blocks : INT_MAX));
+  recurrent_kernel<KB, RK, KeyContig, S, Tk><<<grid, kThreads, 0, stream>>>(p);
+}
+
+// The narrow tile on a K-first state at K = 128 (few sequences: a one-token step is one
+// thread's instruction chain) has a bfloat16-token instantiation; the rest read the dtypes.
+// (At K = 64 that instantiation spills 24 bytes: not built until measured.)
 template <int KB, bool KeyContig, class S>
 void launch(const RecurrentParams& p, cudaStream_t stream) {
-  const int64_t blocks = p.N * p.HV * p.value_tiles;
-  if (blocks == 0) return;
-  const unsigned grid = static_cast<unsigned>(blocks < INT_MAX ? blocks : INT_MAX);
+  if (p.N * p.HV * p.value_tiles == 0) return;
   constexpr int wide = wide_keys_per_thread(KB), narrow = narrow_keys_per_thread(KB);
   if constexpr (narrow != wide)
-    if (p.tile == RecurrentTile::narrow)
-      return recurrent_kernel<KB, narrow, KeyContig, S><<<grid, kThreads, 0, stream>>>(p);
-  recurrent_kernel<KB, wide, KeyContig, S><<<grid, kThreads, 0, stream>>>(p);
+    if (p.tile == RecurrentTile::narrow) {
+      if constexpr (!KeyContig && KB == 128)
+        if (all_bf16_tokens(p)) return launch_tile<KB, narrow, KeyContig, S, TokenTypes<true>>(p, stream);
+      return launch_tile<KB, narrow, KeyContig, S, TokenTypes<false>>(p, stream);
+    }
+  launch_tile<KB, wide, KeyContig, S, TokenTypes<false>>(p, stream);
 }
 
 template <bool KeyContig, class S>

@@ -60,6 +60,44 @@ __device__ Task task_of(const RecurrentParams& p, int64_t blk, int64_t blocks) {
   return w;
 }
 
+// The token tensors' element type (q, k, v, g, beta, o): bfloat16 fixed at compile time for
+// the serving common case, or read from the arguments. Fixed, the dtype branches go: the
+// warp kernel's K <= 128 instantiations fit 80 registers (24 warps per SM instead of 21;
+// N = 256 1% faster than the block kernel instead of 2% slower, bench/NOTES.md (ag)), and
+// the block kernel's narrow tile, whose one-token step is one thread's instruction chain,
+// is shorter (bench/NOTES.md (bo)).
+template <bool AllBf16>
+struct TokenTypes {
+  static constexpr bool kAllBf16 = AllBf16;
+  __device__ static DType of(const TokenTensor& x) { return AllBf16 ? DType::bf16 : x.dtype; }
+};
+
+// Whether every token tensor the kernels read or write is bfloat16 (g and beta count only
+// where they are read): TokenTypes<true> then applies.
+inline bool all_bf16_tokens(const RecurrentParams& p) {
+  const auto bf16 = [](const TokenTensor& x) { return x.dtype == DType::bf16; };
+  return bf16(p.q) && bf16(p.k) && bf16(p.v) && bf16(p.o) &&
+         (p.gate == GateForm::none || bf16(p.g)) && (!p.delta || bf16(p.beta));
+}
+
+// The task of a block on the task grid (value tiles, HV, N): its index, no division.
+template <int VT>
+__device__ Task task_of_grid(const RecurrentParams& p) {
+  Task w;
+  w.j0 = static_cast<int>(blockIdx.x) * VT;
+  w.hv = static_cast<int>(blockIdx.y);
+  w.n = blockIdx.z;
+  w.start = start_slot(p, w.n);
+  return w;
+}
+
+// The key head of value head hv: a multiply-shift division where the group fits 31 bits
+// (a 64-bit division is a long call on a one-token step's critical path).
+__device__ __forceinline__ int64_t key_head(const RecurrentParams& p, int hv) {
+  return p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(hv), p.group_divisor)
+                            : hv / p.group;
+}
+
 // Element offsets of token 0 of one row for each token tensor; token t adds t * stride[1].
 struct RowOffsets {
   int64_t q, k, v, g, beta, o;

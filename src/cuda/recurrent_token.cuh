@@ -30,14 +30,15 @@ struct TokenRaw {
   uint32_t scalar_g, scalar_bias, beta;
 };
 
-template <int KB>
+// T: the token tensors' types (TokenTypes).
+template <int KB, class T>
 __device__ void fetch_token(const RecurrentParams& p, const RowOffsets& row, int64_t t,
                             int64_t hv, int column0, TokenRaw<KB>& raw) {
   const int tid = threadIdx.x;
   const int64_t ov = row.v + t * p.v.stride[1];
 #pragma unroll
   for (int e = 0; e < 4; ++e)
-    raw.v[e] = column0 + e < p.V ? load_raw(p.v.data, p.v.dtype, ov + (column0 + e) * p.v.stride[3])
+    raw.v[e] = column0 + e < p.V ? load_raw(p.v.data, T::of(p.v), ov + (column0 + e) * p.v.stride[3])
                                  : 0u;
   const int64_t oq = row.q + t * p.q.stride[1], ok = row.k + t * p.k.stride[1];
   const int64_t og = row.g + t * p.g.stride[1];
@@ -45,10 +46,10 @@ __device__ void fetch_token(const RecurrentParams& p, const RowOffsets& row, int
   for (int x = 0; x < TokenRaw<KB>::kPerThread; ++x) {
     const int i = tid + x * kThreads;
     if (i >= p.K) continue;
-    raw.q[x] = load_raw(p.q.data, p.q.dtype, oq + i * p.q.stride[3]);
-    raw.k[x] = load_raw(p.k.data, p.k.dtype, ok + i * p.k.stride[3]);
+    raw.q[x] = load_raw(p.q.data, T::of(p.q), oq + i * p.q.stride[3]);
+    raw.k[x] = load_raw(p.k.data, T::of(p.k), ok + i * p.k.stride[3]);
     if (p.gate == GateForm::vector) {
-      raw.g[x] = load_raw(p.g.data, p.g.dtype, og + i * p.g.stride[3]);
+      raw.g[x] = load_raw(p.g.data, T::of(p.g), og + i * p.g.stride[3]);
       if (p.dt_bias)
         raw.bias[x] = load_raw(p.dt_bias, p.dt_bias_dtype,
                                hv * p.dt_bias_head_stride + i * p.dt_bias_key_stride);
@@ -56,17 +57,17 @@ __device__ void fetch_token(const RecurrentParams& p, const RowOffsets& row, int
   }
   if (tid == 0) {
     if (p.gate == GateForm::scalar) {
-      raw.scalar_g = load_raw(p.g.data, p.g.dtype, og);
+      raw.scalar_g = load_raw(p.g.data, T::of(p.g), og);
       if (p.dt_bias)
         raw.scalar_bias = load_raw(p.dt_bias, p.dt_bias_dtype, hv * p.dt_bias_head_stride);
     }
-    if (p.delta) raw.beta = load_raw(p.beta.data, p.beta.dtype, row.beta + t * p.beta.stride[1]);
+    if (p.delta) raw.beta = load_raw(p.beta.data, T::of(p.beta), row.beta + t * p.beta.stride[1]);
   }
 }
 
 // Converts a fetched token into shared memory (raw q and k, the decays exp(g), beta) and
 // leaves the per-warp |q|^2, |k|^2, q.k partials; ends with a barrier.
-template <int KB>
+template <int KB, class T>
 __device__ void stage_token(const RecurrentParams& p, Shared& sh, const TokenRaw<KB>& raw,
                             float a) {
   const int tid = threadIdx.x;
@@ -77,10 +78,10 @@ __device__ void stage_token(const RecurrentParams& p, Shared& sh, const TokenRaw
     if (i >= KB) continue;
     float qi = 0.f, ki = 0.f, di = 1.f;
     if (i < p.K) {
-      qi = raw_to_float(raw.q[x], p.q.dtype);
-      ki = raw_to_float(raw.k[x], p.k.dtype);
+      qi = raw_to_float(raw.q[x], T::of(p.q));
+      ki = raw_to_float(raw.k[x], T::of(p.k));
       if (p.gate == GateForm::vector) {
-        float gx = raw_to_float(raw.g[x], p.g.dtype);
+        float gx = raw_to_float(raw.g[x], T::of(p.g));
         if (p.gate_in_kernel) {
           if (p.dt_bias) gx += raw_to_float(raw.bias[x], p.dt_bias_dtype);
           gx = activate_gate(p, gx, a);
@@ -98,7 +99,7 @@ __device__ void stage_token(const RecurrentParams& p, Shared& sh, const TokenRaw
   if (tid == 0) {
     sh.scalar_decay = 1.f;
     if (p.gate == GateForm::scalar) {
-      float gx = raw_to_float(raw.scalar_g, p.g.dtype);
+      float gx = raw_to_float(raw.scalar_g, T::of(p.g));
       if (p.gate_in_kernel) {
         if (p.dt_bias) gx += raw_to_float(raw.scalar_bias, p.dt_bias_dtype);
         gx = activate_gate(p, gx, a);
@@ -106,7 +107,7 @@ __device__ void stage_token(const RecurrentParams& p, Shared& sh, const TokenRaw
       sh.scalar_decay = expf(gx);
     }
     if (p.delta) {
-      const float b = raw_to_float(raw.beta, p.beta.dtype);
+      const float b = raw_to_float(raw.beta, T::of(p.beta));
       sh.beta = activate_beta(p, b);
     }
   }

@@ -62,17 +62,6 @@ struct WarpTile {
   __device__ static int sum_lane(int e) { return e * kSpread; }
 };
 
-// The token tensors' element type (q, k, v, g, beta, o): bfloat16 fixed at compile time for
-// the serving common case, or read from the arguments. Fixed, the dtype branches go and the
-// K <= 128 kernels fit 80 registers (24 warps per SM instead of 21; ptxas spills 4-28
-// bytes, a value or two per task, not per state element): N = 256 went from 2% slower
-// than the block kernel to 1% faster (bench/NOTES.md (ag)).
-template <bool AllBf16>
-struct TokenTypes {
-  static constexpr bool kAllBf16 = AllBf16;
-  __device__ static DType of(const TokenTensor& x) { return AllBf16 ? DType::bf16 : x.dtype; }
-};
-
 // One-warp blocks per SM the register budget is sized for.
 template <int RK, class T>
 constexpr int warp_min_blocks() {
@@ -271,8 +260,7 @@ template <class W, class T, class S>
 __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w) {
   constexpr int RK = W::RK, CPL = W::kColumns, kChunks = RK / 4 * CPL;
   const int64_t n = w.n, hv = w.hv;
-  const int64_t h = p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(hv), p.group_divisor)
-                                       : hv / p.group;
+  const int64_t h = key_head(p, w.hv);
   const Sequence seq = sequence_of(p, n);
   const RowOffsets row = row_offsets(p, seq, h, hv);
   const int col = w.j0 + tile.column;
@@ -376,12 +364,7 @@ __global__ void __launch_bounds__(32, (warp_min_blocks<RK, T>()))
         return;
       }
     }
-    Task w;
-    w.j0 = static_cast<int>(blockIdx.x) * W::CW;
-    w.hv = static_cast<int>(blockIdx.y);
-    w.n = blockIdx.z;
-    w.start = start_slot(p, w.n);
-    return run_warp_task<W, T, S>(p, tile, w);
+    return run_warp_task<W, T, S>(p, tile, task_of_grid<W::CW>(p));
   }
   const int64_t tasks = p.N * p.HV * p.value_tiles;
   for (int64_t blk = blockIdx.x; blk < tasks; blk += gridDim.x)
@@ -423,11 +406,7 @@ void launch_for_k(const RecurrentParams& p, cudaStream_t stream) {
 
 template <class S>
 void launch_for_tokens(const RecurrentParams& p, cudaStream_t stream) {
-  const auto bf16 = [](const TokenTensor& x) { return x.dtype == DType::bf16; };
-  // g and beta count only where the kernel reads them.
-  const bool all_bf16 = bf16(p.q) && bf16(p.k) && bf16(p.v) && bf16(p.o) &&
-                        (p.gate == GateForm::none || bf16(p.g)) && (!p.delta || bf16(p.beta));
-  if (all_bf16)
+  if (all_bf16_tokens(p))
     launch_for_k<TokenTypes<true>, S>(p, stream);
   else
     launch_for_k<TokenTypes<false>, S>(p, stream);

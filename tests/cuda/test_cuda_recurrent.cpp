@@ -212,13 +212,13 @@ TEST(CudaDecode, OutOfRangeDeviceIndicesArePaddingRows) {
   }
 }
 
-// The warp kernel's shapes and instantiations on V-first pools: K = 32 (four column lanes
-// per warp), 64, 128 and 256 (8 keys per lane), each V a few tasks wide; all-bfloat16
-// tokens (the compile-time bf16 instantiation) and bf16 / f16 inputs with other output or
-// gate dtypes (the runtime-dtype one); float32 and bfloat16 pools; padding rows; T = 1 and
-// a 3-token step.
-TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
-  FLASHDELTA_REQUIRE_GPU();
+// Every token-type instantiation on one layout: all-bfloat16 tokens (the compile-time bf16
+// instantiation) and bf16 / f16 inputs with other output or gate dtypes (the runtime-dtype
+// one); float32 and bfloat16 pools; padding rows; T = 1 and a 3-token step; each (K, V) of
+// `shapes`.
+void expect_token_types_match(StateLayout layout,
+                              std::initializer_list<std::pair<int64_t, int64_t>> shapes,
+                              uint64_t seed) {
   struct Tokens {
     const char* name;
     DType inputs, o;
@@ -227,15 +227,13 @@ TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
   const Tokens kTokens[] = {{"bf16 fused, bf16 o", DType::bf16, DType::bf16, true},
                             {"bf16, f32 gate and o", DType::bf16, DType::f32, false},
                             {"f16 fused, f16 o", DType::f16, DType::f16, true}};
-  const std::pair<int64_t, int64_t> kShapes[] = {{32, 64}, {64, 48}, {128, 24}, {256, 40}};
-  uint64_t seed = 500;
-  for (const auto& [K, V] : kShapes)
+  for (const auto& [K, V] : shapes)
     for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
       for (const Tokens& tokens : kTokens)
         for (const DType pool : {DType::f32, DType::bf16})
           for (const int64_t T : {1, 3}) {
             CaseConfig cfg = decode_config(m, 3, T, K, V, seed++);
-            cfg.layout = StateLayout::v_first;
+            cfg.layout = layout;
             cfg.dtype = tokens.inputs;
             cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = tokens.fused;
             if (tokens.fused && m == Mechanism::kda) cfg.lower_bound = -5.0;
@@ -247,6 +245,21 @@ TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
                     ", pool " + dtype_name(pool),
                 decode_on_device, tokens.o);
           }
+}
+
+// The warp kernel on V-first pools: K = 32 (four column lanes per warp), 64, 128 and 256 (8
+// keys per lane), each V a few tasks wide.
+TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
+  FLASHDELTA_REQUIRE_GPU();
+  expect_token_types_match(StateLayout::v_first, {{32, 64}, {64, 48}, {128, 24}, {256, 40}}, 500);
+}
+
+// The narrow tile on K-first pools (its bfloat16-token instantiation at K <= 128), forced:
+// V a partial tile (24 of 32 columns at K = 128), one tile, several.
+TEST(CudaDecode, NarrowTileKFirstTokenTypes) {
+  FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv env("FLASHDELTA_RECURRENT_TILE", "narrow");
+  expect_token_types_match(StateLayout::k_first, {{32, 48}, {64, 16}, {128, 24}, {256, 40}}, 700);
 }
 
 // Decode case d (bfloat16 output) once under each value of the environment variable `name`:
@@ -268,27 +281,40 @@ void expect_settings_agree_bitwise(const DecodeCase& d, const std::string& what,
   }
 }
 
-// The warp kernel's two grids: (value tiles, HV, N) with the task in the block index, and
+// The two grids of every kernel: (value tiles, HV, N) with the task in the block index, and
 // the grid-stride loop over task numbers that problems past 65,535 sequences or heads run
-// (FLASHDELTA_RECURRENT_WARP_GRID=loop). Bitwise equal, and equal to the reference, with
+// (FLASHDELTA_RECURRENT_GRID=loop). Bitwise equal, and equal to the reference, with
 // value-head groups of 1, 2 and 3 (the key head by a multiply-shift division), a padding
-// row, one-token and 3-token steps.
-TEST(CudaDecode, WarpKernelGridFormsAgreeBitwise) {
+// row, one-token and 3-token steps: the warp kernel (V-first), the narrow tile (K-first,
+// bfloat16 tokens) and the wide tile (forced).
+TEST(CudaDecode, GridFormsAgreeBitwise) {
   FLASHDELTA_REQUIRE_GPU();
+  struct Kernel {
+    const char* name;
+    StateLayout layout;
+    const char* tile;
+  };
+  const Kernel kKernels[] = {{"warp", StateLayout::v_first, "auto"},
+                             {"narrow", StateLayout::k_first, "narrow"},
+                             {"wide", StateLayout::k_first, "wide"}};
   uint64_t seed = 900;
-  for (const int64_t group : {1, 2, 3})
-    for (const int64_t T : {1, 3}) {
-      CaseConfig cfg = decode_config(Mechanism::kda, 3, T, 128, 24, seed++);
-      cfg.H = 2;
-      cfg.HV = 2 * group;
-      cfg.layout = StateLayout::v_first;
-      cfg.dtype = DType::bf16;
-      cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
-      const DecodeCase d = make_decode_case(cfg, 5, DType::f32, {{3}, {-1}, {0}});
-      expect_settings_agree_bitwise(
-          d, "group " + std::to_string(group) + " T=" + std::to_string(T),
-          "FLASHDELTA_RECURRENT_WARP_GRID", {"auto", "loop"});
-    }
+  for (const Kernel& kernel : kKernels) {
+    const ScopedEnv env("FLASHDELTA_RECURRENT_TILE", kernel.tile);
+    for (const int64_t group : {1, 2, 3})
+      for (const int64_t T : {1, 3}) {
+        CaseConfig cfg = decode_config(Mechanism::kda, 3, T, 128, 24, seed++);
+        cfg.H = 2;
+        cfg.HV = 2 * group;
+        cfg.layout = kernel.layout;
+        cfg.dtype = DType::bf16;
+        cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
+        const DecodeCase d = make_decode_case(cfg, 5, DType::f32, {{3}, {-1}, {0}});
+        expect_settings_agree_bitwise(d,
+                                      std::string(kernel.name) + " group " +
+                                          std::to_string(group) + " T=" + std::to_string(T),
+                                      "FLASHDELTA_RECURRENT_GRID", {"auto", "loop"});
+      }
+  }
 }
 
 // The warp kernel's prefetch blocks, which queue a later row's states into L2
@@ -503,23 +529,23 @@ TEST(CudaFastDivisor, MatchesIntegerDivision) {
   }
 }
 
-// The warp kernel's grid (host only): the task grid where N and HV fit a grid dimension,
+// The kernels' grid (host only): the task grid where N and HV fit a grid dimension,
 // the loop otherwise or under `loop`.
-TEST(CudaRecurrentTile, WarpGridFollowsTheEnvironmentVariable) {
-  using detail::cuda_recurrent_warp_task_grid;
-  constexpr const char* kGrid = "FLASHDELTA_RECURRENT_WARP_GRID";
+TEST(CudaRecurrentTile, TaskGridFollowsTheEnvironmentVariable) {
+  using detail::cuda_recurrent_task_grid;
+  constexpr const char* kGrid = "FLASHDELTA_RECURRENT_GRID";
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kGrid, automatic);
-    EXPECT_TRUE(cuda_recurrent_warp_task_grid(1, 1));
-    EXPECT_TRUE(cuda_recurrent_warp_task_grid(65535, 65535));
-    EXPECT_FALSE(cuda_recurrent_warp_task_grid(65536, 32));
-    EXPECT_FALSE(cuda_recurrent_warp_task_grid(4, 65536));
+    EXPECT_TRUE(cuda_recurrent_task_grid(1, 1));
+    EXPECT_TRUE(cuda_recurrent_task_grid(65535, 65535));
+    EXPECT_FALSE(cuda_recurrent_task_grid(65536, 32));
+    EXPECT_FALSE(cuda_recurrent_task_grid(4, 65536));
   }
   {
     const ScopedEnv env(kGrid, "loop");
-    EXPECT_FALSE(cuda_recurrent_warp_task_grid(256, 32));
+    EXPECT_FALSE(cuda_recurrent_task_grid(256, 32));
   }
-  expect_setting_rejected(kGrid, "grid", [] { cuda_recurrent_warp_task_grid(256, 32); });
+  expect_setting_rejected(kGrid, "grid", [] { cuda_recurrent_task_grid(256, 32); });
 }
 
 // The warp kernel's prefetch distance in rows (host only): the GPU test's 25, 50 and 99 rows
