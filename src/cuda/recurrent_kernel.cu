@@ -71,6 +71,19 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
   const RowOffsets row = row_offsets(p, seq, h, hv);
   const int col = j0 + tile.column;
 
+  // Token 0's loads. The narrow tile (few sequences) issues them before the slot index is
+  // back (a padding row's are unused): at one token per task the index -> state chain is
+  // then the step's only exposed latency, with the token's transform and barrier
+  // (stage_token) under the state's loads. The wide tile issues them with the state copy:
+  // held across the index wait they cost it 12-44 bytes of spills (ptxas).
+  TokenRaw<KB> raw;
+  uint32_t a_raw = 0u;
+  const auto fetch_first_token = [&] {
+    if (seq.len > 0) fetch_token<KB, Tk>(p, row, 0, hv, col, raw);
+    if (p.A_log) a_raw = load_raw(p.A_log, p.A_log_dtype, hv * p.A_log_stride);
+  };
+  if constexpr (T::kNarrow) fetch_first_token();
+
   if (w.start < 0) {  // padding row: zeros out, no state touched
     for (int64_t e = threadIdx.x; e < seq.len * T::VT; e += kThreads) {
       const int j = j0 + static_cast<int>(e % T::VT);
@@ -82,14 +95,11 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
   }
   if (p.serving && !p.per_token_slots && seq.len == 0) return;  // nothing to update
 
-  // The state copy and token 0's loads go out together: their latencies overlap.
   if (p.state_in.data)
     stage_state(p, p.state_in, tile_base<const S>(p.state_in, w.start, hv), tile, j0, state);
   else
     zero_state<RK>(state);
-  TokenRaw<KB> raw;
-  if (seq.len > 0) fetch_token<KB, Tk>(p, row, 0, hv, col, raw);
-  const uint32_t a_raw = p.A_log ? load_raw(p.A_log, p.A_log_dtype, hv * p.A_log_stride) : 0u;
+  if constexpr (!T::kNarrow) fetch_first_token();
   const float a = p.A_log ? expf(raw_to_float(a_raw, p.A_log_dtype)) : 1.f;
   // Each thread reads only the slots it copied: no barrier. On K-first states the first
   // pass waits run by run instead (wait_state_run). The runs land about together, so this
