@@ -248,7 +248,8 @@ void launch(const RecurrentParams& p, cudaStream_t stream) {
   if constexpr (narrow != wide)
     if (p.tile == RecurrentTile::narrow) {
       if constexpr (!KeyContig && KB == 128)
-        if (all_bf16_tokens(p)) return launch_tile<KB, narrow, KeyContig, S, TokenTypes<true>>(p, stream);
+        if (all_bf16_tokens(p))
+          return launch_tile<KB, narrow, KeyContig, S, TokenTypes<true>>(p, stream);
       return launch_tile<KB, narrow, KeyContig, S, TokenTypes<false>>(p, stream);
     }
   launch_tile<KB, wide, KeyContig, S, TokenTypes<false>>(p, stream);

@@ -38,8 +38,9 @@ __device__ void fetch_token(const RecurrentParams& p, const RowOffsets& row, int
   const int64_t ov = row.v + t * p.v.stride[1];
 #pragma unroll
   for (int e = 0; e < 4; ++e)
-    raw.v[e] = column0 + e < p.V ? load_raw(p.v.data, T::of(p.v), ov + (column0 + e) * p.v.stride[3])
-                                 : 0u;
+    raw.v[e] = column0 + e < p.V
+                   ? load_raw(p.v.data, T::of(p.v), ov + (column0 + e) * p.v.stride[3])
+                   : 0u;
   const int64_t oq = row.q + t * p.q.stride[1], ok = row.k + t * p.k.stride[1];
   const int64_t og = row.g + t * p.g.stride[1];
 #pragma unroll
