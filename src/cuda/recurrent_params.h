@@ -85,7 +85,8 @@ struct RecurrentParams {
   int64_t value_tiles = 0;  // ceil(V / columns per block)
   RecurrentTile tile = RecurrentTile::wide;
   // The grid is (value tiles, HV, N) and a task is its block's index (no division), else a
-  // grid-stride loop over task numbers (cuda_recurrent_task_grid).
+  // grid-stride loop over task numbers (cuda_recurrent_task_grid); the wide tile always
+  // loops.
   bool task_grid = false;
   int warp_keys = 4;  // warp kernel: keys per lane, 4 or 8 (cuda_recurrent_warp_keys)
 

@@ -254,8 +254,9 @@ TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
   expect_token_types_match(StateLayout::v_first, {{32, 64}, {64, 48}, {128, 24}, {256, 40}}, 500);
 }
 
-// The narrow tile on K-first pools (its bfloat16-token instantiation at K <= 128), forced:
-// V a partial tile (24 of 32 columns at K = 128), one tile, several.
+// The narrow tile on K-first pools (its bfloat16-token instantiation at K = 128), forced:
+// V a partial tile (24 of 32 columns at K = 128), one tile, several; K = 256's narrow tile
+// is the wide one.
 TEST(CudaDecode, NarrowTileKFirstTokenTypes) {
   FLASHDELTA_REQUIRE_GPU();
   const ScopedEnv env("FLASHDELTA_RECURRENT_TILE", "narrow");
