@@ -25,12 +25,13 @@ enum class RecurrentKernel { wide, narrow, warp };
 // another order: equal to float32 rounding); `warp` is `auto`'s choice, kept as a name.
 // Any other value throws Error(invalid_argument) naming the variable.
 RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp_tasks);
-// Whether the recurrent kernels that have one (the warp kernel, the block kernel's narrow
-// tile; the wide tile always loops) take the task grid (value tiles, HV, N), each block's
-// index its task, for N sequences of HV value heads: where both fit a grid dimension
-// (65,535) and FLASHDELTA_RECURRENT_GRID is unset or `auto`; `loop` takes the grid-stride
-// loop over task numbers that larger problems run (the same tasks: bitwise equal). Any other
-// value throws Error(invalid_argument) naming the variable.
+// Whether the recurrent kernels that have one (the warp kernel; the block kernel's narrow
+// tile where it differs from the wide one, 32 < K <= 128; the wide tile always loops) take
+// the task grid (value tiles, HV, N), each block's index its task, for N sequences of HV
+// value heads: where both fit a grid dimension (65,535) and FLASHDELTA_RECURRENT_GRID is
+// unset or `auto`; `loop` takes the grid-stride loop over task numbers that larger problems
+// run (the same tasks: bitwise equal). Any other value throws Error(invalid_argument) naming
+// the variable.
 bool cuda_recurrent_task_grid(int64_t N, int64_t HV);
 // Keys per lane of the warp kernel for head size K, V value columns, `pairs` (sequence,
 // value head) pairs and a float32 or bfloat16 (`bf16_state`) state on `sms` SMs: 8 at

@@ -84,7 +84,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
     case RecurrentKernel::wide: r.tile = cuda::RecurrentTile::wide; break;
   }
   r.value_tiles = tiles(cuda::recurrent_block_columns(r.K, r.tile));
-  r.task_grid = cuda_recurrent_task_grid(r.N, r.HV);
+  r.task_grid = r.tile == cuda::RecurrentTile::narrow && cuda_recurrent_task_grid(r.N, r.HV);
   cuda::launch_recurrent(r, state_dtype, key_contiguous, stream);
 }
 

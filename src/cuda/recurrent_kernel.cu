@@ -207,10 +207,10 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
 // One block per task: on the task grid (value tiles, HV, N) the block's index, else a
 // grid-stride loop over task numbers (past 65,535 sequences or heads). Blocks are short and
 // many, so the hardware balances them over the SMs and the tail is one block long. Only the
-// narrow tile takes the task grid: it runs few sequences, where a one-token step is one
-// thread's instruction chain and the grid saves its divisions; in the wide tile's 80-96
-// registers a second path costs spills (ptxas: up to 124 bytes) to save ~100 instructions
-// beside its 64-element passes.
+// narrow tile (32 < K <= 128: at other K it is the wide one) takes the task grid: it runs
+// few sequences, where a one-token step is one thread's instruction chain and the grid
+// saves its divisions; in the wide tile's 80-96 registers a second path costs spills
+// (ptxas: up to 124 bytes) to save ~100 instructions beside its 64-element passes.
 template <int KB, int RK, bool KeyContig, class S, class Tk>
 __global__ void __launch_bounds__(kThreads, Tile<KB, RK, KeyContig>::kMinBlocks)
     recurrent_kernel(const __grid_constant__ RecurrentParams p) {

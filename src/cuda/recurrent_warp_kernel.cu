@@ -348,7 +348,7 @@ __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Tas
   }
 }
 
-// Blocks of one warp: the task grid, else a grid-stride loop (only past 2^31 - 1 tasks).
+// Blocks of one warp: the task grid, else a grid-stride loop (past 65,535 sequences or heads).
 // With kPrefetch (the task grid only), each row and value head has a prefetch block past
 // its value tiles; a template parameter, so that the kernels without are unchanged by it.
 template <int KB, int RK, class T, class S, bool kPrefetch>

@@ -224,8 +224,10 @@ void expect_token_types_match(StateLayout layout,
     DType inputs, o;
     bool fused;  // gate, L2 norm and beta sigmoid in the kernel (g in the input dtype)
   };
+  // "f32 gate, bf16 o": bfloat16 everywhere but g, which alone rules out the bf16 form.
   const Tokens kTokens[] = {{"bf16 fused, bf16 o", DType::bf16, DType::bf16, true},
                             {"bf16, f32 gate and o", DType::bf16, DType::f32, false},
+                            {"bf16, f32 gate, bf16 o", DType::bf16, DType::bf16, false},
                             {"f16 fused, f16 o", DType::f16, DType::f16, true}};
   for (const auto& [K, V] : shapes)
     for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet})
@@ -255,12 +257,13 @@ TEST(CudaDecode, WarpKernelShapesAndTokenTypes) {
 }
 
 // The narrow tile on K-first pools (its bfloat16-token instantiation at K = 128), forced:
-// V a partial tile (24 of 32 columns at K = 128), one tile, several; K = 256's narrow tile
-// is the wide one.
+// 16-column tiles at K = 64 and 128, V one tile, a tile and a half, two; at K = 32 and 256
+// the narrow tile is the wide one.
 TEST(CudaDecode, NarrowTileKFirstTokenTypes) {
   FLASHDELTA_REQUIRE_GPU();
   const ScopedEnv env("FLASHDELTA_RECURRENT_TILE", "narrow");
-  expect_token_types_match(StateLayout::k_first, {{32, 48}, {64, 16}, {128, 24}, {256, 40}}, 700);
+  expect_token_types_match(StateLayout::k_first,
+                           {{32, 48}, {64, 16}, {128, 24}, {128, 32}, {256, 40}}, 700);
 }
 
 // Decode case d (bfloat16 output) once under each value of the environment variable `name`:
@@ -282,12 +285,12 @@ void expect_settings_agree_bitwise(const DecodeCase& d, const std::string& what,
   }
 }
 
-// The two grids of every kernel: (value tiles, HV, N) with the task in the block index, and
+// The two grids: (value tiles, HV, N) with the task in the block index, and
 // the grid-stride loop over task numbers that problems past 65,535 sequences or heads run
 // (FLASHDELTA_RECURRENT_GRID=loop). Bitwise equal, and equal to the reference, with
 // value-head groups of 1, 2 and 3 (the key head by a multiply-shift division), a padding
-// row, one-token and 3-token steps: the warp kernel (V-first), the narrow tile (K-first,
-// bfloat16 tokens) and the wide tile (forced).
+// row, one-token and 3-token steps: the warp kernel (V-first) and the narrow tile (K-first,
+// bfloat16 tokens); the wide tile (forced), which loops under both settings, as a guard.
 TEST(CudaDecode, GridFormsAgreeBitwise) {
   FLASHDELTA_REQUIRE_GPU();
   struct Kernel {
