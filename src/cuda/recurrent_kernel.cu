@@ -62,8 +62,8 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
                          const Task& w, S* state) {
   using T = Tile<KB, RK, KeyContig>;
   // The key head in 32-bit arithmetic (w.hv is an int): a 64-bit division is a long call on
-  // the critical path of a one-token step. (key_head's multiply-shift moved the wide tile's
-  // registers at K = 64 into 48 bytes of spills.)
+  // the critical path of a one-token step. (The warp kernel's multiply-shift moved the wide
+  // tile's registers at K = 64 into 48 bytes of spills.)
   const int64_t n = w.n, hv = w.hv,
                 h = p.group <= INT_MAX ? w.hv / static_cast<int>(p.group) : hv / p.group;
   const int j0 = w.j0;

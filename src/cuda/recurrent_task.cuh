@@ -91,13 +91,6 @@ __device__ Task task_of_grid(const RecurrentParams& p) {
   return w;
 }
 
-// The key head of value head hv: a multiply-shift division where the group fits 31 bits
-// (a 64-bit division is a long call on a one-token step's critical path).
-__device__ __forceinline__ int64_t key_head(const RecurrentParams& p, int hv) {
-  return p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(hv), p.group_divisor)
-                            : hv / p.group;
-}
-
 // Element offsets of token 0 of one row for each token tensor; token t adds t * stride[1].
 struct RowOffsets {
   int64_t q, k, v, g, beta, o;

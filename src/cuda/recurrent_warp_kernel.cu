@@ -260,7 +260,10 @@ template <class W, class T, class S>
 __device__ void run_warp_task(const RecurrentParams& p, const W& tile, const Task& w) {
   constexpr int RK = W::RK, CPL = W::kColumns, kChunks = RK / 4 * CPL;
   const int64_t n = w.n, hv = w.hv;
-  const int64_t h = key_head(p, w.hv);
+  // The key head by a multiply-shift division where the group fits 31 bits (a 64-bit
+  // division is a long call on a one-token step's critical path).
+  const int64_t h = p.group <= INT_MAX ? fast_divide(static_cast<uint32_t>(hv), p.group_divisor)
+                                       : hv / p.group;
   const Sequence seq = sequence_of(p, n);
   const RowOffsets row = row_offsets(p, seq, h, hv);
   const int col = w.j0 + tile.column;
