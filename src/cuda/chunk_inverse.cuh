@@ -45,6 +45,8 @@ __device__ void invert_diagonal_blocks(const float* a, int lda, float* t, int ld
   }
   if (warp < kInverseBlocks && lane < kSubChunk) {
     const int b = kSubChunk * warp;
+    // Stored after the substitution: a store before the next row's reads of a (the same
+    // shared array, as far as ptxas can tell) would hold each row's reads back behind it.
     float x[kSubChunk];
 #pragma unroll
     for (int i = 0; i < kSubChunk; ++i) {
@@ -52,8 +54,9 @@ __device__ void invert_diagonal_blocks(const float* a, int lda, float* t, int ld
 #pragma unroll
       for (int m = 0; m < i; ++m) acc -= a[(b + i) * lda + b + m] * x[m];
       x[i] = acc;
-      t[(b + i) * ldt + b + lane] = acc;
     }
+#pragma unroll
+    for (int i = 0; i < kSubChunk; ++i) t[(b + i) * ldt + b + lane] = x[i];
   }
   __syncthreads();
 }

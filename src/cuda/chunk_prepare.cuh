@@ -253,6 +253,13 @@ __device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, con
   const int valid_k = clamp_run(p.K - (c0 + c8));
   using Runs = TokenRuns<Dense>;
   const Run8 (&rq)[kPasses] = runs.q, (&rk)[kPasses] = runs.k, (&rg)[kPasses] = runs.g;
+  // dt_bias of the thread's 8 channels, the same in every pass: read before the first pass's
+  // stores, which a later read would wait for.
+  float4 b0 = {}, b1 = {};
+  if (G == GateForm::vector && p.gate_in_kernel) {
+    b0 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8]);
+    b1 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8 + 4]);
+  }
 #pragma unroll
   for (int x = 0; x < kPasses; ++x) {
     const int t = tid / kGroups + x * kTokensPerPass;
@@ -262,8 +269,6 @@ __device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, con
     if constexpr (G == GateForm::vector) {
       Runs::to_float(rg[x], p.g, g);
       if (p.gate_in_kernel) {
-        const float4 b0 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8]);
-        const float4 b1 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8 + 4]);
         g[0] += b0.x, g[1] += b0.y, g[2] += b0.z, g[3] += b0.w;
         g[4] += b1.x, g[5] += b1.y, g[6] += b1.z, g[7] += b1.w;
         activate_gates(p, g, a_gate);
@@ -427,22 +432,31 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
   auto store_low = [&](int B, int j, float x0, float x1) {
     if constexpr (kSplit) store(&s.kbar_lo[B][j - kSubChunk * B][cp], low_part(x0), low_part(x1));
   };
+  // Every fill below reads its float32 inputs for a batch of rows before it stores any
+  // factor: ptxas cannot tell the bfloat16 tables from the float32 rows (one shared array), so
+  // a load written after a store waits for it, and a row at a time made each row's
+  // load -> exp2 -> store chain wait for the one before (SASS: no two chains overlapped).
   {
     const float2 r = G == GateForm::vector ? pair(s.ref[I]) : make_float2(0.f, 0.f);
+    constexpr int kRows = kSubChunk / 2;  // a lane's rows: i = u % 4 + 8 (u / 4) + 4 h
+    float2 g[kRows], q[kRows], k[kRows];
 #pragma unroll
-    for (int u = 0; u < kSubChunk / 2; ++u) {
+    for (int u = 0; u < kRows; ++u) {
+      const int i = u % 4 + 8 * (u / 4) + 4 * h;
+      q[u] = pair(s.q[r0 + i]);
+      if constexpr (G == GateForm::vector) {
+        g[u] = pair(s.gamma[r0 + i]);
+        k[u] = pair(s.k[r0 + i]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
       const int i = u % 4 + 8 * (u / 4) + 4 * h;
       float2 e = make_float2(1.f, 1.f);
-      if constexpr (G == GateForm::vector) {
-        const float2 g = pair(s.gamma[r0 + i]);
-        e = make_float2(exp2_approx(g.x - r.x), exp2_approx(g.y - r.y));
-      }
-      const float2 q = pair(s.q[r0 + i]);
-      store(&s.xq[I][i][cp], q.x * e.x, q.y * e.y);
-      if constexpr (G == GateForm::vector) {
-        const float2 k = pair(s.k[r0 + i]);
-        store(&s.xk[I][i][cp], k.x * e.x, k.y * e.y);
-      }
+      if constexpr (G == GateForm::vector)
+        e = make_float2(exp2_approx(g[u].x - r.x), exp2_approx(g[u].y - r.y));
+      store(&s.xq[I][i][cp], q[u].x * e.x, q[u].y * e.y);
+      if constexpr (G == GateForm::vector) store(&s.xk[I][i][cp], k[u].x * e.x, k[u].y * e.y);
     }
   }
   // Column factors k_j 2^(r_J - Gamma_j) of tokens j = I + 4 m (every warp takes 4 tokens of
@@ -452,39 +466,57 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
   // is the right limit).
   constexpr int kBlocks = kChunk / kSubChunk;
   static_assert(kSubChunk == 16, "a warp's tokens m = 2 u and 2 u + 1 lie in one block, u / 2");
-  float2 step[kBlocks];
+  // Each block's reference points and exactness for the lane's pair, read once.
+  float2 ref[kBlocks], step[kBlocks];
+  bool exact_pair[kBlocks][2];
 #pragma unroll
   for (int J = 0; J < kBlocks; ++J) {
+    ref[J] = make_float2(0.f, 0.f);
     step[J] = make_float2(1.f, 1.f);
-    if (G == GateForm::vector && J > 0) {
-      const float2 a = pair(s.ref[J]), b = pair(s.ref[J - 1]);
-      step[J] = make_float2(exp2_approx(a.x - b.x), exp2_approx(a.y - b.y));
+    exact_pair[J][0] = exact_pair[J][1] = true;
+    if constexpr (G == GateForm::vector) {
+      ref[J] = pair(s.ref[J]);
+      exact_pair[J][0] = s.exact[J][cp];
+      exact_pair[J][1] = s.exact[J][cp + 1];
+      if (J > 0)
+        step[J] = make_float2(exp2_approx(ref[J].x - ref[J - 1].x), exp2_approx(ref[J].y - ref[J - 1].y));
     }
   }
+  // The fill in batches of kBatch tokens (two blocks), each batch's inputs read first.
+  constexpr int kTokens = kChunk / 8, kBatch = 4;
 #pragma unroll
-  for (int u = 0; u < kChunk / 8; ++u) {
-    const int B = u / 2, j = I + 4 * (2 * u + h);
-    const float2 kj = pair(s.k[j]);
-    if constexpr (G == GateForm::vector) {
-      const float2 gj = pair(s.gamma[j]), rb = pair(s.ref[B]);
-      const float d0 = s.exact[B][cp] ? kj.x * exp2_approx(rb.x - gj.x) : 0.f;
-      const float d1 = s.exact[B][cp + 1] ? kj.y * exp2_approx(rb.y - gj.y) : 0.f;
-      store(&s.kbar[kbar_base(B) + j][cp], d0, d1);
-      store_low(B, j, d0, d1);
-      if (B + 1 < kBlocks) {
-        const float2 rn = pair(s.ref[B + 1]);
-        float x0 = kj.x * exp2_approx(rn.x - gj.x), x1 = kj.y * exp2_approx(rn.y - gj.y);
-        store(&s.kbar[kbar_base(B + 1) + j][cp], x0, x1);
+  for (int u0 = 0; u0 < kTokens; u0 += kBatch) {
+    float2 kj[kBatch], gj[kBatch];
 #pragma unroll
-        for (int J = B + 2; J < kBlocks; ++J) {
-          x0 *= step[J].x;
-          x1 *= step[J].y;
-          store(&s.kbar[kbar_base(J) + j][cp], x0, x1);
+    for (int x = 0; x < kBatch; ++x) {
+      const int j = I + 4 * (2 * (u0 + x) + h);
+      kj[x] = pair(s.k[j]);
+      if constexpr (G == GateForm::vector) gj[x] = pair(s.gamma[j]);
+    }
+#pragma unroll
+    for (int x = 0; x < kBatch; ++x) {
+      const int u = u0 + x, B = u / 2, j = I + 4 * (2 * u + h);
+      if constexpr (G == GateForm::vector) {
+        const float2 rb = ref[B];
+        const float d0 = exact_pair[B][0] ? kj[x].x * exp2_approx(rb.x - gj[x].x) : 0.f;
+        const float d1 = exact_pair[B][1] ? kj[x].y * exp2_approx(rb.y - gj[x].y) : 0.f;
+        store(&s.kbar[kbar_base(B) + j][cp], d0, d1);
+        store_low(B, j, d0, d1);
+        if (B + 1 < kBlocks) {
+          const float2 rn = ref[B + 1];
+          float x0 = kj[x].x * exp2_approx(rn.x - gj[x].x), x1 = kj[x].y * exp2_approx(rn.y - gj[x].y);
+          store(&s.kbar[kbar_base(B + 1) + j][cp], x0, x1);
+#pragma unroll
+          for (int J = B + 2; J < kBlocks; ++J) {
+            x0 *= step[J].x;
+            x1 *= step[J].y;
+            store(&s.kbar[kbar_base(J) + j][cp], x0, x1);
+          }
         }
+      } else {
+        store(&s.kbar[j][cp], kj[x].x, kj[x].y);
+        store_low(B, j, kj[x].x, kj[x].y);
       }
-    } else {
-      store(&s.kbar[j][cp], kj.x, kj.y);
-      store_low(B, j, kj.x, kj.y);
     }
   }
   __syncthreads();
@@ -577,9 +609,13 @@ __device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& 
   const int tid = threadIdx.x, c8 = 8 * (tid % kLanes);
   const float gend = G == GateForm::scalar ? sh.gs[ref.len - 1] : 0.f;
   for (int c = tid; c < KP; c += kThreads) rec.decay[c] = exp2_approx(gend);
-#pragma unroll 4
-  for (int t0 = 0; t0 < kChunk; t0 += kTokensPerPass) {
-    const int t = t0 + tid / kLanes;
+  // The token scalars go to shared memory after the loop: a store inside it would hold the
+  // next pass's reads of the tiles back behind it (one shared array, as far as ptxas can tell).
+  constexpr int kPassesHere = kChunk / kTokensPerPass;
+  float inv_k[kPassesHere] = {}, w_cols[kPassesHere] = {};
+#pragma unroll
+  for (int x = 0; x < kPassesHere; ++x) {
+    const int t = kTokensPerPass * x + tid / kLanes;
     const float gam = G == GateForm::scalar ? sh.gs[t] : 0.f;
     const float up = exp2_approx(gam), down = exp2_approx(gend - gam);
     const uint4 rq = *reinterpret_cast<const uint4*>(&sh.u.qt.q[t][c8]);
@@ -603,10 +639,17 @@ __device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& 
       const bool norm = p.qk_l2norm, live = t < ref.len;
       const float nk = !live ? 0.f : norm ? rsqrtf(sk + kL2NormEps) : 1.f;
       rec.inv_q[t] = !live ? 0.f : norm ? rsqrtf(sq + kL2NormEps) : 1.f;
-      sh.inv_k[t] = rec.inv_k[t] = nk;
-      sh.w_cols[t] = nk * sh.beta[t] * up;
+      rec.inv_k[t] = inv_k[x] = nk;
+      w_cols[x] = nk * sh.beta[t] * up;
     }
   }
+  if (tid % kLanes == 0)
+#pragma unroll
+    for (int x = 0; x < kPassesHere; ++x) {
+      const int t = kTokensPerPass * x + tid / kLanes;
+      sh.inv_k[t] = inv_k[x];
+      sh.w_cols[t] = w_cols[x];
+    }
 }
 
 // The inverse lengths of q and k, 1 / sqrt(sum of squares + eps) with the L2 norm and 1
@@ -637,34 +680,56 @@ template <GateForm G, bool kSplit, int KP>
 __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
                          const Acc (&acc_q)[8], const Acc (&acc_k)[8]) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
+  // The per-token scalars of the thread's rows (e / 2) and of its columns (nt, x), four column
+  // tiles at a time, read before the stores into A_kk's rows, which later reads would wait
+  // for (as in accumulate_slice); all eight tiles' at once spilled in the A_qk pair's kernels.
+  float row_k[2], gs_row[2] = {};
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int r = 0; r < 2; ++r) {
+    const int t = r0 + acc_row(2 * r);
+    row_k[r] = sh.beta[t] * sh.inv_k[t];
+    if constexpr (G == GateForm::scalar) gs_row[r] = sh.gs[t];
+  }
+  constexpr int kTiles = 4;
 #pragma unroll
-    for (int e = 0; e < 4; e += 2) {
-      const int i = acc_row(e), t = r0 + i;
-      const float row_k = sh.beta[t] * sh.inv_k[t];
-      float vq[2] = {0.f, 0.f}, vk[2] = {0.f, 0.f};
+  for (int nt0 = 0; nt0 < 8; nt0 += kTiles) {
+    if (nt0 / 2 > I) break;
+    float col[kTiles][2], gs_col[kTiles][2] = {};
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n)
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
-        const int j = 8 * nt + acc_col(e + x);
-        if (nt / 2 > I || j > t) continue;
-        float fq = acc_q[nt].d[e + x], fk = acc_k[nt].d[e + x];
-        if (G == GateForm::scalar) {
-          const float f = exp2_approx(sh.gs[t] - sh.gs[j]);
-          fq *= f;
-          fk *= f;
-        }
-        const float col = sh.inv_k[j];
-        vq[x] = p.scale * fq * col;
-        vk[x] = j < t ? row_k * fk * col : 0.f;
+        const int j = 8 * (nt0 + n) + acc_col(x);
+        col[n][x] = sh.inv_k[j];
+        if constexpr (G == GateForm::scalar) gs_col[n][x] = sh.gs[j];
       }
-      const int j0 = 8 * nt + acc_col(e);
-      store_pair(rec.aqk + record_index(t, j0), vq[0], vq[1]);
-      if constexpr (kSplit)
-        store_pair(rec.aqk_lo + record_index(t, j0), low_part(vq[0]), low_part(vq[1]));
-      sh.u.v.a[t][j0] = vk[0];
-      sh.u.v.a[t][j0 + 1] = vk[1];
-    }
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int nt = nt0 + n, i = acc_row(e), t = r0 + i;
+        float vq[2] = {0.f, 0.f}, vk[2] = {0.f, 0.f};
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          const int j = 8 * nt + acc_col(e + x);
+          if (nt / 2 > I || j > t) continue;
+          float fq = acc_q[nt].d[e + x], fk = acc_k[nt].d[e + x];
+          if (G == GateForm::scalar) {
+            const float f = exp2_approx(gs_row[e / 2] - gs_col[n][x]);
+            fq *= f;
+            fk *= f;
+          }
+          vq[x] = p.scale * fq * col[n][x];
+          vk[x] = j < t ? row_k[e / 2] * fk * col[n][x] : 0.f;
+        }
+        const int j0 = 8 * nt + acc_col(e);
+        store_pair(rec.aqk + record_index(t, j0), vq[0], vq[1]);
+        if constexpr (kSplit)
+          store_pair(rec.aqk_lo + record_index(t, j0), low_part(vq[0]), low_part(vq[1]));
+        sh.u.v.a[t][j0] = vk[0];
+        sh.u.v.a[t][j0 + 1] = vk[1];
+      }
+  }
 }
 
 // T = (I + A_kk)^-1 (cuda/chunk_inverse.cuh, in either order; by columns in three tf32
@@ -685,17 +750,25 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
   bf16 *tb = sh.tb(), *tu = sh.template tu<KeyTiles>();
   const float* cols = KeyTiles ? sh.w_cols : sh.inv_k;
   const auto at = PrepareShared<KP>::template t_index<KeyTiles>;
-  constexpr int kQuadsPerRow = kChunk / 4;
-  for (int e = tid; e < kChunk * kQuadsPerRow; e += kThreads) {
-    const int r = e / kQuadsPerRow, q = 4 * (e % kQuadsPerRow);
-    const float4 x = *reinterpret_cast<const float4*>(&v.t[r][q]);
-    const float4 n = *reinterpret_cast<const float4*>(&cols[q]);
-    const float4 b = ValueTiles ? *reinterpret_cast<const float4*>(&sh.beta[q])
-                                : make_float4(1.f, 1.f, 1.f, 1.f);
-    *reinterpret_cast<uint2*>(tb + at(r, q)) =
-        make_uint2(pack_bf16(x.x * n.x, x.y * n.y), pack_bf16(x.z * n.z, x.w * n.w));
-    *reinterpret_cast<uint2*>(tu + at(r, q)) =
-        make_uint2(pack_bf16(x.x * b.x, x.y * b.y), pack_bf16(x.z * b.z, x.w * b.w));
+  // A thread's quads share their columns (q); all their rows are read before any store (the
+  // stores go to the same shared array, so a later read would wait for them).
+  constexpr int kQuadsPerRow = kChunk / 4, kRowsPerPass = kThreads / kQuadsPerRow,
+                kQuadPasses = kChunk / kRowsPerPass;
+  static_assert(kThreads % kQuadsPerRow == 0, "a thread's quads share their columns");
+  const int q = 4 * (tid % kQuadsPerRow), r0 = tid / kQuadsPerRow;
+  const float4 n = *reinterpret_cast<const float4*>(&cols[q]);
+  const float4 b = ValueTiles ? *reinterpret_cast<const float4*>(&sh.beta[q])
+                              : make_float4(1.f, 1.f, 1.f, 1.f);
+  float4 x[kQuadPasses];
+#pragma unroll
+  for (int m = 0; m < kQuadPasses; ++m) x[m] = *reinterpret_cast<const float4*>(&v.t[r0 + kRowsPerPass * m][q]);
+#pragma unroll
+  for (int m = 0; m < kQuadPasses; ++m) {
+    const int r = r0 + kRowsPerPass * m;
+    *reinterpret_cast<uint2*>(tb + at(r, q)) = make_uint2(pack_bf16(x[m].x * n.x, x[m].y * n.y),
+                                                          pack_bf16(x[m].z * n.z, x[m].w * n.w));
+    *reinterpret_cast<uint2*>(tu + at(r, q)) = make_uint2(pack_bf16(x[m].x * b.x, x[m].y * b.y),
+                                                          pack_bf16(x[m].z * b.z, x[m].w * b.w));
   }
   __syncthreads();
 }
