@@ -506,14 +506,19 @@ __device__ __forceinline__ void store_output_dense(const RecurrentParams& p,
   static_assert(kChunk * kLd * sizeof(bf16) <= kChunk * (kWarpColumns + 4) * sizeof(float));
   bf16* rows = reinterpret_cast<bf16*>(&ob[0][0]);
   const int l = threadIdx.x % 32, m = l / 8;
+  // Every token tile's n_q first: read after a stmatrix (the same shared array, as far as
+  // ptxas can tell), each tile's would wait for the tile before it.
+  float2 n[kChunk / 8];
+#pragma unroll
+  for (int nt = 0; nt < kChunk / 8; ++nt)
+    n[nt] = *reinterpret_cast<const float2*>(&inv_q[8 * nt + acc_col(0)]);
 #pragma unroll
   for (int np = 0; np < kChunk / 16; ++np) {  // token tiles 2 np, 2 np + 1: matrices 0-1, 2-3
     uint32_t r[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const Acc& a = o[2 * np + x / 2];
-      const float2 n = *reinterpret_cast<const float2*>(&inv_q[8 * (2 * np + x / 2) + acc_col(0)]);
-      r[x] = pack_bf16(a.d[2 * (x % 2)] * n.x, a.d[2 * (x % 2) + 1] * n.y);
+      const int nt = 2 * np + x / 2;
+      r[x] = pack_bf16(o[nt].d[2 * (x % 2)] * n[nt].x, o[nt].d[2 * (x % 2) + 1] * n[nt].y);
     }
     stmatrix_x4_trans(rows + (16 * np + 8 * (m / 2) + l % 8) * kLd + 8 * (m % 2), r);
   }
