@@ -692,8 +692,7 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
   }
   constexpr int kTiles = 4;
 #pragma unroll
-  for (int nt0 = 0; nt0 < 8; nt0 += kTiles) {
-    if (nt0 / 2 > I) break;
+  for (int nt0 = 0; nt0 < 8; nt0 += kTiles) {  // tiles right of the row block store zeros
     float col[kTiles][2], gs_col[kTiles][2] = {};
 #pragma unroll
     for (int n = 0; n < kTiles; ++n)
