@@ -77,8 +77,9 @@ __device__ void mark_failing_blocks(const Slice& s, int len, unsigned (&fails)[k
     const int I = idx / kW, cc = idx % kW, r0 = kBlock * I, end = min(r0 + kBlock, len);
     bool ok = true;
     for (int r = r0; r < end; ++r) ok &= diagonal_factor_ok(s.g[r][cc], s.g[r0][cc]);
-    if (!ok) atomicOr(&fails[I], 1u << cc);
+    // The step before the atomic: its reads would wait for it.
     if (I > 1) t.steps[I][cc] = block_step(s, len, I, cc);
+    if (!ok) atomicOr(&fails[I], 1u << cc);
   }
 }
 
@@ -91,22 +92,45 @@ __device__ void mark_failing_blocks(const Slice& s, int len, unsigned (&fails)[k
 template <int kW, int kLd, class Slice>
 __device__ void fill_diagonal_tables(const Slice& s, int len, const unsigned (&fails)[kBlocks],
                                      DiagonalTables<kW, kLd>& t) {
-  for (int idx = threadIdx.x; idx < kC * kW; idx += blockDim.x) {
-    const int r = idx / kW, cc = idx % kW, J = r / kBlock;
-    const bool row = r < len;
-    const float k = s.k[r][cc], g = s.g[r][cc], rho = s.g[kBlock * J][cc];
-    const float f = row ? __expf(g - rho) : 0.f;
-    t.rows[0][r][cc] = s.q[r][cc] * f;
-    t.rows[1][r][cc] = k * f;
-    const bool diagonal = row && !(fails[J] >> cc & 1u);
-    t.cols[diagonal_column_base(J) + r][cc] = diagonal ? k * __expf(rho - g) : 0.f;
-    float col = 0.f;
+  // A pass's reads all go before its stores: a shared read after a store waits for it (the
+  // compiler cannot tell the tables from the slice), which made one chain of every entry.
+  constexpr int kItems = 2;  // (row, channel) pairs per thread and pass
+  for (int idx0 = threadIdx.x; idx0 < kC * kW; idx0 += kItems * blockDim.x) {
+    bool diagonal[kItems];
+    // later[e][d - 1] for block J + d (past the row's block J): Gamma at its first row for
+    // d = 1, else its step (0 past the last block)
+    float q[kItems], k[kItems], g[kItems], rho[kItems], later[kItems][kBlocks - 1];
 #pragma unroll
-    for (int I = 1; I < kBlocks; ++I)
-      if (I > J) {
-        col = I == J + 1 ? (row ? k * __expf(s.g[kBlock * I][cc] - g) : 0.f) : col * t.steps[I][cc];
+    for (int e = 0; e < kItems; ++e) {
+      const int idx = min(idx0 + e * static_cast<int>(blockDim.x), kC * kW - 1);
+      const int r = idx / kW, cc = idx % kW, J = r / kBlock;
+      q[e] = s.q[r][cc], k[e] = s.k[r][cc], g[e] = s.g[r][cc], rho[e] = s.g[kBlock * J][cc];
+      diagonal[e] = r < len && !(fails[J] >> cc & 1u);
+#pragma unroll
+      for (int d = 1; d < kBlocks; ++d) {
+        const int I = J + d;
+        later[e][d - 1] = I >= kBlocks ? 0.f : d == 1 ? s.g[kBlock * I][cc] : t.steps[I][cc];
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kItems; ++e) {
+      const int idx = idx0 + e * static_cast<int>(blockDim.x);
+      if (idx >= kC * kW) continue;
+      const int r = idx / kW, cc = idx % kW, J = r / kBlock;
+      const bool row = r < len;
+      const float f = row ? __expf(g[e] - rho[e]) : 0.f;
+      t.rows[0][r][cc] = q[e] * f;
+      t.rows[1][r][cc] = k[e] * f;
+      t.cols[diagonal_column_base(J) + r][cc] = diagonal[e] ? k[e] * __expf(rho[e] - g[e]) : 0.f;
+      float col = 0.f;
+#pragma unroll
+      for (int d = 1; d < kBlocks; ++d) {
+        const int I = J + d;
+        if (I >= kBlocks) break;
+        col = d == 1 ? (row ? k[e] * __expf(later[e][0] - g[e]) : 0.f) : col * later[e][d - 1];
         t.cols[diagonal_column_base(I) + r][cc] = col;
       }
+    }
   }
 }
 

@@ -135,8 +135,8 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
     float total = 0.f;
 #pragma unroll
     for (int u = 0; u < kRun; ++u) run[u] = total += s.g[i0 + u][lane];
+    if (I > 0) prev_first = s.g[i0 - kRun][lane];  // read before the store: it would wait
     sums[I][lane] = total;
-    if (I > 0) prev_first = s.g[i0 - kRun][lane];
   }
   __syncthreads();
   if (scans) {
@@ -159,11 +159,12 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
       fails[I] = fail;
       if (fail) atomicOr(&any_fail, fail);
     }
+    // Gamma at the chunk's last row (all the blocks): sums read before the steps' store.
+    if (I == kBlocks - 1 && c0 + lane < K)
+      b.ws.decay[rec * K + c0 + lane] = expf(before + sums[I][lane]);
     // block_step's value, from registers: block_step reads s.g, whose rows the warps are
     // rewriting here.
     if (I >= 2) steps[I][lane] = i0 < len ? __expf(rho - (before_prev + prev_first)) : 0.f;
-    if (I == kBlocks - 1 && c0 + lane < K)  // Gamma at the chunk's last row: all the blocks
-      b.ws.decay[rec * K + c0 + lane] = expf(before + sums[I][lane]);
   }
   __syncthreads();
   // Four channels per thread, stored as one 16-byte word per buffer where in range and aligned
@@ -311,16 +312,32 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   float* aqk = b.ws.aqk + rec * kC * kC;
   float* kdot = b.ws.kdot + rec * kC * kC;
   // Every entry once: the tiles (j < 16 (I + 1)), zeros above them; then, where a channel
-  // failed, the diagonal pairs' exact sums added to what the tiles wrote.
-  auto put = [&](int which, int i, int j, float v) {
+  // failed, the diagonal pairs' exact sums added to what the tiles wrote. The tiles' shared
+  // reads (beta; a scalar gate's Gamma, its decay applied in place) all go before the first
+  // store: a read after a store waits for it, which chained the 20 entries.
+  float beta_rows[kJobsPerWarp][2];  // beta at a job's two rows (elements 0, 1 and 2, 3)
+#pragma unroll
+  for (int e = 0; e < kJobsPerWarp; ++e) {
+    int which, I, n0;
+    job(e, which, I, n0);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = kBlock * I + acc_row(r), j = n0 + acc_col(r);
+      if (r % 2 == 0) beta_rows[e][r / 2] = sh.beta[i];
+      if (kScalar) {  // every entry's factor (no branch around the reads), kept for j <= i < len
+        const float decay = __expf(sh.slice.g[i][0] - sh.slice.g[j][0]);
+        if (i < len && j <= i) tiles[e].d[r] *= decay;
+      }
+    }
+  }
+  auto put = [&](int which, int i, int j, float v, float beta) {
     const bool row = i < len;
-    if (kScalar && row && j <= i) v *= __expf(sh.slice.g[i][0] - sh.slice.g[j][0]);
     if (which == 0) {
       aqk[i * kC + j] = row && j <= i ? v : 0.f;
     } else {
       const bool strict = j < i && row;
       kdot[i * kC + j] = strict ? v : 0.f;
-      sh.akk[i][j] = strict ? sh.beta[i] * v : 0.f;
+      sh.akk[i][j] = strict ? beta * v : 0.f;
     }
   };
 #pragma unroll
@@ -328,7 +345,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
     int which, I, n0;
     job(e, which, I, n0);
 #pragma unroll
-    for (int r = 0; r < 4; ++r) put(which, kBlock * I + acc_row(r), n0 + acc_col(r), tiles[e].d[r]);
+    for (int r = 0; r < 4; ++r)
+      put(which, kBlock * I + acc_row(r), n0 + acc_col(r), tiles[e].d[r], beta_rows[e][r / 2]);
   }
   for (int idx = threadIdx.x; idx < kC * kC; idx += blockDim.x) {
     const int i = idx / kC, j = idx % kC;
@@ -631,18 +649,30 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
     dq[u] = x.k_row(ws.dq, i)[c];
     dk[u] = x.k_row(ws.dk, i)[c];
   }
+  float share[kBlocks];  // this channel's part of T^T dw's d Gamma share, per row
 #pragma unroll
   for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
-    float share = 0.f;  // this channel's part of T^T dw's d Gamma share
+    share[u] = 0.f;
     if (i < len && live) {
       const float p2 = delta ? pr.p2[i][cc] : 0.f;
       x.k_row(ws.dq, i)[c] = dq[u] + pr.p1[i][cc];
       x.k_row(ws.dk, i)[c] = dk[u] + (p2 + pr.pkk[i][cc] + pr.q12[i][cc]);
-      share = s.k[i][cc] * p2;
+      share[u] = s.k[i][cc] * p2;
     }
-    share = lane_sum<1, kGradSlice / 2>(share);  // over the half-warp's channels
-    if (cc == 0 && i < len) dg_rows[i] += share;
+  }
+  // dg_rows' read-modify-writes after every row's reads and sums (over the half-warp's
+  // channels): a read after a store waits for it, which chained the rows' shuffles.
+  float before[kBlocks];
+#pragma unroll
+  for (int u = 0; u < kBlocks; ++u) {
+    share[u] = lane_sum<1, kGradSlice / 2>(share[u]);
+    before[u] = cc == 0 ? dg_rows[rg + u * kRowGroups] : 0.f;
+  }
+#pragma unroll
+  for (int u = 0; u < kBlocks; ++u) {
+    const int i = rg + u * kRowGroups;
+    if (cc == 0 && i < len) dg_rows[i] = before[u] + share[u];
   }
 }
 
@@ -697,6 +727,20 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
           acc, kC / 8, [&](int m, int k) { return pr.tm[k][m0 + m]; },
           [&](int k, int n) { return pr.dw[k][n0 + n]; });
     const int slot = epilogue_slot(c0 + n0 + acc_col(0));  // the same for the lane's 4
+    // Every read before the stores: a read after a store waits for it.
+    float g[4], k[4], beta_m[2], dbeta_m[2];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int m = m0 + acc_row(r), n = n0 + acc_col(r);
+      g[r] = kScalar ? gamma[m] : s.g[m][n];
+      k[r] = s.k[m][n];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + acc_row(2 * h);
+      beta_m[h] = beta[m];
+      dbeta_m[h] = dbeta[m][slot];
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = m0 + acc_row(2 * h);
@@ -704,11 +748,11 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
 #pragma unroll
       for (int r = 2 * h; r < 2 * h + 2; ++r) {
         const int n = n0 + acc_col(r);
-        const float e = m < len ? __expf(kScalar ? gamma[m] : s.g[m][n]) * acc.d[r] : 0.f;
-        pr.p2[m][n] = beta[m] * e;
-        share = fmaf(s.k[m][n], e, share);
+        const float e = m < len ? __expf(g[r]) * acc.d[r] : 0.f;
+        pr.p2[m][n] = beta_m[h] * e;
+        share = fmaf(k[r], e, share);
       }
-      if (m < len) dbeta[m][slot] += share;
+      if (m < len) dbeta[m][slot] = dbeta_m[h] + share;
     }
   }
   __syncthreads();  // fails marked; dw read (the tables, or pkk, take its place)
@@ -723,9 +767,20 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
     float(*out)[kGradSlice + 1] = which ? pr.p2 : pr.p1;
     const bool add = which == 1 && delta;  // p2 holds T^T dw's share
     for (int I = 0; I < kBlocks && kBlock * I < len; ++I) {
+      const int j0 = kBlock * I, base = diagonal_column_base(I);
+      // The epilogue's reads before the products and every store: a read after a store waits
+      // for it, which chained the four outputs' reads, exponentials and stores.
+      const unsigned fails = I == 0 ? pr.fails[0] : 0u;
+      const float rho[2] = {s.g[j0][n0 + acc_col(0)], s.g[j0][n0 + acc_col(1)]};
+      float g[4], before[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = j0 + acc_row(r), n = n0 + acc_col(r);
+        g[r] = s.g[i][n];
+        before[r] = add ? out[i][n] : 0.f;
+      }
       // Columns before the block in tf32, the diagonal block's split (backward_blocks.cuh).
       Acc acc;
-      const int j0 = kBlock * I, base = diagonal_column_base(I);
       tile_product(
           acc, 2 * I, [&](int m, int k) { return dA[j0 + m][k]; },
           [&](int k, int n) { return t.cols[base + k][n0 + n]; });
@@ -734,14 +789,12 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
           [&](int k, int n) { return t.cols[base + j0 + k][n0 + n]; });
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int i = kBlock * I + acc_row(r), n = n0 + acc_col(r);
+        const int i = j0 + acc_row(r), n = n0 + acc_col(r);
         if (i >= len) continue;
         // Block 0's columns are all diagonal: none for a failing channel, whose factor
         // need not be finite.
-        const float v = I == 0 && (pr.fails[0] >> n & 1u)
-                            ? 0.f
-                            : acc.d[r] * __expf(s.g[i][n] - s.g[kBlock * I][n]);
-        out[i][n] = add ? out[i][n] + v : v;
+        const float v = fails >> n & 1u ? 0.f : acc.d[r] * __expf(g[r] - rho[r % 2]);
+        out[i][n] = add ? before[r] + v : v;
       }
     }
   } else {
@@ -829,15 +882,21 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
     dk[u] = x.k_row(ws.dk, i)[c];
     dg[u] = x.k_row(ws.dg, i)[c];
   }
+  // And their shared factors: read in each row's branch, they waited for the row before.
+  float p1[kBlocks], p2[kBlocks], q12[kBlocks], qi[kBlocks], ki[kBlocks];
+#pragma unroll
+  for (int u = 0; u < kBlocks; ++u) {
+    const int i = rg + u * kRowGroups;
+    p1[u] = pr.p1[i][cc], p2[u] = pr.p2[i][cc], q12[u] = pr.q12[i][cc];
+    qi[u] = s.q[i][cc], ki[u] = s.k[i][cc];
+  }
 #pragma unroll
   for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
     if (i >= len) continue;
-    const float p1 = pr.p1[i][cc], p2 = pr.p2[i][cc], q12 = pr.q12[i][cc];
-    const float qi = s.q[i][cc], ki = s.k[i][cc];
-    x.k_row(ws.dq, i)[c] = dq[u] + p1;
-    x.k_row(ws.dk, i)[c] = dk[u] + (p2 + q12);
-    x.k_row(ws.dg, i)[c] = dg[u] + (qi * p1 + ki * p2 - ki * q12);
+    x.k_row(ws.dq, i)[c] = dq[u] + p1[u];
+    x.k_row(ws.dk, i)[c] = dk[u] + (p2[u] + q12[u]);
+    x.k_row(ws.dg, i)[c] = dg[u] + (qi[u] * p1[u] + ki[u] * p2[u] - ki[u] * q12[u]);
   }
 }
 
@@ -868,26 +927,34 @@ __device__ void scalar_gate_pairs(const ChunkRows& x, const float* aqk, const fl
       a[r][h] = pair ? aqk[i * kC + j] : 0.f;
       kd[r][h] = pair && delta ? kdot[i * kC + j] : 0.f;
     }
-  float col[2] = {0.f, 0.f};
+  // A row's shared reads all before its stores, and the row sums stored after the loop: a
+  // read after a store waits for it, which chained the pairs and the rows' shuffles.
+  const float gamma_j[2] = {gamma[lane], gamma[lane + 32]};
+  float col[2] = {0.f, 0.f}, rows[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int i = warp + kWarps * r;
+    const float gamma_i = gamma[i];
+    float dq[2], dk[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) dq[h] = daqk[i][lane + 32 * h], dk[h] = dakk[i][lane + 32 * h];
     float row = 0.f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int j = lane + 32 * h;
       if (j > i || i >= len) continue;
-      const float dq = daqk[i][j], dk = dakk[i][j];
-      const float m = dq * a[r][h] + dk * kd[r][h];
+      const float m = dq[h] * a[r][h] + dk[h] * kd[r][h];
       row += m;
       col[h] += m;
-      const float d = __expf(gamma[i] - gamma[j]);
-      daqk[i][j] = dq * d;
-      dakk[i][j] = dk * d;
+      const float d = __expf(gamma_i - gamma_j[h]);
+      daqk[i][j] = dq[h] * d;
+      dakk[i][j] = dk[h] * d;
     }
-    row = lane_sum<1, 16>(row);
-    if (lane == 0) dg_rows[i] = row;
+    rows[r] = lane_sum<1, 16>(row);
   }
+  if (lane == 0)
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) dg_rows[warp + kWarps * r] = rows[r];
   scratch[warp][lane] = col[0];
   scratch[warp][lane + 32] = col[1];
   __syncthreads();

@@ -163,15 +163,12 @@ struct alignas(16) ProductStage {
 };
 
 // One element into shared memory: cp.async from global memory (it lands while the block
-// computes on the other buffer), a plain copy from shared memory, a zero out of range.
-__device__ __forceinline__ void stage_element(float* dst, const float* src, bool ok,
-                                              bool shared_src) {
-  if (!ok)
-    *dst = 0.f;
-  else if (shared_src)
-    *dst = *src;
-  else
+// computes on the other buffer), a zero out of range.
+__device__ __forceinline__ void stage_element(float* dst, const float* src, bool ok) {
+  if (ok)
     copy_async<4>(dst, src, 4);
+  else
+    *dst = 0.f;
 }
 
 // Stages X(o, l0 + l) for o < extent (a multiple of 8), l < kL, zeros past O and L: at
@@ -196,11 +193,18 @@ __device__ void stage_operand(const At& at, int O, int extent, int L, int l0, bo
         copy_async<16>(d, src, 16);
       continue;
     }
+    const auto element = [&](int e) { return kContigL ? at(o, l + e) : at(o + e, l); };
+    const auto in_range = [&](int e) { return kContigL ? o < O && l + e < L : o + e < O && l < L; };
+    if (shared) {  // all four read before any is stored: a read after a store waits for it
+      float v[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int oe = kContigL ? o : o + e, le = kContigL ? l + e : l;
-      stage_element(d + e, at(oe, le), oe < O && le < L, shared);
+      for (int e = 0; e < 4; ++e) v[e] = in_range(e) ? *element(e) : 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) d[e] = v[e];
+      continue;
     }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) stage_element(d + e, element(e), in_range(e));
   }
 }
 
