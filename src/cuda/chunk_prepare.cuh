@@ -91,6 +91,7 @@ struct PrepareShared {
     // corrects; without, kbar's 64 rows of k (accumulate_products).
     alignas(16) bf16 kbar_lo[4][kSubChunk][kSliceLd];
     alignas(16) float ref[4][kSlice];  // vector gate: reference point of each row block and channel
+    float total[4][kSlice];  // ... and the sum of its gates (stage_slice's scan)
     bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
   // After the slices (step 3 and the record). Once the inverse is complete, T's two bfloat16
@@ -287,26 +288,26 @@ __device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, con
   }
   __syncthreads();
   if constexpr (G == GateForm::vector) {
-    // Cumulative sums down each channel: every thread scans one segment of tokens in
-    // registers, then adds the totals of the segments before it, which pass through s.ref
-    // (free until the reference points below are written after the last barrier).
+    // Cumulative sums down each channel: every thread scans one segment of tokens (a row
+    // block) in registers, then adds the totals of the segments before it (s.total).
     constexpr int kSegments = kThreads / kSlice, kLen = kChunk / kSegments;
-    static_assert(kSegments == kChunk / kSubChunk, "a segment's total fits s.ref's row");
+    static_assert(kSegments == kChunk / kSubChunk, "a segment is a row block");
     const int ch = tid % kSlice, seg = tid / kSlice, t0 = seg * kLen;
     float run[kLen], total = 0.f;
 #pragma unroll
     for (int x = 0; x < kLen; ++x) run[x] = total += s.gamma[t0 + x][ch];
-    s.ref[seg][ch] = total;
+    s.total[seg][ch] = total;
     __syncthreads();
     float before = 0.f;
-    for (int x = 0; x < seg; ++x) before += s.ref[x][ch];
+    for (int x = 0; x < seg; ++x) before += s.total[x][ch];
 #pragma unroll
     for (int x = 0; x < kLen; ++x) s.gamma[t0 + x][ch] = run[x] + before;
-    __syncthreads();
     // The reference point of row block I = seg for channel ch (see the file comment): the
     // middle of the block, or the start of the block where the channel decays too fast.
-    const float start = seg == 0 ? 0.f : s.gamma[kSubChunk * seg - 1][ch];
-    const float end = s.gamma[kSubChunk * seg + kSubChunk - 1][ch];
+    // Gamma before the block and after it are `before` (the float the thread before stores
+    // last: addition commutes) and `total + before` (this thread's last store): no barrier
+    // and no read back.
+    const float start = before, end = total + before;
     const bool exact = start - end <= 2.f * kMaxFactorLog2;
     s.ref[seg][ch] = exact ? 0.5f * (start + end) : start;
     s.exact[seg][ch] = exact;
