@@ -922,6 +922,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
   prefetch_token_rows(p.v, token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1], ref.len,
                       static_cast<int>(p.V));
   const int tid = threadIdx.x;
+  // The first key slice's loads before the token scalars' (the slices' path).
+  SliceRuns runs;
+  if constexpr (!kKeyTiles) runs = fetch_slice<G, Dense>(p, ref, hv, 0);
   load_token_scalars<G>(p, sh, ref, hv, a_gate);
 
   Acc acc_q[8], acc_k[8];
@@ -935,7 +938,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
     __syncthreads();  // finish_a overwrites the q tile and reads the norms
   } else {
     float sq[kPasses] = {}, sk[kPasses] = {};  // the L2 norms' sums (unused without the norm)
-    SliceRuns runs = fetch_slice<G, Dense>(p, ref, hv, 0);
     for (int c0 = 0; c0 < KP; c0 += kSlice) {
       stage_slice<G, KP, Dense>(p, sh, ref, runs, a_gate, c0, sq, sk);
       write_slice_factors<G>(p, sh, rec, ref, c0);
