@@ -29,6 +29,12 @@
 // scale beta 2^Gamma moved onto T's columns with n_k (the key tiles).
 // Shared arrays read or written 16 bytes at a time are declared alignas(16), so that a new
 // member or padding cannot misalign them silently.
+// Reads before stores: ptxas cannot tell one part of the block's shared memory from another
+// (one dynamic array, other base registers), so a shared load written after a shared store
+// waits for it. A loop that reads shared values and stores results to shared memory reads a
+// batch of its inputs first, or keeps its results in registers until after the loop;
+// otherwise each element's load -> exp2 -> store chain waits for the one before (the SASS of
+// the factor fills before bench/NOTES.md (bq): no two chains overlapped).
 // Each key width's kernels are instantiated in a file of their own (cuda/chunk_prepare_k64.cu,
 // _k128.cu, _k256.cu: launch_prepare_width), so that they compile in parallel;
 // cuda/chunk_prepare.cpp picks the width.
@@ -150,8 +156,8 @@ static_assert(2 * sizeof(bf16) * kChunk * 64 <= sizeof(float) * kChunk * (kChunk
                   sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * (kChunk + 1),
               "T in bfloat16 and beta v fit in the places of A_kk and T in float32");
 // Three blocks per SM at KP <= 128 (the kernel is latency-bound: more warps hide more); the
-// cap of 168 registers spills a few loop-invariant values with the vector gate (ptxas at
-// KP = 128: 20 bytes). Shared memory allows 3 at KP <= 128 only (74 KB a block at KP = 128),
+// cap of 168 registers spills a few values with the vector gate (ptxas at KP = 128, dense:
+// 24 bytes, 4 reloads a slice). Shared memory allows 3 at KP <= 128 only (74 KB a block at KP = 128),
 // and with the key tiles 4 (55 KB; their 128 registers spill nothing).
 constexpr int kMinBlocks(int KP, bool key_tiles) {
   return KP > 128 ? 2 : key_tiles ? 4 : 3;
@@ -254,8 +260,8 @@ __device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, con
   const int valid_k = clamp_run(p.K - (c0 + c8));
   using Runs = TokenRuns<Dense>;
   const Run8 (&rq)[kPasses] = runs.q, (&rk)[kPasses] = runs.k, (&rg)[kPasses] = runs.g;
-  // dt_bias of the thread's 8 channels, the same in every pass: read before the first pass's
-  // stores, which a later read would wait for.
+  // dt_bias of the thread's 8 channels, the same in every pass (reads before stores: see the
+  // file comment).
   float4 b0 = {}, b1 = {};
   if (G == GateForm::vector && p.gate_in_kernel) {
     b0 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8]);
@@ -304,9 +310,9 @@ __device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, con
     for (int x = 0; x < kLen; ++x) s.gamma[t0 + x][ch] = run[x] + before;
     // The reference point of row block I = seg for channel ch (see the file comment): the
     // middle of the block, or the start of the block where the channel decays too fast.
-    // Gamma before the block and after it are `before` (the float the thread before stores
-    // last: addition commutes) and `total + before` (this thread's last store): no barrier
-    // and no read back.
+    // Gamma before the block and after it are `before` (the float the previous segment's
+    // thread stores last: addition commutes) and `total + before` (this thread's last
+    // store): no barrier and no read back.
     const float start = before, end = total + before;
     const bool exact = start - end <= 2.f * kMaxFactorLog2;
     s.ref[seg][ch] = exact ? 0.5f * (start + end) : start;
@@ -434,9 +440,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
     if constexpr (kSplit) store(&s.kbar_lo[B][j - kSubChunk * B][cp], low_part(x0), low_part(x1));
   };
   // Every fill below reads its float32 inputs for a batch of rows before it stores any
-  // factor: ptxas cannot tell the bfloat16 tables from the float32 rows (one shared array), so
-  // a load written after a store waits for it, and a row at a time made each row's
-  // load -> exp2 -> store chain wait for the one before (SASS: no two chains overlapped).
+  // factor (reads before stores: see the file comment).
   {
     const float2 r = G == GateForm::vector ? pair(s.ref[I]) : make_float2(0.f, 0.f);
     constexpr int kRows = kSubChunk / 2;  // a lane's rows: i = u % 4 + 8 (u / 4) + 4 h
@@ -480,7 +484,8 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
       exact_pair[J][0] = s.exact[J][cp];
       exact_pair[J][1] = s.exact[J][cp + 1];
       if (J > 0)
-        step[J] = make_float2(exp2_approx(ref[J].x - ref[J - 1].x), exp2_approx(ref[J].y - ref[J - 1].y));
+        step[J] = make_float2(exp2_approx(ref[J].x - ref[J - 1].x),
+                              exp2_approx(ref[J].y - ref[J - 1].y));
     }
   }
   // The fill in batches of kBatch tokens (two blocks), each batch's inputs read first.
@@ -505,7 +510,8 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
         store_low(B, j, d0, d1);
         if (B + 1 < kBlocks) {
           const float2 rn = ref[B + 1];
-          float x0 = kj[x].x * exp2_approx(rn.x - gj[x].x), x1 = kj[x].y * exp2_approx(rn.y - gj[x].y);
+          float x0 = kj[x].x * exp2_approx(rn.x - gj[x].x),
+                x1 = kj[x].y * exp2_approx(rn.y - gj[x].y);
           store(&s.kbar[kbar_base(B + 1) + j][cp], x0, x1);
 #pragma unroll
           for (int J = B + 2; J < kBlocks; ++J) {
@@ -610,12 +616,12 @@ __device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& 
   const int tid = threadIdx.x, c8 = 8 * (tid % kLanes);
   const float gend = G == GateForm::scalar ? sh.gs[ref.len - 1] : 0.f;
   for (int c = tid; c < KP; c += kThreads) rec.decay[c] = exp2_approx(gend);
-  // The token scalars go to shared memory after the loop: a store inside it would hold the
-  // next pass's reads of the tiles back behind it (one shared array, as far as ptxas can tell).
-  constexpr int kPassesHere = kChunk / kTokensPerPass;
-  float inv_k[kPassesHere] = {}, w_cols[kPassesHere] = {};
+  // The token scalars go to shared memory after the loop (reads before stores: see the file
+  // comment).
+  constexpr int kTilePasses = kChunk / kTokensPerPass;
+  float token_inv_k[kTilePasses] = {}, token_w_cols[kTilePasses] = {};
 #pragma unroll
-  for (int x = 0; x < kPassesHere; ++x) {
+  for (int x = 0; x < kTilePasses; ++x) {
     const int t = kTokensPerPass * x + tid / kLanes;
     const float gam = G == GateForm::scalar ? sh.gs[t] : 0.f;
     const float up = exp2_approx(gam), down = exp2_approx(gend - gam);
@@ -640,16 +646,16 @@ __device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& 
       const bool norm = p.qk_l2norm, live = t < ref.len;
       const float nk = !live ? 0.f : norm ? rsqrtf(sk + kL2NormEps) : 1.f;
       rec.inv_q[t] = !live ? 0.f : norm ? rsqrtf(sq + kL2NormEps) : 1.f;
-      rec.inv_k[t] = inv_k[x] = nk;
-      w_cols[x] = nk * sh.beta[t] * up;
+      rec.inv_k[t] = token_inv_k[x] = nk;
+      token_w_cols[x] = nk * sh.beta[t] * up;
     }
   }
   if (tid % kLanes == 0)
 #pragma unroll
-    for (int x = 0; x < kPassesHere; ++x) {
+    for (int x = 0; x < kTilePasses; ++x) {
       const int t = kTokensPerPass * x + tid / kLanes;
-      sh.inv_k[t] = inv_k[x];
-      sh.w_cols[t] = w_cols[x];
+      sh.inv_k[t] = token_inv_k[x];
+      sh.w_cols[t] = token_w_cols[x];
     }
 }
 
@@ -682,8 +688,8 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
                          const Acc (&acc_q)[8], const Acc (&acc_k)[8]) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
   // The per-token scalars of the thread's rows (e / 2) and of its columns (nt, x), four column
-  // tiles at a time, read before the stores into A_kk's rows, which later reads would wait
-  // for (as in accumulate_slice); all eight tiles' at once spilled in the A_qk pair's kernels.
+  // tiles at a time, read before the stores into A_kk's rows (reads before stores: see the
+  // file comment); all eight tiles' at once spilled in the A_qk pair's kernels.
   float row_k[2], gs_row[2] = {};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -746,12 +752,12 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
                                                          kChunk + 4, v.inverse);
   else
     invert_unit_lower<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4, v.inverse);
-  // A_kk is dead: T in bfloat16 takes its place, four entries a thread.
+  // A_kk is dead: T in bfloat16 takes its place, four entries a thread and pass.
   bf16 *tb = sh.tb(), *tu = sh.template tu<KeyTiles>();
   const float* cols = KeyTiles ? sh.w_cols : sh.inv_k;
   const auto at = PrepareShared<KP>::template t_index<KeyTiles>;
-  // A thread's quads share their columns (q); all their rows are read before any store (the
-  // stores go to the same shared array, so a later read would wait for them).
+  // A thread's quads share their columns (q); all their rows are read before any store
+  // (reads before stores: see the file comment).
   constexpr int kQuadsPerRow = kChunk / 4, kRowsPerPass = kThreads / kQuadsPerRow,
                 kQuadPasses = kChunk / kRowsPerPass;
   static_assert(kThreads % kQuadsPerRow == 0, "a thread's quads share their columns");
@@ -761,7 +767,8 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
                               : make_float4(1.f, 1.f, 1.f, 1.f);
   float4 x[kQuadPasses];
 #pragma unroll
-  for (int m = 0; m < kQuadPasses; ++m) x[m] = *reinterpret_cast<const float4*>(&v.t[r0 + kRowsPerPass * m][q]);
+  for (int m = 0; m < kQuadPasses; ++m)
+    x[m] = *reinterpret_cast<const float4*>(&v.t[r0 + kRowsPerPass * m][q]);
 #pragma unroll
   for (int m = 0; m < kQuadPasses; ++m) {
     const int r = r0 + kRowsPerPass * m;
