@@ -77,7 +77,7 @@ __device__ void mark_failing_blocks(const Slice& s, int len, unsigned (&fails)[k
     const int I = idx / kW, cc = idx % kW, r0 = kBlock * I, end = min(r0 + kBlock, len);
     bool ok = true;
     for (int r = r0; r < end; ++r) ok &= diagonal_factor_ok(s.g[r][cc], s.g[r0][cc]);
-    // The step before the atomic: its reads would wait for it.
+    // The step before the atomic (reads before stores: cuda/device_io.cuh).
     if (I > 1) t.steps[I][cc] = block_step(s, len, I, cc);
     if (!ok) atomicOr(&fails[I], 1u << cc);
   }
@@ -92,8 +92,8 @@ __device__ void mark_failing_blocks(const Slice& s, int len, unsigned (&fails)[k
 template <int kW, int kLd, class Slice>
 __device__ void fill_diagonal_tables(const Slice& s, int len, const unsigned (&fails)[kBlocks],
                                      DiagonalTables<kW, kLd>& t) {
-  // A pass's reads all go before its stores: a shared read after a store waits for it (the
-  // compiler cannot tell the tables from the slice), which made one chain of every entry.
+  // A pass's reads all go before its stores (reads before stores: cuda/device_io.cuh), which
+  // made one chain of every entry.
   constexpr int kItems = 2;  // (row, channel) pairs per thread and pass
   for (int idx0 = threadIdx.x; idx0 < kC * kW; idx0 += kItems * blockDim.x) {
     bool diagonal[kItems];

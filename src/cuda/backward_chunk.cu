@@ -135,7 +135,7 @@ __device__ void slice_factors(const BackwardParams& b, const ChunkRows& x, int64
     float total = 0.f;
 #pragma unroll
     for (int u = 0; u < kRun; ++u) run[u] = total += s.g[i0 + u][lane];
-    if (I > 0) prev_first = s.g[i0 - kRun][lane];  // read before the store: it would wait
+    if (I > 0) prev_first = s.g[i0 - kRun][lane];  // reads before stores (device_io.cuh)
     sums[I][lane] = total;
   }
   __syncthreads();
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
   // Every entry once: the tiles (j < 16 (I + 1)), zeros above them; then, where a channel
   // failed, the diagonal pairs' exact sums added to what the tiles wrote. The tiles' shared
   // reads (beta; a scalar gate's Gamma, its decay applied in place) all go before the first
-  // store: a read after a store waits for it, which chained the 20 entries.
+  // store (reads before stores: cuda/device_io.cuh), which chained the 20 entries.
   float beta_rows[kJobsPerWarp][2];  // beta at a job's two rows (elements 0, 1 and 2, 3)
 #pragma unroll
   for (int e = 0; e < kJobsPerWarp; ++e) {
@@ -662,7 +662,7 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
     }
   }
   // dg_rows' read-modify-writes after every row's reads and sums (over the half-warp's
-  // channels): a read after a store waits for it, which chained the rows' shuffles.
+  // channels; reads before stores: cuda/device_io.cuh), which chained the rows' shuffles.
   float before[kBlocks];
 #pragma unroll
   for (int u = 0; u < kBlocks; ++u) {
@@ -727,7 +727,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
           acc, kC / 8, [&](int m, int k) { return pr.tm[k][m0 + m]; },
           [&](int k, int n) { return pr.dw[k][n0 + n]; });
     const int slot = epilogue_slot(c0 + n0 + acc_col(0));  // the same for the lane's 4
-    // Every read before the stores: a read after a store waits for it.
+    // Every read before the stores (cuda/device_io.cuh).
     float g[4], k[4], beta_m[2], dbeta_m[2];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -927,8 +927,8 @@ __device__ void scalar_gate_pairs(const ChunkRows& x, const float* aqk, const fl
       a[r][h] = pair ? aqk[i * kC + j] : 0.f;
       kd[r][h] = pair && delta ? kdot[i * kC + j] : 0.f;
     }
-  // A row's shared reads all before its stores, and the row sums stored after the loop: a
-  // read after a store waits for it, which chained the pairs and the rows' shuffles.
+  // A row's shared reads all before its stores, and the row sums stored after the loop
+  // (reads before stores: cuda/device_io.cuh), which chained the pairs and the rows' shuffles.
   const float gamma_j[2] = {gamma[lane], gamma[lane + 32]};
   float col[2] = {0.f, 0.f}, rows[kRows];
 #pragma unroll

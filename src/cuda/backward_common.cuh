@@ -195,7 +195,7 @@ __device__ void stage_operand(const At& at, int O, int extent, int L, int l0, bo
     }
     const auto element = [&](int e) { return kContigL ? at(o, l + e) : at(o + e, l); };
     const auto in_range = [&](int e) { return kContigL ? o < O && l + e < L : o + e < O && l < L; };
-    if (shared) {  // all four read before any is stored: a read after a store waits for it
+    if (shared) {  // all four read before any is stored (cuda/device_io.cuh)
       float v[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) v[e] = in_range(e) ? *element(e) : 0.f;

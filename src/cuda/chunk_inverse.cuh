@@ -45,8 +45,7 @@ __device__ void invert_diagonal_blocks(const float* a, int lda, float* t, int ld
   }
   if (warp < kInverseBlocks && lane < kSubChunk) {
     const int b = kSubChunk * warp;
-    // Stored after the substitution: a store before the next row's reads of a (the same
-    // shared array, as far as ptxas can tell) would hold each row's reads back behind it.
+    // Stored after the substitution (reads before stores: cuda/device_io.cuh).
     float x[kSubChunk];
 #pragma unroll
     for (int i = 0; i < kSubChunk; ++i) {

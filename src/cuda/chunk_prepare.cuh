@@ -29,12 +29,6 @@
 // scale beta 2^Gamma moved onto T's columns with n_k (the key tiles).
 // Shared arrays read or written 16 bytes at a time are declared alignas(16), so that a new
 // member or padding cannot misalign them silently.
-// Reads before stores: ptxas cannot tell one part of the block's shared memory from another
-// (one dynamic array, other base registers), so a shared load written after a shared store
-// waits for it. A loop that reads shared values and stores results to shared memory reads a
-// batch of its inputs first, or keeps its results in registers until after the loop;
-// otherwise each element's load -> exp2 -> store chain waits for the one before (the SASS of
-// the factor fills before bench/NOTES.md (bq): no two chains overlapped).
 // Each key width's kernels are instantiated in a file of their own (cuda/chunk_prepare_k64.cu,
 // _k128.cu, _k256.cu: launch_prepare_width), so that they compile in parallel;
 // cuda/chunk_prepare.cpp picks the width.
@@ -157,8 +151,8 @@ static_assert(2 * sizeof(bf16) * kChunk * 64 <= sizeof(float) * kChunk * (kChunk
               "T in bfloat16 and beta v fit in the places of A_kk and T in float32");
 // Three blocks per SM at KP <= 128 (the kernel is latency-bound: more warps hide more); the
 // cap of 168 registers spills a few values with the vector gate (ptxas at KP = 128, dense:
-// 24 bytes, 4 reloads a slice). Shared memory allows 3 at KP <= 128 only (74 KB a block at KP = 128),
-// and with the key tiles 4 (55 KB; their 128 registers spill nothing).
+// 24 bytes, 4 reloads a slice). Shared memory allows 3 at KP <= 128 only (76 KB a block at
+// KP = 128), and with the key tiles 4 (55 KB; their 128 registers spill nothing).
 constexpr int kMinBlocks(int KP, bool key_tiles) {
   return KP > 128 ? 2 : key_tiles ? 4 : 3;
 }
@@ -260,8 +254,8 @@ __device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, con
   const int valid_k = clamp_run(p.K - (c0 + c8));
   using Runs = TokenRuns<Dense>;
   const Run8 (&rq)[kPasses] = runs.q, (&rk)[kPasses] = runs.k, (&rg)[kPasses] = runs.g;
-  // dt_bias of the thread's 8 channels, the same in every pass (reads before stores: see the
-  // file comment).
+  // dt_bias of the thread's 8 channels, the same in every pass (reads before stores:
+  // cuda/device_io.cuh).
   float4 b0 = {}, b1 = {};
   if (G == GateForm::vector && p.gate_in_kernel) {
     b0 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8]);
@@ -440,7 +434,7 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
     if constexpr (kSplit) store(&s.kbar_lo[B][j - kSubChunk * B][cp], low_part(x0), low_part(x1));
   };
   // Every fill below reads its float32 inputs for a batch of rows before it stores any
-  // factor (reads before stores: see the file comment).
+  // factor (reads before stores: cuda/device_io.cuh).
   {
     const float2 r = G == GateForm::vector ? pair(s.ref[I]) : make_float2(0.f, 0.f);
     constexpr int kRows = kSubChunk / 2;  // a lane's rows: i = u % 4 + 8 (u / 4) + 4 h
@@ -616,8 +610,8 @@ __device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& 
   const int tid = threadIdx.x, c8 = 8 * (tid % kLanes);
   const float gend = G == GateForm::scalar ? sh.gs[ref.len - 1] : 0.f;
   for (int c = tid; c < KP; c += kThreads) rec.decay[c] = exp2_approx(gend);
-  // The token scalars go to shared memory after the loop (reads before stores: see the file
-  // comment).
+  // The token scalars go to shared memory after the loop (reads before stores:
+  // cuda/device_io.cuh).
   constexpr int kTilePasses = kChunk / kTokensPerPass;
   float token_inv_k[kTilePasses] = {}, token_w_cols[kTilePasses] = {};
 #pragma unroll
@@ -688,8 +682,8 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
                          const Acc (&acc_q)[8], const Acc (&acc_k)[8]) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
   // The per-token scalars of the thread's rows (e / 2) and of its columns (nt, x), four column
-  // tiles at a time, read before the stores into A_kk's rows (reads before stores: see the
-  // file comment); all eight tiles' at once spilled in the A_qk pair's kernels.
+  // tiles at a time, read before the stores into A_kk's rows (reads before stores:
+  // cuda/device_io.cuh); all eight tiles' at once spilled in the A_qk pair's kernels.
   float row_k[2], gs_row[2] = {};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -757,7 +751,7 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
   const float* cols = KeyTiles ? sh.w_cols : sh.inv_k;
   const auto at = PrepareShared<KP>::template t_index<KeyTiles>;
   // A thread's quads share their columns (q); all their rows are read before any store
-  // (reads before stores: see the file comment).
+  // (reads before stores: cuda/device_io.cuh).
   constexpr int kQuadsPerRow = kChunk / 4, kRowsPerPass = kThreads / kQuadsPerRow,
                 kQuadPasses = kChunk / kRowsPerPass;
   static_assert(kThreads % kQuadsPerRow == 0, "a thread's quads share their columns");

@@ -506,8 +506,7 @@ __device__ __forceinline__ void store_output_dense(const RecurrentParams& p,
   static_assert(kChunk * kLd * sizeof(bf16) <= kChunk * (kWarpColumns + 4) * sizeof(float));
   bf16* rows = reinterpret_cast<bf16*>(&ob[0][0]);
   const int l = threadIdx.x % 32, m = l / 8;
-  // Every token tile's n_q first: read after a stmatrix (the same shared array, as far as
-  // ptxas can tell), each tile's would wait for the tile before it.
+  // Every token tile's n_q before the stmatrix stores (reads before stores: cuda/device_io.cuh).
   float2 n[kChunk / 8];
 #pragma unroll
   for (int nt = 0; nt < kChunk / 8; ++nt)

@@ -1,6 +1,13 @@
 // Device-side element access for the CUDA kernels: runtime-dtype scalar loads and stores for
 // the small per-token tensors, and streaming vector runs for the state, which is read and
 // written exactly once per call and should not displace anything else from L2.
+//
+// Reads before stores, in every kernel: ptxas cannot tell one part of a block's shared memory
+// from another (one array, other base registers), so a shared load written after a shared
+// store waits for it. A loop that reads shared values and stores to shared memory reads a
+// batch of its inputs first, or keeps its results in registers until after the loop;
+// otherwise each element's load -> arithmetic -> store chain waits for the one before
+// (bench/NOTES.md (bq): the prepare kernel's factor fills had no two chains overlapping).
 #pragma once
 
 #include <cuda_bf16.h>
