@@ -98,7 +98,8 @@
 #   CTEST_REGEX  ctest -R filter of the GPU tests (default: all of them)
 #   KERNEL_BENCH_VARIANTS  environment assignments the kernel-bench stage reruns the C++
 #                decode benchmark under, one run each (e.g. "FLASHDELTA_RECURRENT_TILE=wide
-#                FLASHDELTA_RECURRENT_TILE=narrow"); JSON in $OUT/kernel_bench*.json
+#                FLASHDELTA_RECURRENT_TILE=narrow"; several in one run joined by commas,
+#                "A=1,B=off"); JSON in $OUT/kernel_bench-<values>.json
 #   KERNEL_BENCH_ARGS  extra arguments for its first run (e.g. "--sweep 1": N = 40 ... 256)
 #   BUILD_TARGETS  CMake targets to build (default: all), e.g. "_C" for the Python module alone
 #   JOBS         build parallelism (default: all cores)
@@ -394,8 +395,11 @@ stage_kernel-bench() {
   if [ -n "$floor" ]; then "$floor" | tee "$OUT/stream_floor.txt" || return 1; fi
   local v
   for v in $KERNEL_BENCH_VARIANTS; do
-    echo "-- with $v"
-    env "$v" "$bin" --json "$OUT/kernel_bench-${v##*=}.json" || return 1
+    # A variant may join several assignments with commas; its JSON is named by their values.
+    local name
+    name=$(sed 's/[^,=]*=//g; s/,/-/g' <<<"$v")
+    echo "-- with ${v//,/ }"
+    env ${v//,/ } "$bin" --json "$OUT/kernel_bench-$name.json" || return 1
   done
 }
 

@@ -47,8 +47,8 @@ inline constexpr int64_t kWarpWavesForEightKeys = 8;
 // task grid, one per row and value head after that head's value tiles; bfloat16 tokens)
 // queue the same head's state of a later row into L2, so that a block's first loads find its
 // state in L2 while a finished block's slot is refilled: FLASHDELTA_RECURRENT_WARP_PREFETCH
-// `off` 0, `quarter` 2, `half` 4, `one` 8, `double` 16, for every warp-kernel step, serving
-// or forward. Unset or `auto`: half (4) for a one-token step on a pool in place
+// `off` 0, `quarter` 2, `half` 4, `one` 8, `double` 16, or a count of eighths 0 .. 16, for
+// every warp-kernel step, serving or forward. Unset or `auto`: half (4) for a one-token step on a pool in place
 // (`one_token_in_place`), where it measured -1.4% at N = 256 V-first; else 0 (out of place
 // +3.5%, four per-token slots per row +5%, a whole wave ahead +10%: bench/NOTES.md (ar)). The
 // same results whatever the setting: a prefetch is a hint. Any other value throws

@@ -1,9 +1,11 @@
 // Host side of the CUDA recurrent schedule: turns a validated problem into the kernel's
 // plain-data arguments (cuda/recurrent_params.h) and picks the thread mapping.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "cuda/cuda.h"
 #include "cuda/host_params.h"
@@ -106,14 +108,22 @@ bool cuda_recurrent_task_grid(int64_t N, int64_t HV) {
 }
 
 int cuda_recurrent_warp_prefetch_eighths(bool one_token_in_place) {
-  const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_PREFETCH",
-                                          {"auto", "off", "quarter", "half", "one", "double"});
-  if (setting == "quarter") return 2;
-  if (setting == "half") return 4;
-  if (setting == "one") return 8;
-  if (setting == "double") return 16;
-  if (setting == "off") return 0;
-  return one_token_in_place ? 4 : 0;  // `auto` and unset (read as ""): bench/NOTES.md (ar)
+  constexpr const char* kName = "FLASHDELTA_RECURRENT_WARP_PREFETCH";
+  const char* env = std::getenv(kName);
+  const std::string value = env ? env : "";
+  const bool count = !value.empty() && value.size() <= 2 &&
+                     std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; });
+  if (count && std::stoi(value) <= 16) return std::stoi(value);
+  constexpr std::pair<const char*, int> kNamed[] = {
+      {"off", 0}, {"quarter", 2}, {"half", 4}, {"one", 8}, {"double", 16}};
+  for (const auto& [name, eighths] : kNamed)
+    if (value == name) return eighths;
+  // `auto` and unset: bench/NOTES.md (ar)
+  if (value.empty() || value == "auto") return one_token_in_place ? 4 : 0;
+  throw Error(ErrorCode::invalid_argument,
+              std::string("environment variable ") + kName +
+                  ": expected auto, off, quarter, half, one, double or a count of eighths 0 .. 16, "
+                  "got '" + value + "'");
 }
 
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms) {

@@ -583,8 +583,13 @@ TEST(CudaRecurrentTile, WarpPrefetchFollowsTheEnvironmentVariable) {
     EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true), eighths) << name;
     EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false), eighths) << name;
   }
-  expect_setting_rejected(kPrefetch, "ahead",
-                          [] { cuda_recurrent_warp_prefetch_eighths(true); });
+  for (const auto& [count, eighths] : std::initializer_list<std::pair<const char*, int>>{
+           {"0", 0}, {"3", 3}, {"6", 6}, {"16", 16}}) {
+    const ScopedEnv env(kPrefetch, count);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true), eighths) << count;
+  }
+  for (const char* bad : {"ahead", "17", "-1", "003", "3x"})
+    expect_setting_rejected(kPrefetch, bad, [] { cuda_recurrent_warp_prefetch_eighths(true); });
 }
 
 // The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 for bfloat16 states
