@@ -54,6 +54,10 @@ inline constexpr int64_t kWarpWavesForEightKeys = 8;
 // same results whatever the setting: a prefetch is a hint. Any other value throws
 // Error(invalid_argument) naming the variable.
 int cuda_recurrent_warp_prefetch_eighths(bool one_token_in_place);
+// The same for the block kernel's wide tile on K-first states at K = 128 and 256 (a prefetch
+// block per row and value head past its value tiles, on the task grid):
+// FLASHDELTA_RECURRENT_BLOCK_PREFETCH, the same values. Unset or `auto`: none.
+int cuda_recurrent_block_prefetch_eighths(bool one_token_in_place);
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it
 // allocates in stream order.
