@@ -99,7 +99,7 @@
 #   KERNEL_BENCH_VARIANTS  environment assignments the kernel-bench stage reruns the C++
 #                decode benchmark under, one run each (e.g. "FLASHDELTA_RECURRENT_TILE=wide
 #                FLASHDELTA_RECURRENT_TILE=narrow"; several in one run joined by commas,
-#                "A=1,B=off"); JSON in $OUT/kernel_bench-<values>.json
+#                "A=1,B=off"); JSON in $OUT/kernel_bench-<the assignments>.json
 #   KERNEL_BENCH_ARGS  extra arguments for its first run (e.g. "--sweep 1": N = 40 ... 256)
 #   BUILD_TARGETS  CMake targets to build (default: all), e.g. "_C" for the Python module alone
 #   JOBS         build parallelism (default: all cores)
@@ -395,9 +395,9 @@ stage_kernel-bench() {
   if [ -n "$floor" ]; then "$floor" | tee "$OUT/stream_floor.txt" || return 1; fi
   local v
   for v in $KERNEL_BENCH_VARIANTS; do
-    # A variant may join several assignments with commas; its JSON is named by their values.
+    # A variant may join several assignments with commas; its JSON is named by all of them.
     local name
-    name=$(sed 's/[^,=]*=//g; s/,/-/g' <<<"$v")
+    name=$(sed 's/FLASHDELTA_//g; s/[^A-Za-z0-9]/_/g' <<<"$v")
     echo "-- with ${v//,/ }"
     env ${v//,/ } "$bin" --json "$OUT/kernel_bench-$name.json" || return 1
   done
