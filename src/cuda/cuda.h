@@ -33,27 +33,36 @@ RecurrentKernel cuda_recurrent_kernel(int64_t wide_blocks, int sms, int64_t warp
 // run (the same tasks: bitwise equal). Any other value throws Error(invalid_argument) naming
 // the variable.
 bool cuda_recurrent_task_grid(int64_t N, int64_t HV);
+// The decode defaults below differ by memory system, told apart by the device's peak DRAM
+// bandwidth (peak_memory_bandwidth): `fast_memory` at kFastMemoryBandwidth or more. Measured
+// on two GPUs (bench/NOTES.md (br)): the H200 (4.8 TB/s, fast) and the H100 (3.35 TB/s).
+inline constexpr double kFastMemoryBandwidth = 4e12;
 // Keys per lane of the warp kernel for head size K, V value columns, `pairs` (sequence,
 // value head) pairs and a float32 or bfloat16 (`bf16_state`) state on `sms` SMs: 8 at
 // K = 256, 4 below K = 128. At K = 128, 8 (16-column tasks, the K = 256 kernel's lane shape,
-// 12 warps per SM instead of 24) for a bfloat16 state whose 16-column tasks fill at least
-// kWarpWavesForEightKeys waves, where a 4-key task's 2 KB of state leave its per-task work
-// uncovered (5% faster at N = 256, equal to 1.5% slower on float32 states: bench/NOTES.md
-// (ak)); else 4. FLASHDELTA_RECURRENT_WARP_KEYS=4 or 8 forces K = 128's; unset or `auto`:
-// as described. Any other value throws Error(invalid_argument) naming the variable.
-int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms);
+// 12 warps per SM instead of 24) where the 16-column tasks fill at least
+// kWarpWavesForEightKeys waves and the state is bfloat16 (a 4-key task's 2 KB of state leave
+// its per-task work uncovered: 5% faster at N = 256, bench/NOTES.md (ak)) or the memory is not
+// fast (float32 states on the H100: N = 256 V-first -4.6% with the prefetch below, (br); on
+// the H200 the 8-key form was 1.5% slower without prefetch blocks, (ak)); else 4.
+// FLASHDELTA_RECURRENT_WARP_KEYS=4 or 8 forces K = 128's; unset or `auto`: as described. Any
+// other value throws Error(invalid_argument) naming the variable.
+int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms,
+                             bool fast_memory);
 inline constexpr int64_t kWarpWavesForEightKeys = 8;
 // How far ahead, in eighths of a resident wave, the warp kernel's prefetch blocks (on the
 // task grid, one per row and value head after that head's value tiles; bfloat16 tokens)
 // queue the same head's state of a later row into L2, so that a block's first loads find its
 // state in L2 while a finished block's slot is refilled: FLASHDELTA_RECURRENT_WARP_PREFETCH
 // `off` 0, `quarter` 2, `half` 4, `one` 8, `double` 16, or a count of eighths 0 .. 16, for
-// every warp-kernel step, serving or forward. Unset or `auto`: half (4) for a one-token step on a pool in place
-// (`one_token_in_place`), where it measured -1.4% at N = 256 V-first; else 0 (out of place
-// +3.5%, four per-token slots per row +5%, a whole wave ahead +10%: bench/NOTES.md (ar)). The
-// same results whatever the setting: a prefetch is a hint. Any other value throws
+// every warp-kernel step, serving or forward. Unset or `auto`: for a one-token step on a pool
+// in place (`one_token_in_place`) half a wave (4) on fast memory, where it measured -1.4 to
+// -2.2% at N = 256 V-first (bench/NOTES.md (ar), (bp)), one eighth elsewhere (on the H100
+// half a wave cost +4.6%, one eighth with 8-key tasks -0.6% against none: (bo), (br)); else
+// 0 (out of place +3.5%, four per-token slots per row +5%, a whole wave ahead +10%: (ar)).
+// The same results whatever the setting: a prefetch is a hint. Any other value throws
 // Error(invalid_argument) naming the variable.
-int cuda_recurrent_warp_prefetch_eighths(bool one_token_in_place);
+int cuda_recurrent_warp_prefetch_eighths(bool one_token_in_place, bool fast_memory);
 // The same for the block kernel's wide tile on K-first states at K = 128 and 256 (a prefetch
 // block per row and value head past its value tiles, on the task grid):
 // FLASHDELTA_RECURRENT_BLOCK_PREFETCH, the same values. Unset or `auto`: none.

@@ -147,6 +147,22 @@ int sm_count() {
   return sms;
 }
 
+double peak_memory_bandwidth() {
+  static std::array<std::atomic<double>, 64> cached{};  // 0 = not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const bool cacheable = device >= 0 && device < static_cast<int>(cached.size());
+  if (cacheable)
+    if (const double bw = cached[device].load(std::memory_order_relaxed)) return bw;
+  int khz = 0, bits = 0;
+  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess)
+    return 0;
+  const double bw = 2.0 * khz * 1e3 * bits / 8;
+  if (cacheable) cached[device].store(bw, std::memory_order_relaxed);
+  return bw;
+}
+
 ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, int64_t chunks,
                      double maps_step) {
   const std::string value = env_setting(setting, {"auto", "1", "2", "3", "4", "8"});

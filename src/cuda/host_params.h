@@ -33,6 +33,9 @@ std::string env_setting(const char* name, std::initializer_list<const char*> all
 // Streaming multiprocessors of the current device (0 without one); cached per device, as
 // the decode path asks on every call.
 int sm_count();
+// Peak DRAM bandwidth of the current device in bytes per second (read + write: twice the
+// memory clock times the bus width), 0 without a device; cached per device like sm_count.
+double peak_memory_bandwidth();
 
 // How a sequential scan over at most `chunks` chunks per sequence is split (DESIGN.md section
 // 3): `segments` runs of segment_chunks chunks (1: not split).

@@ -89,7 +89,9 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
   const int sms = sm_count();
   const int64_t wide_blocks =
       r.N * r.HV * tiles(cuda::recurrent_block_columns(r.K, cuda::RecurrentTile::wide));
-  r.warp_keys = cuda_recurrent_warp_keys(r.K, r.V, r.N * r.HV, state_dtype == DType::bf16, sms);
+  const bool fast_memory = peak_memory_bandwidth() >= kFastMemoryBandwidth;
+  r.warp_keys =
+      cuda_recurrent_warp_keys(r.K, r.V, r.N * r.HV, state_dtype == DType::bf16, sms, fast_memory);
   const int64_t warp_columns = cuda::recurrent_warp_columns(r.K, r.warp_keys);
   const int64_t warp_tasks =
       warp_kernel_fits(r, key_contiguous) ? r.N * r.HV * (r.V / warp_columns) : 0;
@@ -99,7 +101,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
       r.task_grid = cuda_recurrent_task_grid(r.N, r.HV);
       // used on the task grid; auto's measured case: a one-token step on a pool in place
       r.prefetch_eighths = cuda_recurrent_warp_prefetch_eighths(
-          r.serving && r.T == 1 && !r.cu_seqlens.data);
+          r.serving && r.T == 1 && !r.cu_seqlens.data, fast_memory);
       r.sms = sms;
       return cuda::launch_recurrent_warp(r, state_dtype, stream);
     case RecurrentKernel::narrow: r.tile = cuda::RecurrentTile::narrow; break;
@@ -133,9 +135,9 @@ bool cuda_recurrent_task_grid(int64_t N, int64_t HV) {
   return setting != "loop" && N <= kGridYZ && HV <= kGridYZ;  // unset reads as ""
 }
 
-int cuda_recurrent_warp_prefetch_eighths(bool one_token_in_place) {
-  // `auto` and unset: half a wave for one-token pool steps, bench/NOTES.md (ar)
-  return prefetch_eighths_setting("FLASHDELTA_RECURRENT_WARP_PREFETCH", one_token_in_place ? 4 : 0);
+int cuda_recurrent_warp_prefetch_eighths(bool one_token_in_place, bool fast_memory) {
+  const int automatic = one_token_in_place ? (fast_memory ? 4 : 1) : 0;
+  return prefetch_eighths_setting("FLASHDELTA_RECURRENT_WARP_PREFETCH", automatic);
 }
 
 int cuda_recurrent_block_prefetch_eighths(bool one_token_in_place) {
@@ -143,14 +145,15 @@ int cuda_recurrent_block_prefetch_eighths(bool one_token_in_place) {
   return prefetch_eighths_setting("FLASHDELTA_RECURRENT_BLOCK_PREFETCH", 0);
 }
 
-int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms) {
+int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms,
+                             bool fast_memory) {
   const std::string setting = env_setting("FLASHDELTA_RECURRENT_WARP_KEYS", {"auto", "4", "8"});
   if (K >= 256) return 8;
   if (K != 128) return 4;
   if (setting == "4" || setting == "8") return setting == "8" ? 8 : 4;
   const int64_t slots = int64_t{12} * (sms > 0 ? sms : 1);  // 12 warps per SM at 8 keys
   const bool fill = V % 16 == 0 && pairs * (V / 16) >= kWarpWavesForEightKeys * slots;
-  return bf16_state && fill ? 8 : 4;
+  return fill && (bf16_state || !fast_memory) ? 8 : 4;
 }
 
 void cuda_recurrent_forward(const Problem& p, const ForwardIO& io, void* stream) {

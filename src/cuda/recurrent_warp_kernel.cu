@@ -6,8 +6,8 @@
 // ramp or drain to speak of at any batch size (the block kernel, cuda/recurrent_kernel.cu,
 // costs ~10 us per launch in its first and last waves) and short chains where few
 // sequences are latency only; large enough that the per-token work (loads, gate, norms)
-// is spread over 4 KB of state. With 8 keys per lane (K = 256, and K = 128 for bfloat16
-// states of many sequences: cuda_recurrent_warp_keys) the tasks are 16 columns. Where
+// is spread over 4 KB of state. With 8 keys per lane (K = 256, and K = 128 for many
+// sequences where cuda_recurrent_warp_keys says so) the tasks are 16 columns. Where
 // cuda_recurrent_warp_prefetch_eighths says so (one-token pool steps by default), each row
 // and value head gets a prefetch block that queues a later row's states into L2 ahead of
 // that row's tasks.

@@ -14,6 +14,7 @@
 #include "cuda/cuda.h"
 #include "cuda/device_mirror.h"
 #include "cuda/forward_check.h"
+#include "cuda/host_params.h"
 #include "cuda/recurrent_params.h"
 #include "decode_case.h"
 #include "scoped_env.h"
@@ -601,23 +602,27 @@ TEST(CudaRecurrentTile, WarpPrefetchFollowsTheEnvironmentVariable) {
   constexpr const char* kPrefetch = "FLASHDELTA_RECURRENT_WARP_PREFETCH";
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kPrefetch, automatic);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true), 4);  // half a wave: measured
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false), 0);
+    // Measured: half a wave on fast memory (the H200), one eighth on the H100.
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true, true), 4);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true, false), 1);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false, true), 0);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false, false), 0);
   }
   const std::pair<const char*, int> kNamed[] = {
       {"off", 0}, {"quarter", 2}, {"half", 4}, {"one", 8}, {"double", 16}};
   for (const auto& [name, eighths] : kNamed) {
     const ScopedEnv env(kPrefetch, name);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true), eighths) << name;
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false), eighths) << name;
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true, true), eighths) << name;
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false, false), eighths) << name;
   }
   for (const auto& [count, eighths] : std::initializer_list<std::pair<const char*, int>>{
            {"0", 0}, {"3", 3}, {"6", 6}, {"16", 16}}) {
     const ScopedEnv env(kPrefetch, count);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true), eighths) << count;
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true, true), eighths) << count;
   }
   for (const char* bad : {"ahead", "17", "-1", "003", "3x"})
-    expect_setting_rejected(kPrefetch, bad, [] { cuda_recurrent_warp_prefetch_eighths(true); });
+    expect_setting_rejected(kPrefetch, bad,
+                            [] { cuda_recurrent_warp_prefetch_eighths(true, true); });
 }
 
 // The block kernel's prefetch distance (host only): none unless asked, the same values.
@@ -637,34 +642,52 @@ TEST(CudaRecurrentTile, BlockPrefetchFollowsTheEnvironmentVariable) {
   expect_setting_rejected(kPrefetch, "20", [] { cuda_recurrent_block_prefetch_eighths(true); });
 }
 
-// The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 for bfloat16 states
-// whose 16-column tasks fill kWarpWavesForEightKeys waves of 12 warps per SM, or under `8`.
+// The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 where the 16-column
+// tasks fill kWarpWavesForEightKeys waves of 12 warps per SM and the state is bfloat16 or the
+// memory is not fast, or under `8`.
 TEST(CudaRecurrentTile, WarpKeysFollowTheEnvironmentVariable) {
   using detail::cuda_recurrent_warp_keys;
   constexpr const char* kKeys = "FLASHDELTA_RECURRENT_WARP_KEYS";
   const int64_t fill = detail::kWarpWavesForEightKeys * 12 * 132 / 8;  // pairs at V = 128
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kKeys, automatic);
-    for (const bool bf16 : {false, true}) {
-      EXPECT_EQ(cuda_recurrent_warp_keys(256, 256, 1, bf16, 132), 8);
-      EXPECT_EQ(cuda_recurrent_warp_keys(64, 64, 1 << 20, bf16, 132), 4);
-      EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 1 << 20, bf16, 132), bf16 ? 8 : 4);
-    }
-    EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 256 * 32, true, 132), 8);  // N = 256
-    EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, fill, true, 132), 8);
-    EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, fill - 1, true, 132), 4);
-    EXPECT_EQ(cuda_recurrent_warp_keys(128, 24, 1 << 20, true, 132), 4);  // V not of 16
+    for (const bool fast : {false, true})
+      for (const bool bf16 : {false, true}) {
+        EXPECT_EQ(cuda_recurrent_warp_keys(256, 256, 1, bf16, 132, fast), 8);
+        EXPECT_EQ(cuda_recurrent_warp_keys(64, 64, 1 << 20, bf16, 132, fast), 4);
+        EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 1 << 20, bf16, 132, fast),
+                  bf16 || !fast ? 8 : 4);
+        EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 256 * 32, bf16, 132, fast),  // N = 256
+                  bf16 || !fast ? 8 : 4);
+        EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, fill, bf16, 132, fast), bf16 || !fast ? 8 : 4);
+        EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, fill - 1, bf16, 132, fast), 4);
+        EXPECT_EQ(cuda_recurrent_warp_keys(128, 24, 1 << 20, bf16, 132, fast), 4);  // V not of 16
+      }
   }
   for (const char* forced : {"4", "8"}) {
     const ScopedEnv env(kKeys, forced);
     const int keys = forced[0] - '0';
-    EXPECT_EQ(cuda_recurrent_warp_keys(256, 256, 1, false, 132), 8);
-    EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 1, false, 132), keys);
-    EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 1 << 20, true, 132), keys);
-    EXPECT_EQ(cuda_recurrent_warp_keys(64, 64, 1, false, 132), 4);
-    EXPECT_EQ(cuda_recurrent_warp_keys(32, 32, 1, true, 132), 4);
+    for (const bool fast : {false, true}) {
+      EXPECT_EQ(cuda_recurrent_warp_keys(256, 256, 1, false, 132, fast), 8);
+      EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 1, false, 132, fast), keys);
+      EXPECT_EQ(cuda_recurrent_warp_keys(128, 128, 1 << 20, true, 132, fast), keys);
+      EXPECT_EQ(cuda_recurrent_warp_keys(64, 64, 1, false, 132, fast), 4);
+      EXPECT_EQ(cuda_recurrent_warp_keys(32, 32, 1, true, 132, fast), 4);
+    }
   }
-  expect_setting_rejected(kKeys, "16", [] { cuda_recurrent_warp_keys(128, 128, 1, false, 132); });
+  expect_setting_rejected(kKeys, "16",
+                          [] { cuda_recurrent_warp_keys(128, 128, 1, false, 132, true); });
+}
+
+// The memory class the decode defaults read (host, with a device): a positive peak bandwidth
+// from the device's attributes, within what GPUs have (0.1-20 TB/s), and the same when asked
+// again (cached).
+TEST(CudaRecurrentTile, PeakMemoryBandwidthIsTheDevices) {
+  FLASHDELTA_REQUIRE_GPU();
+  const double bw = detail::peak_memory_bandwidth();
+  EXPECT_GT(bw, 1e11);
+  EXPECT_LT(bw, 2e13);
+  EXPECT_EQ(detail::peak_memory_bandwidth(), bw);
 }
 
 TEST(CudaErrors, ClearMessagesAndNothingWritten) {
