@@ -66,8 +66,9 @@ bool warp_kernel_fits(const RecurrentParams& r, bool key_contiguous) {
 int prefetch_eighths_setting(const char* name, int automatic) {
   const char* env = std::getenv(name);
   const std::string value = env ? env : "";
+  const auto digit = [](char c) { return c >= '0' && c <= '9'; };
   const bool count = !value.empty() && value.size() <= 2 &&
-                     std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; });
+                     std::all_of(value.begin(), value.end(), digit);
   if (count && std::stoi(value) <= 16) return std::stoi(value);
   constexpr std::pair<const char*, int> kNamed[] = {
       {"off", 0}, {"quarter", 2}, {"half", 4}, {"one", 8}, {"double", 16}};
