@@ -37,7 +37,6 @@ namespace {
 // adjacent, so that a warp's load is KL x 16 contiguous bytes of each column.
 template <int KB, int KeysPerLane>
 struct WarpTile {
-  static constexpr int kKeys = KB;
   static constexpr int RK = KeysPerLane;  // 4, or 8 at K >= 128 (tasks of 16 columns)
   static constexpr int KL = KB / RK;
   static constexpr int CL = 32 / KL;
