@@ -90,7 +90,9 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
   const int sms = sm_count();
   const int64_t wide_blocks =
       r.N * r.HV * tiles(cuda::recurrent_block_columns(r.K, cuda::RecurrentTile::wide));
-  const bool fast_memory = peak_memory_bandwidth() >= kFastMemoryBandwidth;
+  // An unknown bandwidth (0) keeps the defaults measured before the distinction: fast.
+  const double bandwidth = peak_memory_bandwidth();
+  const bool fast_memory = bandwidth == 0 || bandwidth >= kFastMemoryBandwidth;
   r.warp_keys =
       cuda_recurrent_warp_keys(r.K, r.V, r.N * r.HV, state_dtype == DType::bf16, sms, fast_memory);
   const int64_t warp_columns = cuda::recurrent_warp_columns(r.K, r.warp_keys);
