@@ -43,8 +43,8 @@ inline constexpr double kFastMemoryBandwidth = 4e12;
 // 12 warps per SM instead of 24) where the 16-column tasks fill at least
 // kWarpWavesForEightKeys waves and the state is bfloat16 (a 4-key task's 2 KB of state leave
 // its per-task work uncovered: 5% faster at N = 256, bench/NOTES.md (ak)) or the memory is not
-// fast (float32 states on the H100: N = 256 V-first -4.6% with the prefetch below, (br); on
-// the H200 the 8-key form was 1.5% slower without prefetch blocks, (ak)); else 4.
+// fast (float32 states on the H100: N = 256 V-first -4.5% with no prefetch blocks below, (br);
+// on the H200 the 8-key form was 1.5% slower without prefetch blocks, (ak)); else 4.
 // FLASHDELTA_RECURRENT_WARP_KEYS=4 or 8 forces K = 128's; unset or `auto`: as described. Any
 // other value throws Error(invalid_argument) naming the variable.
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms,
@@ -55,18 +55,14 @@ inline constexpr int64_t kWarpWavesForEightKeys = 8;
 // queue the same head's state of a later row into L2, so that a block's first loads find its
 // state in L2 while a finished block's slot is refilled: FLASHDELTA_RECURRENT_WARP_PREFETCH
 // `off` 0, `quarter` 2, `half` 4, `one` 8, `double` 16, or a count of eighths 0 .. 16, for
-// every warp-kernel step, serving or forward. Unset or `auto`: for a one-token step on a pool
-// in place (`one_token_in_place`) half a wave (4) on fast memory, where it measured -1.4 to
-// -2.2% at N = 256 V-first (bench/NOTES.md (ar), (bp)), one eighth elsewhere (on the H100
-// half a wave cost +4.6%, one eighth with 8-key tasks -0.6% against none: (bo), (br)); else
-// 0 (out of place +3.5%, four per-token slots per row +5%, a whole wave ahead +10%: (ar)).
+// every warp-kernel step, serving or forward. Unset or `auto`: half a wave (4) for a one-token
+// step on a pool in place (`one_token_in_place`) on fast memory, where it measured -1.4 to
+// -2.2% at N = 256 V-first (bench/NOTES.md (ar), (bp)); else 0 (on the H100 every distance
+// past one row lost, half a wave +4.6% with 4-key and +5% with 8-key tasks: (bo), (br); out
+// of place +3.5%, four per-token slots per row +5%, a whole wave ahead +10%: (ar)).
 // The same results whatever the setting: a prefetch is a hint. Any other value throws
 // Error(invalid_argument) naming the variable.
 int cuda_recurrent_warp_prefetch_eighths(bool one_token_in_place, bool fast_memory);
-// The same for the block kernel's wide tile on K-first states at K = 128 and 256 (a prefetch
-// block per row and value head past its value tiles, on the task grid):
-// FLASHDELTA_RECURRENT_BLOCK_PREFETCH, the same values. Unset or `auto`: none.
-int cuda_recurrent_block_prefetch_eighths(bool one_token_in_place);
 // The chunkwise forward (prefill); needs sm_80 or later. With workspace (or workspace_bytes)
 // set it runs in that memory, checked first against cuda_chunk_workspace_bytes; otherwise it
 // allocates in stream order.

@@ -60,27 +60,6 @@ bool warp_kernel_fits(const RecurrentParams& r, bool key_contiguous) {
                            r.dt_bias_key_stride));
 }
 
-// A prefetch distance setting: `auto` or unset -> `automatic`, `off` 0, `quarter` 2, `half`
-// 4, `one` 8, `double` 16, or a count of eighths 0 .. 16; anything else throws
-// Error(invalid_argument) naming the variable.
-int prefetch_eighths_setting(const char* name, int automatic) {
-  const char* env = std::getenv(name);
-  const std::string value = env ? env : "";
-  const auto digit = [](char c) { return c >= '0' && c <= '9'; };
-  const bool count = !value.empty() && value.size() <= 2 &&
-                     std::all_of(value.begin(), value.end(), digit);
-  if (count && std::stoi(value) <= 16) return std::stoi(value);
-  constexpr std::pair<const char*, int> kNamed[] = {
-      {"off", 0}, {"quarter", 2}, {"half", 4}, {"one", 8}, {"double", 16}};
-  for (const auto& [named, eighths] : kNamed)
-    if (value == named) return eighths;
-  if (value.empty() || value == "auto") return automatic;
-  throw Error(ErrorCode::invalid_argument,
-              std::string("environment variable ") + name +
-                  ": expected auto, off, quarter, half, one, double or a count of eighths 0 .. 16, "
-                  "got '" + value + "'");
-}
-
 // Picks the vector path when both state tensors allow it, then the kernel, and launches.
 void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* stream) {
   const int64_t elem = dtype_size(state_dtype);
@@ -111,13 +90,7 @@ void launch(RecurrentParams& r, DType state_dtype, bool key_contiguous, void* st
     case RecurrentKernel::wide: r.tile = cuda::RecurrentTile::wide; break;
   }
   r.value_tiles = tiles(cuda::recurrent_block_columns(r.K, r.tile));
-  // The narrow tile's grid, and the wide tile's with prefetch blocks (K-first, K >= 128).
-  r.task_grid = cuda_recurrent_task_grid(r.N, r.HV);
-  if (r.tile == cuda::RecurrentTile::wide) {
-    r.prefetch_eighths =
-        cuda_recurrent_block_prefetch_eighths(r.serving && r.T == 1 && !r.cu_seqlens.data);
-    r.sms = sms;
-  }
+  r.task_grid = r.tile == cuda::RecurrentTile::narrow && cuda_recurrent_task_grid(r.N, r.HV);
   cuda::launch_recurrent(r, state_dtype, key_contiguous, stream);
 }
 
@@ -139,13 +112,22 @@ bool cuda_recurrent_task_grid(int64_t N, int64_t HV) {
 }
 
 int cuda_recurrent_warp_prefetch_eighths(bool one_token_in_place, bool fast_memory) {
-  const int automatic = one_token_in_place ? (fast_memory ? 4 : 1) : 0;
-  return prefetch_eighths_setting("FLASHDELTA_RECURRENT_WARP_PREFETCH", automatic);
-}
-
-int cuda_recurrent_block_prefetch_eighths(bool one_token_in_place) {
-  (void)one_token_in_place;  // `auto` and unset: none until measured
-  return prefetch_eighths_setting("FLASHDELTA_RECURRENT_BLOCK_PREFETCH", 0);
+  constexpr const char* kName = "FLASHDELTA_RECURRENT_WARP_PREFETCH";
+  const char* env = std::getenv(kName);
+  const std::string value = env ? env : "";
+  const auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  if (!value.empty() && value.size() <= 2 && std::all_of(value.begin(), value.end(), digit) &&
+      std::stoi(value) <= 16)
+    return std::stoi(value);  // a count of eighths
+  constexpr std::pair<const char*, int> kNamed[] = {
+      {"off", 0}, {"quarter", 2}, {"half", 4}, {"one", 8}, {"double", 16}};
+  for (const auto& [named, eighths] : kNamed)
+    if (value == named) return eighths;
+  if (value.empty() || value == "auto") return one_token_in_place && fast_memory ? 4 : 0;
+  throw Error(ErrorCode::invalid_argument,
+              std::string("environment variable ") + kName +
+                  ": expected auto, off, quarter, half, one, double or a count of eighths 0 .. 16, "
+                  "got '" + value + "'");
 }
 
 int cuda_recurrent_warp_keys(int64_t K, int64_t V, int64_t pairs, bool bf16_state, int sms,

@@ -211,24 +211,13 @@ __device__ void run_task(const RecurrentParams& p, Shared& sh, const Tile<KB, RK
 // few sequences, where a one-token step is one thread's instruction chain and the grid
 // saves its divisions; in the wide tile's 80-96 registers a second path costs spills
 // (ptxas: up to 124 bytes) to save ~100 instructions beside its 64-element passes.
-// With kPrefetch (the wide tile on the task grid: kBlockPrefetch) each row and value head has
-// a prefetch block past its value tiles that queues a later row's state into L2, as in the
-// warp kernel; a template parameter, so that the kernels without are unchanged by it.
-template <int KB, int RK, bool KeyContig, class S, class Tk, bool kPrefetch = false>
+template <int KB, int RK, bool KeyContig, class S, class Tk>
 __global__ void __launch_bounds__(kThreads, Tile<KB, RK, KeyContig>::kMinBlocks)
     recurrent_kernel(const __grid_constant__ RecurrentParams p) {
   using T = Tile<KB, RK, KeyContig>;
   __shared__ Shared sh;
   __shared__ __align__(16) S state[T::kTileElements];
   const T tile;
-  if constexpr (kPrefetch) {
-    if (blockIdx.x == p.value_tiles) {
-      const int64_t n = blockIdx.z + p.prefetch_rows;
-      if (n < p.N) prefetch_pair<S, KeyContig>(p, n, blockIdx.y);
-      return;
-    }
-    return run_task<KB, RK, KeyContig, S, Tk>(p, sh, tile, task_of_grid<T::VT>(p), state);
-  }
   if constexpr (T::kNarrow)
     if (p.task_grid)
       return run_task<KB, RK, KeyContig, S, Tk>(p, sh, tile, task_of_grid<T::VT>(p), state);
@@ -239,26 +228,9 @@ __global__ void __launch_bounds__(kThreads, Tile<KB, RK, KeyContig>::kMinBlocks)
   }
 }
 
-// The kernels with prefetch blocks: the wide tile on K-first states at K = 128 and 256 (the
-// many-sequence serving steps the warp kernel does not take; a small instantiation matrix).
-template <int KB, int RK, bool KeyContig>
-inline constexpr bool kBlockPrefetch = !KeyContig && KB >= 128 && !Tile<KB, RK, KeyContig>::kNarrow;
-
 template <int KB, int RK, bool KeyContig, class S, class Tk>
 void launch_tile(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t blocks = p.N * p.HV * p.value_tiles;
-  if constexpr (kBlockPrefetch<KB, RK, KeyContig>) {
-    const int64_t rows = recurrent_prefetch_rows(p.prefetch_eighths, p.sms,
-                                                  Tile<KB, RK, KeyContig>::kMinBlocks,
-                                                  p.HV * p.value_tiles, p.N);
-    if (p.task_grid && rows > 0) {
-      RecurrentParams q = p;
-      q.prefetch_rows = rows;
-      const dim3 grid(static_cast<unsigned>(p.value_tiles + 1), static_cast<unsigned>(p.HV),
-                      static_cast<unsigned>(p.N));
-      return recurrent_kernel<KB, RK, KeyContig, S, Tk, true><<<grid, kThreads, 0, stream>>>(q);
-    }
-  }
   const bool task_grid = p.task_grid && Tile<KB, RK, KeyContig>::kNarrow;
   const dim3 grid = task_grid ? dim3(static_cast<unsigned>(p.value_tiles),
                                        static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N))

@@ -110,21 +110,5 @@ __device__ __forceinline__ S* tile_base(const StateTensor& st, int64_t slot, int
   return static_cast<S*>(st.data) + slot * st.slot_stride + hv * st.head_stride;
 }
 
-// A prefetch block's work (cuda_recurrent_prefetch_eighths): the whole state of (row n, value
-// head hv), every key and value, queued into L2 (nothing where the row starts from no state;
-// a serving row with no tokens is prefetched though its tasks will not read it). Not inlined:
-// inlined, its registers moved the warp kernel's allocation (ptxas: 12 -> 20-28 bytes spilled).
-template <class S, bool KeyContig>
-__device__ __noinline__ void prefetch_pair(const RecurrentParams& p, int64_t n, int64_t hv) {
-  if (!p.state_in.data) return;
-  const int64_t slot = start_slot(p, n);
-  if (slot < 0) return;
-  const S* base = tile_base<const S>(p.state_in, slot, hv);
-  if constexpr (KeyContig)  // a run of K keys per value column
-    prefetch_row_lines(base, p.state_in.value_stride, static_cast<int>(p.V), static_cast<int>(p.K));
-  else  // a run of V values per key row
-    prefetch_row_lines(base, p.state_in.key_stride, static_cast<int>(p.K), static_cast<int>(p.V));
-}
-
 }  // namespace
 }  // namespace flashdelta::detail::cuda

@@ -350,34 +350,6 @@ TEST(CudaDecode, WarpKernelPrefetchFormsAgreeBitwise) {
     }
 }
 
-// The block kernel's prefetch blocks (FLASHDELTA_RECURRENT_BLOCK_PREFETCH: the wide tile on
-// K-first states at K = 128 and 256), as above: `off`, `half`, `one` and `double` bitwise
-// equal and matching the reference, with two value tiles a row and head (V = 128; at
-// K = 256 a partial one), 160 rows x 8 heads on shuffled slots with padding rows among
-// them (25-99 rows ahead at K = 128), float32 and bfloat16 pools, one-token and 3-token steps.
-TEST(CudaDecode, BlockKernelPrefetchFormsAgreeBitwise) {
-  FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv tile("FLASHDELTA_RECURRENT_TILE", "wide");
-  constexpr int64_t kRows = 160, kSlots = 170;
-  std::vector<std::vector<int64_t>> slots;
-  for (int64_t n = 0; n < kRows; ++n) slots.push_back({n % 17 == 5 ? -1 : (n * 37 + 11) % kSlots});
-  uint64_t seed = 1980;
-  for (const auto& [K, V] : {std::pair<int64_t, int64_t>{128, 128}, {256, 80}})
-    for (const DType pool : {DType::f32, DType::bf16})
-      for (const int64_t T : {1, 3}) {
-        CaseConfig cfg = decode_config(Mechanism::kda, kRows, T, K, V, seed++);
-        cfg.H = 4;
-        cfg.HV = 8;
-        cfg.layout = StateLayout::k_first;
-        cfg.dtype = DType::bf16;
-        cfg.qk_l2norm = cfg.beta_sigmoid = cfg.gate_in_kernel = true;
-        const DecodeCase d = make_decode_case(cfg, kSlots, pool, slots);
-        expect_settings_agree_bitwise(
-            d, "K=" + std::to_string(K) + " pool " + dtype_name(pool) + " T=" + std::to_string(T),
-            "FLASHDELTA_RECURRENT_BLOCK_PREFETCH", {"off", "half", "one", "double"});
-      }
-}
-
 // The warp kernel at K = 128 with 8 keys per lane (FLASHDELTA_RECURRENT_WARP_KEYS=8:
 // 16-column tasks, the K = 256 kernel's lane shape) against the reference: V two and three
 // tasks wide, all-bf16 fused tokens and float32 inputs, float32 and bfloat16 pools, a
@@ -602,9 +574,9 @@ TEST(CudaRecurrentTile, WarpPrefetchFollowsTheEnvironmentVariable) {
   constexpr const char* kPrefetch = "FLASHDELTA_RECURRENT_WARP_PREFETCH";
   for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
     const ScopedEnv env(kPrefetch, automatic);
-    // Measured: half a wave on fast memory (the H200), one eighth on the H100.
+    // Measured: half a wave on fast memory (the H200), none on the H100.
     EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true, true), 4);
-    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true, false), 1);
+    EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(true, false), 0);
     EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false, true), 0);
     EXPECT_EQ(cuda_recurrent_warp_prefetch_eighths(false, false), 0);
   }
@@ -623,23 +595,6 @@ TEST(CudaRecurrentTile, WarpPrefetchFollowsTheEnvironmentVariable) {
   for (const char* bad : {"ahead", "17", "-1", "003", "3x"})
     expect_setting_rejected(kPrefetch, bad,
                             [] { cuda_recurrent_warp_prefetch_eighths(true, true); });
-}
-
-// The block kernel's prefetch distance (host only): none unless asked, the same values.
-TEST(CudaRecurrentTile, BlockPrefetchFollowsTheEnvironmentVariable) {
-  using detail::cuda_recurrent_block_prefetch_eighths;
-  constexpr const char* kPrefetch = "FLASHDELTA_RECURRENT_BLOCK_PREFETCH";
-  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
-    const ScopedEnv env(kPrefetch, automatic);
-    EXPECT_EQ(cuda_recurrent_block_prefetch_eighths(true), 0);
-    EXPECT_EQ(cuda_recurrent_block_prefetch_eighths(false), 0);
-  }
-  for (const auto& [value, eighths] : std::initializer_list<std::pair<const char*, int>>{
-           {"off", 0}, {"half", 4}, {"double", 16}, {"2", 2}, {"12", 12}}) {
-    const ScopedEnv env(kPrefetch, value);
-    EXPECT_EQ(cuda_recurrent_block_prefetch_eighths(true), eighths) << value;
-  }
-  expect_setting_rejected(kPrefetch, "20", [] { cuda_recurrent_block_prefetch_eighths(true); });
 }
 
 // The warp kernel's keys per lane (host only): 8 at K = 256; at K = 128 where the 16-column
