@@ -43,7 +43,7 @@ inline constexpr double kFastMemoryBandwidth = 4e12;
 // 12 warps per SM instead of 24) where the 16-column tasks fill at least
 // kWarpWavesForEightKeys waves and the state is bfloat16 (a 4-key task's 2 KB of state leave
 // its per-task work uncovered: 5% faster at N = 256, bench/NOTES.md (ak)) or the memory is not
-// fast (float32 states on the H100: N = 256 V-first -4.5% with no prefetch blocks below, (br);
+// fast (float32 states on the H100: N = 256 V-first -4.6 to -6% with no prefetch blocks, (br);
 // on the H200 the 8-key form was 1.5% slower without prefetch blocks, (ak)); else 4.
 // FLASHDELTA_RECURRENT_WARP_KEYS=4 or 8 forces K = 128's; unset or `auto`: as described. Any
 // other value throws Error(invalid_argument) naming the variable.
@@ -58,7 +58,7 @@ inline constexpr int64_t kWarpWavesForEightKeys = 8;
 // every warp-kernel step, serving or forward. Unset or `auto`: half a wave (4) for a one-token
 // step on a pool in place (`one_token_in_place`) on fast memory, where it measured -1.4 to
 // -2.2% at N = 256 V-first (bench/NOTES.md (ar), (bp)); else 0 (on the H100 every distance
-// past one row lost, half a wave +4.6% with 4-key and +5% with 8-key tasks: (bo), (br); out
+// past one row lost, half a wave +4.6% with 4-key and +5-6% with 8-key tasks: (bo), (br); out
 // of place +3.5%, four per-token slots per row +5%, a whole wave ahead +10%: (ar)).
 // The same results whatever the setting: a prefetch is a hint. Any other value throws
 // Error(invalid_argument) naming the variable.
