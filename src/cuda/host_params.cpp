@@ -133,34 +133,43 @@ std::string env_setting(const char* name, std::initializer_list<const char*> all
                                                value + "'");
 }
 
-int sm_count() {
-  static std::array<std::atomic<int>, 64> cached{};  // 0 = not asked yet
+namespace {
+
+// `query(device)` for the current device (0 without one or when it fails), cached per device
+// in `cache` (0 = not asked yet): the decode path asks on every call.
+template <class T, class Query>
+T cached_per_device(std::array<std::atomic<T>, 64>& cache, Query query) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  if (device >= 0 && device < static_cast<int>(cached.size()))
-    if (const int sms = cached[device].load(std::memory_order_relaxed)) return sms;
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return 0;
-  if (device >= 0 && device < static_cast<int>(cached.size()))
-    cached[device].store(sms, std::memory_order_relaxed);
-  return sms;
+  const bool cacheable = device >= 0 && device < static_cast<int>(cache.size());
+  if (cacheable)
+    if (const T value = cache[device].load(std::memory_order_relaxed)) return value;
+  const T value = query(device);
+  if (cacheable && value) cache[device].store(value, std::memory_order_relaxed);
+  return value;
+}
+
+}  // namespace
+
+int sm_count() {
+  static std::array<std::atomic<int>, 64> cached{};
+  return cached_per_device(cached, [](int device) {
+    int sms = 0;
+    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess
+               ? sms
+               : 0;
+  });
 }
 
 double peak_memory_bandwidth() {
-  static std::array<std::atomic<double>, 64> cached{};  // 0 = not asked yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  const bool cacheable = device >= 0 && device < static_cast<int>(cached.size());
-  if (cacheable)
-    if (const double bw = cached[device].load(std::memory_order_relaxed)) return bw;
-  int khz = 0, bits = 0;
-  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess)
-    return 0;
-  const double bw = 2.0 * khz * 1e3 * bits / 8;
-  if (cacheable) cached[device].store(bw, std::memory_order_relaxed);
-  return bw;
+  static std::array<std::atomic<double>, 64> cached{};
+  return cached_per_device(cached, [](int device) {
+    int khz = 0, bits = 0;
+    if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess)
+      return 0.0;
+    return 2.0 * khz * 1e3 * bits / 8;
+  });
 }
 
 ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, int64_t chunks,
