@@ -71,9 +71,10 @@ __device__ __forceinline__ void wait_landed(uint64_t* bar, uint32_t parity) {
 #endif
 }
 
-// Orders this thread's earlier ordinary shared-memory writes before later bulk copies into
-// the same memory (the copies run in the async proxy); follow it with a block barrier.
-__device__ __forceinline__ void fence_before_bulk_writes() {
+// Orders this thread's earlier ordinary shared-memory writes (stores, cp.async once landed)
+// before later accesses of the same memory in the async proxy: bulk copies into it, wgmma
+// reading it. Follow it with a block barrier.
+__device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif

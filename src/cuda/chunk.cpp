@@ -38,6 +38,9 @@ constexpr const char* kInverseSetting = "FLASHDELTA_CHUNK_INVERSE";
 // issue 5's first row 4.1e-3 -> 3.0e-3 against fp64, at +15% of the KDA forward (H100,
 // bench/NOTES.md (bk)). `auto` and `bf16` keep single bfloat16.
 constexpr const char* kAqkSetting = "FLASHDELTA_CHUNK_AQK";
+// `records` keeps qg and kg in the records where the state kernel could read q and k as
+// given (ChunkParams::qk_from_tokens): for tests and A/B timing.
+constexpr const char* kQkSetting = "FLASHDELTA_CHUNK_QK";
 // A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
 // records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter
 // and B=1 T=32768 H=32 runs faster whole than in two segments (3.536 against 3.577 ms,
@@ -47,15 +50,16 @@ constexpr double kMapsStep = 1.0;
 // The chunk table numbers the chunk states too (ForwardArgs::chunk_states).
 static_assert(cuda::kChunk == kChunkStateTokens);
 
-// The workspace regions in order: chunk table (cu_seqlens only), qg, kg, w (delta rule only),
-// u, aqk, aqk_lo (split_aqk only), decay (with the inverse lengths).
+// The workspace regions in order: chunk table (cu_seqlens only), qg and kg (unless
+// qk_from_tokens), w (delta rule only), u, aqk, aqk_lo (split_aqk only), decay (with the
+// inverse lengths).
 Carver layout_of(cuda::ChunkParams& c, bool varlen) {
   const int64_t records = c.max_chunks * c.p.HV, rows = records * cuda::kChunk;
   cuda::ChunkWorkspace& w = c.ws;
   Carver r;
   r.add(w.chunk_start, varlen ? c.p.N + 1 : 0);
-  r.add(w.qg, rows * c.KP);
-  r.add(w.kg, rows * c.KP);
+  r.add(w.qg, c.qk_from_tokens ? 0 : rows * c.KP);
+  r.add(w.kg, c.qk_from_tokens ? 0 : rows * c.KP);
   r.add(w.w, c.p.delta ? rows * c.KP : 0);
   r.add(w.u, rows * c.VP);
   r.add(w.aqk, rows * cuda::kChunk);
@@ -84,6 +88,8 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
                    bf16_dense_runs(r.v, p.V) &&
                    (r.gate != cuda::GateForm::vector || bf16_dense_runs(r.g, p.K));
   c.dense_output = bf16_dense_runs(c.p.o, p.V);
+  const bool qk_records = env_setting(kQkSetting, {"auto", "records"}) == "records";
+  c.qk_from_tokens = !qk_records && c.dense_tokens && r.gate != cuda::GateForm::vector;
   const std::string inverse = env_setting(kInverseSetting, {"auto", "distance", "tf32"});
   c.inverse_by_columns = inverse != "distance";
   c.inverse_one_product = inverse == "tf32";

@@ -35,6 +35,8 @@ constexpr int chunk_record_floats(int KP) { return KP + 2 * kChunk; }
 // and the state kernel takes
 //     v_new = u - w S,   o = diag(n_q) (qg S + A_qk v_new),   S' = diag(decay) S + kg^T n_k v_new
 // (n_k v_new: v_new's rows scaled).
+// With ChunkParams::qk_from_tokens there are no qg and kg: the state kernel reads q and k as
+// given, and the record's run and A_qk carry the scalar gate's factors instead (see there).
 struct ChunkWorkspace {
   uint16_t* qg = nullptr;   // [KP / 64][C, 64] bf16: scale q 2^Gamma (reads the chunk-start state)
   uint16_t* kg = nullptr;   // [KP / 64][C, 64] bf16: k 2^(Gamma_end - Gamma) (writes the end state)
@@ -102,6 +104,16 @@ struct ChunkParams {
   // three-product form (bench/NOTES.md (at)). Opt-in (FLASHDELTA_CHUNK_INVERSE=tf32; -1% of
   // the KDA prepare kernel, -3% of GDN's in (av)); not with split_aqk.
   bool inverse_one_product = false;
+  // Without a vector gate and with dense bfloat16 q and k (the prepare kernel's key tiles),
+  // qg and kg are q and k scaled by one number per token, so the record leaves them out: the
+  // state kernel copies its chunk's rows of q and k as given into its stage (zeros past the
+  // sequence's end and past K), and the factors move to per-token scales it applies,
+  //     inv_q = n_q scale 2^Gamma       on the columns of o^T = S^T q^T (before + v_new^T A^T),
+  //     inv_k = n_k 2^(Gamma_end - Gamma)  on the columns of v_new^T before the state update,
+  // with A_qk's rows scaled by n_q in the record and o stored as it comes. 32 KB less written
+  // and kept per record at K = 128. FLASHDELTA_CHUNK_QK=records keeps qg and kg (for tests
+  // and A/B timing).
+  bool qk_from_tokens = false;
 };
 
 // The three launches of a forward, in order on `stream` (a cudaStream_t); each returns

@@ -112,6 +112,7 @@ struct PrepareShared {
   alignas(16) float beta[kChunk];
   float gs[kChunk];  // scalar gate: Gamma after each token
   alignas(16) float inv_k[kChunk];  // 1 / |k| per token (finish_norms)
+  float inv_q[kChunk];  // key tiles with qk_from_tokens: 1 / |q|, A_qk's row scale (finish_a)
   alignas(16) float w_cols[kChunk];  // key tiles: T's column scale for w, n_k beta 2^Gamma
   // The key tiles' launch ends at the solve's tu (prepare_shared_bytes): what follows, the
   // slices' part of the union and the vector gate's arrays, they never touch.
@@ -601,10 +602,12 @@ __device__ void fetch_key_tiles(const RecurrentParams& p, PrepareShared<KP>& sh,
 
 // From the key tiles: qg, kg and decay to the record, the inverse lengths (as finish_norms
 // does) and T's column scale for w, w_cols = n_k beta 2^Gamma. KP / 8 threads per token, 8
-// channels each.
+// channels each. With qk_from_tokens (cuda/chunk_params.h) no qg and kg: the record's inverse
+// lengths take the gate's factors, n_q scale 2^Gamma and n_k 2^(Gamma_end - Gamma), and n_q
+// goes to shared memory for A_qk's rows.
 template <GateForm G, int KP>
-__device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& sh,
-                                   const Record& rec, const ChunkRef& ref) {
+__device__ void write_tile_factors(const RecurrentParams& p, bool qk_from_tokens,
+                                   PrepareShared<KP>& sh, const Record& rec, const ChunkRef& ref) {
   constexpr int kLanes = KP / 8, kTokensPerPass = kThreads / kLanes;
   static_assert(32 % kLanes == 0, "a token's threads are adjacent lanes of one warp");
   const int tid = threadIdx.x, c8 = 8 * (tid % kLanes);
@@ -613,7 +616,8 @@ __device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& 
   // The token scalars go to shared memory after the loop (reads before stores:
   // cuda/device_io.cuh).
   constexpr int kTilePasses = kChunk / kTokensPerPass;
-  float token_inv_k[kTilePasses] = {}, token_w_cols[kTilePasses] = {};
+  float token_inv_k[kTilePasses] = {}, token_w_cols[kTilePasses] = {},
+        token_inv_q[kTilePasses] = {};
 #pragma unroll
   for (int x = 0; x < kTilePasses; ++x) {
     const int t = kTokensPerPass * x + tid / kLanes;
@@ -632,15 +636,20 @@ __device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& 
       qg[e] = p.scale * q[e] * up;
       kg[e] = k[e] * down;
     }
-    store_bf16x8_global(rec.qg + record_index(t, c8), qg);
-    store_bf16x8_global(rec.kg + record_index(t, c8), kg);
+    if (!qk_from_tokens) {
+      store_bf16x8_global(rec.qg + record_index(t, c8), qg);
+      store_bf16x8_global(rec.kg + record_index(t, c8), kg);
+    }
     sq = lane_sum<1, kLanes / 2>(sq);
     sk = lane_sum<1, kLanes / 2>(sk);
     if (tid % kLanes == 0) {
       const bool norm = p.qk_l2norm, live = t < ref.len;
       const float nk = !live ? 0.f : norm ? rsqrtf(sk + kL2NormEps) : 1.f;
-      rec.inv_q[t] = !live ? 0.f : norm ? rsqrtf(sq + kL2NormEps) : 1.f;
-      rec.inv_k[t] = token_inv_k[x] = nk;
+      const float nq = !live ? 0.f : norm ? rsqrtf(sq + kL2NormEps) : 1.f;
+      rec.inv_q[t] = qk_from_tokens ? nq * p.scale * up : nq;
+      rec.inv_k[t] = qk_from_tokens ? nk * down : nk;
+      token_inv_k[x] = nk;
+      token_inv_q[x] = nq;
       token_w_cols[x] = nk * sh.beta[t] * up;
     }
   }
@@ -649,6 +658,7 @@ __device__ void write_tile_factors(const RecurrentParams& p, PrepareShared<KP>& 
     for (int x = 0; x < kTilePasses; ++x) {
       const int t = kTokensPerPass * x + tid / kLanes;
       sh.inv_k[t] = token_inv_k[x];
+      sh.inv_q[t] = token_inv_q[x];
       sh.w_cols[t] = token_w_cols[x];
     }
 }
@@ -675,20 +685,22 @@ __device__ void finish_norms(const RecurrentParams& p, PrepareShared<KP>& sh, co
 }
 
 // Row block I of A_qk to the record and of A_kk to shared memory (zeros above the diagonal),
-// with the inverse key lengths on A_qk's columns and A_kk's rows and columns (n_q is left to
-// the state kernel's output rows).
+// with the inverse key lengths on A_qk's columns and A_kk's rows and columns; n_q on A_qk's
+// rows where the key tiles' qk_from_tokens asks (else it is left to the state kernel's
+// output rows).
 template <GateForm G, bool kSplit, int KP>
-__device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
-                         const Acc (&acc_q)[8], const Acc (&acc_k)[8]) {
+__device__ void finish_a(const RecurrentParams& p, bool rows_n_q, PrepareShared<KP>& sh,
+                         const Record& rec, const Acc (&acc_q)[8], const Acc (&acc_k)[8]) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
   // The per-token scalars of the thread's rows (e / 2) and of its columns (nt, x), four column
   // tiles at a time, read before the stores into A_kk's rows (reads before stores:
   // cuda/device_io.cuh); all eight tiles' at once spilled in the A_qk pair's kernels.
-  float row_k[2], gs_row[2] = {};
+  float row_k[2], row_q[2], gs_row[2] = {};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = r0 + acc_row(2 * r);
     row_k[r] = sh.beta[t] * sh.inv_k[t];
+    row_q[r] = rows_n_q ? p.scale * sh.inv_q[t] : p.scale;
     if constexpr (G == GateForm::scalar) gs_row[r] = sh.gs[t];
   }
   constexpr int kTiles = 4;
@@ -719,7 +731,7 @@ __device__ void finish_a(const RecurrentParams& p, PrepareShared<KP>& sh, const 
             fq *= f;
             fk *= f;
           }
-          vq[x] = p.scale * fq * col[n][x];
+          vq[x] = row_q[e / 2] * fq * col[n][x];
           vk[x] = j < t ? row_k[e / 2] * fk * col[n][x] : 0.f;
         }
         const int j0 = 8 * nt + acc_col(e);
@@ -932,7 +944,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
   if constexpr (kKeyTiles) {
     wait_async<0>();
     __syncthreads();  // the tiles; beta and the scalar gate's Gamma (load_token_scalars)
-    write_tile_factors<G>(p, sh, rec, ref);
+    write_tile_factors<G>(p, c.qk_from_tokens, sh, rec, ref);
     const int r0 = kSubChunk * (tid / 32);
     accumulate_products<KP>(&sh.u.qt.q[r0][0], &sh.wsrc[r0][0], &sh.wsrc[0][0], KP + 8, acc_q,
                             acc_k);
@@ -948,7 +960,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
       __syncthreads();  // the next slice overwrites the slice buffers; finish_a reads the norms
     }
   }
-  finish_a<G, kSplit>(p, sh, rec, acc_q, acc_k);
+  finish_a<G, kSplit>(p, kKeyTiles && c.qk_from_tokens, sh, rec, acc_q, acc_k);
   if (p.delta) {
     solve<kKeyTiles, Dense, kOneProduct>(c, sh);
     if constexpr (Dense) fetch_value_tiles(p, sh, ref, hv, 0);

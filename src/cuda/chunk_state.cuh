@@ -112,27 +112,63 @@ inline constexpr int kStateSharedBytes =
 static_assert(kBlocksPerSM<128, 1> * kStateSharedBytes<128, 1, true> <= 227 * 1024,
               "one stage at K <= 128 fits twice in a Hopper SM");
 
+// A chunk's rows of q and k as given (ChunkParams::qk_from_tokens): row t at q + t q_stride
+// (k alike) for t < len, the sequence's tokens in the chunk, each K bfloat16 channels.
+struct TokenRows {
+  const bf16 *q = nullptr, *k = nullptr;
+  int64_t q_stride = 0, k_stride = 0;
+  int len = 0, K = 0;
+};
+
+// Rows of a dense bfloat16 token tensor into a stage matrix laid out as a record's
+// (cuda/chunk_records.cuh) by 16-byte cp.async pieces, zeros past len and past K; a row's
+// pieces go to consecutive threads (coalesced reads). Commits nothing.
+template <int KP, int kThreads>
+__device__ __forceinline__ void fetch_token_rows(bf16* dst, const bf16* rows, int64_t stride,
+                                                 int len, int K) {
+  constexpr int kPieces = KP / 8;
+#pragma unroll 4
+  for (int e = threadIdx.x; e < kChunk * kPieces; e += kThreads) {
+    const int t = e / kPieces, c8 = 8 * (e % kPieces);
+    const bool live = t < len && c8 < K;
+    // 0 bytes: zero-filled, nothing read (the tensor's first row stands in for the address)
+    copy_async<16>(dst + record_index(t, c8), live ? rows + t * stride + c8 : rows, live ? 16 : 0);
+  }
+}
+
 // Copies one record (this block's tile of u, unless with_u is false: a map's identity
 // columns have none) into a stage: on Hopper one bulk copy per matrix, completing on the
-// stage's barrier `landed`; elsewhere 16-byte cp.async pieces in one commit group.
+// stage's barrier `landed`; elsewhere 16-byte cp.async pieces in one commit group. With
+// token rows (tokens.k set: ChunkParams::qk_from_tokens) the stage's qg and kg take the
+// chunk's rows of q (with_q: the maps need none) and k by cp.async instead, one commit group.
 template <int KP, bool kSplit>
-__device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_u,
-                             StageOf<KP, kSplit>& st, uint64_t* landed) {
+__device__ void fetch_record(const Record& r, const TokenRows& tokens, int64_t j0, bool delta,
+                             bool with_u, bool with_q, StageOf<KP, kSplit>& st,
+                             uint64_t* landed) {
   using G = StateGeometry<KP>;
   constexpr int kKeys = kChunk * KP, kValues = kChunk * G::BV, kA = kChunk * kChunk,
                 kFloats = kRecordFloats<KP>;
   const bf16* u = r.u + j0 * kChunk;  // the tile of columns j0 ..
   const int tid = threadIdx.x;
+  const bool from_tokens = tokens.k != nullptr;
+  if (from_tokens) {
+    if (with_q) fetch_token_rows<KP, G::kThreads>(st.qg, tokens.q, tokens.q_stride, tokens.len,
+                                                  tokens.K);
+    fetch_token_rows<KP, G::kThreads>(st.kg, tokens.k, tokens.k_stride, tokens.len, tokens.K);
+  }
   if constexpr (kBulkCopies) {
+    if (from_tokens) commit_async();
     constexpr uint32_t kKeyBytes = kKeys * sizeof(bf16), kValueBytes = kValues * sizeof(bf16);
     // One thread issues all six: a switch over six threads compiled to a jump table whose
     // branch held 5% of the kernel's samples (NOTES (ai)).
     if (tid == 0) {
-      expect_bytes(landed, 2 * kKeyBytes + (delta ? kKeyBytes : 0) +
+      expect_bytes(landed, (from_tokens ? 0 : 2 * kKeyBytes) + (delta ? kKeyBytes : 0) +
                                (with_u ? kValueBytes : 0) + (kSplit ? 2 : 1) * kA * sizeof(bf16) +
                                kFloats * sizeof(float));
-      bulk_copy(st.qg, r.qg, kKeyBytes, landed);
-      bulk_copy(st.kg, r.kg, kKeyBytes, landed);
+      if (!from_tokens) {
+        bulk_copy(st.qg, r.qg, kKeyBytes, landed);
+        bulk_copy(st.kg, r.kg, kKeyBytes, landed);
+      }
       if (delta) bulk_copy(st.w, r.w, kKeyBytes, landed);
       if (with_u) bulk_copy(st.u, u, kValueBytes, landed);
       bulk_copy(st.a, r.aqk, kA * sizeof(bf16), landed);
@@ -141,8 +177,10 @@ __device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_
     }
   } else {
     for (int e = 8 * tid; e < kKeys; e += 8 * G::kThreads) {
-      copy_async<16>(st.qg + e, r.qg + e, 16);
-      copy_async<16>(st.kg + e, r.kg + e, 16);
+      if (!from_tokens) {
+        copy_async<16>(st.qg + e, r.qg + e, 16);
+        copy_async<16>(st.kg + e, r.kg + e, 16);
+      }
       if (delta) copy_async<16>(st.w + e, r.w + e, 16);
     }
     for (int e = 8 * tid; with_u && e < kValues; e += 8 * G::kThreads)
@@ -159,12 +197,18 @@ __device__ void fetch_record(const Record& r, int64_t j0, bool delta, bool with_
 
 // Waits for this thread's view of a fetched stage: its barrier's phase `use % 2` (the stage's
 // use-th fetch) on Hopper, the thread's own cp.async group elsewhere. A block barrier must
-// follow before the stage is read (other threads' copies).
-__device__ __forceinline__ void await_record(uint64_t* landed, int64_t use) {
-  if constexpr (kBulkCopies)
+// follow before the stage is read (other threads' copies). Token rows (`tokens`) come by
+// cp.async on Hopper too, and are then fenced for wgmma, which reads them in the async proxy.
+__device__ __forceinline__ void await_record(uint64_t* landed, int64_t use, bool tokens) {
+  if constexpr (kBulkCopies) {
+    if (tokens) {
+      wait_async<0>();
+      fence_proxy_async();
+    }
     wait_landed(landed, static_cast<uint32_t>(use % 2));
-  else
+  } else {
     wait_async<0>();
+  }
 }
 
 // The left-operand fragment of k-step kk (columns 16 kk .. 16 kk + 15 of a 16-row product
@@ -344,16 +388,21 @@ __device__ __forceinline__ void load_u(Acc (&vn)[kChunk / 8], const Stage<KP>& s
   }
 }
 
+// The columns (tokens) of a 16 x C product held as n8 accumulator tiles, times scale[token].
+__device__ __forceinline__ void scale_token_columns(Acc (&x)[kChunk / 8], const float* scale) {
+#pragma unroll
+  for (int nt = 0; nt < kChunk / 8; ++nt) {
+    const float2 n = *reinterpret_cast<const float2*>(&scale[8 * nt + acc_col(0)]);
+    x[nt].d[0] *= n.x, x[nt].d[1] *= n.y, x[nt].d[2] *= n.x, x[nt].d[3] *= n.y;
+  }
+}
+
 // Before the state update: v_new^T's columns (tokens) scaled by n_k, S^T's (keys) by the
 // chunk's decay.
 template <int KP>
 __device__ __forceinline__ void scale_for_update(Acc (&vn)[kChunk / 8], Acc (&s)[KP / 8],
                                                  const Stage<KP>& st) {
-#pragma unroll
-  for (int nt = 0; nt < kChunk / 8; ++nt) {
-    const float2 n = *reinterpret_cast<const float2*>(&st.inv_k()[8 * nt + acc_col(0)]);
-    vn[nt].d[0] *= n.x, vn[nt].d[1] *= n.y, vn[nt].d[2] *= n.x, vn[nt].d[3] *= n.y;
-  }
+  scale_token_columns(vn, st.inv_k());
 #pragma unroll
   for (int nt = 0; nt < KP / 8; ++nt) {
     const float2 d = *reinterpret_cast<const float2*>(&st.decay[8 * nt + acc_col(0)]);
@@ -364,10 +413,12 @@ __device__ __forceinline__ void scale_for_update(Acc (&vn)[kChunk / 8], Acc (&s)
 // One chunk for this warp's 16 columns on mma.sync, each warp reading the whole record:
 //     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T (unless kEnds),
 //     S^T = S^T diag(decay) + v_new^T diag(n_k) kg.
+// With q and k as given (tokens: ChunkParams::qk_from_tokens) S^T q^T's columns take inv_q
+// before A_qk's term.
 template <int KP, bool kEnds, bool kSplit>
 __device__ __forceinline__ void chunk_step_mma_sync(const StageOf<KP, kSplit>& st,
                                                     StateColumns<KP>& S, Acc (&o)[kChunk / 8],
-                                                    bool delta, bool map, int warp) {
+                                                    bool delta, bool map, bool tokens, int warp) {
   Acc vn[kChunk / 8], u[kChunk / 8];
   if (delta) warp_product<KP, kChunk, true>(vn, S.acc, st.w);
   load_u(u, st, map, warp);
@@ -380,6 +431,7 @@ __device__ __forceinline__ void chunk_step_mma_sync(const StageOf<KP, kSplit>& s
   // tokens from 16 kk on.
   if (!kEnds) {
     warp_product<KP, kChunk, true>(o, S.acc, st.qg);
+    if (tokens) scale_token_columns(o, st.inv_q());
     warp_product<kChunk, kChunk, true, true>(o, vn, st.a);
     if constexpr (kSplit) warp_product<kChunk, kChunk, true, true>(o, vn, st.a_lo);
   }
@@ -401,7 +453,7 @@ __host__ __device__ constexpr uint32_t k_step_bytes(int kk) {
 template <int KP, bool kEnds, bool kSplit>
 __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
                                                  StateColumns<KP>& S, Acc (&o)[kChunk / 8],
-                                                 bool delta, bool map, int warp) {
+                                                 bool delta, bool map, bool tokens, int warp) {
   Acc vn[kChunk / 8];
   load_u(vn, st, map, warp);
   for (Acc& x : o) x = Acc{};
@@ -429,6 +481,7 @@ __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
   hold_registers(o);
 
   if (!kEnds) {  // o^T += v_new^T A_qk^T (the zero blocks above A_qk's diagonal included)
+    if (tokens) scale_token_columns(o, st.inv_q());
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kChunk / 16; ++kk) {
@@ -467,15 +520,22 @@ __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
   hold_registers(o);
 }
 
+// inv_q's entries for accumulator tile nt of o^T (its tokens 8 nt + acc_col), or ones where
+// o^T is scaled already (inv_q null: ChunkParams::qk_from_tokens).
+__device__ __forceinline__ float2 token_scale(const float* inv_q, int nt) {
+  return inv_q ? *reinterpret_cast<const float2*>(&inv_q[8 * nt + acc_col(0)])
+               : make_float2(1.f, 1.f);
+}
+
 // This warp's 16 columns of the chunk's output rows t0 .. t0 + 63 (those before len): o^T's
-// tiles with their tokens scaled by n_q, through the warp's staging rows ob, in runs of 8
-// columns (any dtype and layout: store_run8).
+// tiles with their tokens scaled by n_q (token_scale), through the warp's staging rows ob, in
+// runs of 8 columns (any dtype and layout: store_run8).
 __device__ __forceinline__ void store_output(const RecurrentParams& p, const Acc (&o)[kChunk / 8],
                                              const float* inv_q, float (*ob)[kWarpColumns + 4],
                                              int64_t o_base, int64_t t0, int64_t len, int64_t jw) {
 #pragma unroll
   for (int nt = 0; nt < kChunk / 8; ++nt) {
-    const float2 n = *reinterpret_cast<const float2*>(&inv_q[8 * nt + acc_col(0)]);
+    const float2 n = token_scale(inv_q, nt);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       ob[8 * nt + acc_col(e)][acc_row(e)] = o[nt].d[e] * (e % 2 ? n.y : n.x);
@@ -509,8 +569,7 @@ __device__ __forceinline__ void store_output_dense(const RecurrentParams& p,
   // Every token tile's n_q before the stmatrix stores (reads before stores: cuda/device_io.cuh).
   float2 n[kChunk / 8];
 #pragma unroll
-  for (int nt = 0; nt < kChunk / 8; ++nt)
-    n[nt] = *reinterpret_cast<const float2*>(&inv_q[8 * nt + acc_col(0)]);
+  for (int nt = 0; nt < kChunk / 8; ++nt) n[nt] = token_scale(inv_q, nt);
 #pragma unroll
   for (int np = 0; np < kChunk / 16; ++np) {  // token tiles 2 np, 2 np + 1: matrices 0-1, 2-3
     uint32_t r[4];
@@ -653,7 +712,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
         carry_across_segment(p, segment_map(s), jw, S,
                              reinterpret_cast<float(*)[KP + 8]>(&sh.stage[0]), sh.o[warp]);
       if (kBulkCopies && seg > 0) {  // the carries' scratch is the stages' memory
-        fence_before_bulk_writes();
+        fence_proxy_async();
         __syncthreads();
       }
     }
@@ -663,8 +722,22 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
   // Chunk i's stage, and how many fetches into that stage came before it.
   auto record = [&](int64_t i) { return record_of<KP>(c, (chunks.first + i) * p.HV + hv); };
   auto stage = [&](int64_t i) { return static_cast<int>((i - c0) % kStages); };
+  // q and k as given (ChunkParams::qk_from_tokens): the sequence's rows from the chunk on.
+  const bool tokens = c.qk_from_tokens;
+  const int64_t h = hv / p.group;
+  const bf16* q_rows = tokens ? static_cast<const bf16*>(p.q.data) + token_offset(p.q, seq, h)
+                              : nullptr;
+  const bf16* k_rows = tokens ? static_cast<const bf16*>(p.k.data) + token_offset(p.k, seq, h)
+                              : nullptr;
   auto fetch = [&](int64_t i) {
-    fetch_record<KP, kSplit>(record(i), j0, p.delta, !map, sh.stage[stage(i)],
+    TokenRows rows;
+    if (tokens) {
+      const int64_t t0 = i * kChunk, left = seq.len - t0;
+      rows = {q_rows + t0 * p.q.stride[1], k_rows + t0 * p.k.stride[1], p.q.stride[1],
+              p.k.stride[1], static_cast<int>(left < kChunk ? left : kChunk),
+              static_cast<int>(p.K)};
+    }
+    fetch_record<KP, kSplit>(record(i), rows, j0, p.delta, !map, !kEnds, sh.stage[stage(i)],
                              &sh.landed[stage(i)]);
   };
   if (kStages == 2 && c0 < c1) fetch(c0);
@@ -675,7 +748,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
       S.store_entry(c, chunks.first + i, hv, jw);
     StageOf<KP, kSplit>& st = sh.stage[stage(i)];
     if (kStages == 1) fetch(i);
-    await_record(&sh.landed[stage(i)], (i - c0) / kStages);
+    await_record(&sh.landed[stage(i)], (i - c0) / kStages, tokens);
     // Chunk i's stage has landed for every thread, and every warp is done with chunk i - 1,
     // whose stage the prefetch of chunk i + 1 then overwrites while chunk i computes.
     __syncthreads();
@@ -683,18 +756,19 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
 
     Acc o[G::kTokenTiles];
     if constexpr (kW)
-      chunk_step_wgmma<KP, kEnds, kSplit>(st, S, o, p.delta, map, warp);
+      chunk_step_wgmma<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, warp);
     else
-      chunk_step_mma_sync<KP, kEnds, kSplit>(st, S, o, p.delta, map, warp);
+      chunk_step_mma_sync<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, warp);
 
     if (kEnds) {
       if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
       continue;
     }
+    const float* inv_q = tokens ? nullptr : st.inv_q();  // with tokens o^T is scaled already
     if (kStmatrix && c.dense_output)
-      store_output_dense(p, o, st.inv_q(), sh.o[warp], o_base, i * kChunk, seq.len, jw);
+      store_output_dense(p, o, inv_q, sh.o[warp], o_base, i * kChunk, seq.len, jw);
     else
-      store_output(p, o, st.inv_q(), sh.o[warp], o_base, i * kChunk, seq.len, jw);
+      store_output(p, o, inv_q, sh.o[warp], o_base, i * kChunk, seq.len, jw);
     if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
   }
   if (kEnds)  // the segment's end, into its map (columns V .. for the identity's)

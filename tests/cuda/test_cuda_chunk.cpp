@@ -181,6 +181,7 @@ constexpr const char* kStateProducts = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
 constexpr const char* kStateStages = "FLASHDELTA_CHUNK_STATE_STAGES";
 constexpr const char* kInverse = "FLASHDELTA_CHUNK_INVERSE";
 constexpr const char* kAqk = "FLASHDELTA_CHUNK_AQK";
+constexpr const char* kQk = "FLASHDELTA_CHUNK_QK";
 
 // Views of host arguments labelled as cuda: the size query and the workspace checks are
 // host arithmetic and run before any device access, so this needs no GPU.
@@ -212,6 +213,18 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
     const ScopedEnv pair(kAqk, "split");
     EXPECT_EQ(forward_workspace_bytes(a, c.options, kChunk), need + 768 * 64 * 2);
   }
+  // Gated DeltaNet on dense bfloat16 q and k: no qg and kg (FLASHDELTA_CHUNK_QK=records
+  // keeps them), the rest as above.
+  const Case gdn = make_case({.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130,
+                              .K = 128, .V = 64, .dtype = DType::bf16});
+  HostTensor o3 = gdn.make_output(DType::f32), s3 = gdn.make_state();
+  const ForwardArgs gdn_args = labelled_cuda(gdn.args(o3, &s3));
+  const size_t gdn_need = forward_workspace_bytes(gdn_args, gdn.options, kChunk);
+  EXPECT_EQ(gdn_need, need - 2u * 768 * 128 * 2);
+  {
+    const ScopedEnv records(kQk, "records");
+    EXPECT_EQ(forward_workspace_bytes(gdn_args, gdn.options, kChunk), need);
+  }
   // A larger T needs more: the size follows the problem, not a fixed cap.
   const Case longer = make_case({.B = 2, .T = 1000, .K = 128, .V = 64});
   HostTensor o2 = longer.make_output(DType::f32), s2 = longer.make_state();
@@ -241,7 +254,8 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
 
 // Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general,
 // FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync, FLASHDELTA_CHUNK_STATE_STAGES auto, 1 or
-// 2, FLASHDELTA_CHUNK_INVERSE auto, distance or tf32, FLASHDELTA_CHUNK_AQK auto, bf16 or split;
+// 2, FLASHDELTA_CHUNK_INVERSE auto, distance or tf32, FLASHDELTA_CHUNK_AQK auto, bf16 or split,
+// FLASHDELTA_CHUNK_QK auto or records (read for every mechanism, not only where it applies);
 // anything else fails the call (here its size query, before any device access) naming the
 // variable; so does the one-product inverse with the A_qk pair (not built together).
 TEST(CudaChunkSettings, RejectUnknownValues) {
@@ -259,7 +273,8 @@ TEST(CudaChunkSettings, RejectUnknownValues) {
                               {kStateProducts, {"", "auto", "mma_sync"}, "wgmma"},
                               {kStateStages, {"", "auto", "1", "2"}, "3"},
                               {kInverse, {"", "auto", "distance", "tf32"}, "columns"},
-                              {kAqk, {"", "auto", "bf16", "split"}, "pair"}};
+                              {kAqk, {"", "auto", "bf16", "split"}, "pair"},
+                              {kQk, {"", "auto", "records"}, "tokens"}};
   for (const Setting& setting : settings) {
     for (const char* fine : setting.fine) {
       const ScopedEnv set(setting.name, fine);
@@ -851,6 +866,78 @@ TEST(CudaChunk, DenseAndGeneralPathsAgree) {
     std::printf("  %s: output error against fp64, dense %.2e, general %.2e\n", what.c_str(),
                 e_dense, e_general);
     EXPECT_LT(e_dense, 1.25 * e_general + 1e-5) << what << ": the dense path is less accurate";
+  }
+}
+
+// Without a vector gate and with dense bfloat16 q and k the state kernel reads q and k as
+// given and applies the gate's per-token factors itself (ChunkParams::qk_from_tokens); with
+// FLASHDELTA_CHUNK_QK=records the prepare kernel writes qg and kg as before. The two round
+// differently (qg and kg in bfloat16 against q and k as given with float32 factors, A_qk with
+// or without n_q on its rows), so they agree to far below the reference's tolerance, not
+// bitwise; a misread token row or a factor applied twice would be an error of order 1. Both
+// paths are checked against the reference, and the token rows must be about as accurate.
+// Scalar gates and none, fused transforms, gates to -1000, K = 40, 64, 128 and 256 (tiles
+// padded past K), varlen with empty, one-token and partial chunks, GVA, the linear write,
+// sequences split into segments (the maps read k too), both state layouts. One case again on
+// mma.sync and with one record stage (bitwise the same as two).
+TEST(CudaChunk, QkFromTokensAndRecordsAgree) {
+  FLASHDELTA_REQUIRE_GPU();
+  std::vector<std::pair<std::string, CaseConfig>> cases = {
+      {"gated deltanet, fused transforms, lower bound",
+       gate_form_case(Mechanism::gated_deltanet, 1, 150, 6000)},
+      {"gated deltanet, K = V = 64, varlen", {.mechanism = Mechanism::gated_deltanet, .T = 267,
+                                              .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16,
+                                              .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 6001}},
+      {"gated deltanet, K = 40, V = 96, GVA", {.mechanism = Mechanism::gated_deltanet, .T = 200,
+                                               .H = 1, .HV = 2, .K = 40, .V = 96,
+                                               .dtype = DType::bf16, .qk_l2norm = true,
+                                               .seed = 6002}},
+      {"deltanet, K = 256, V = 120", {.mechanism = Mechanism::deltanet, .T = 130, .K = 256,
+                                      .V = 120, .dtype = DType::bf16, .qk_l2norm = true,
+                                      .seed = 6003}},
+      {"simple gla, gates to -1000", {.mechanism = Mechanism::simple_gla, .T = 150, .K = 128,
+                                      .V = 64, .dtype = DType::bf16, .gate_min = -1000.0,
+                                      .seed = 6004}},
+      {"linear attention, K = 40", {.mechanism = Mechanism::linear_attention, .T = 100,
+                                    .HV = 2, .K = 40, .V = 64, .dtype = DType::bf16,
+                                    .seed = 6005}},
+      {"gated deltanet, 3 segments", {.mechanism = Mechanism::gated_deltanet, .T = 700, .H = 2,
+                                      .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+                                      .layout = StateLayout::v_first, .qk_l2norm = true,
+                                      .gate_min = -0.05, .seed = 6006}},
+  };
+  for (const auto& [what, cfg] : cases) {
+    const ScopedEnv split(kSegments, what.find("segments") != std::string::npos ? "3" : nullptr);
+    const Case c = make_case(cfg);
+    const auto [tokens, records] =
+        run_default_and_forced(c, what, kQk, {"token rows", "records"}, "records");
+    constexpr double kTol = 5e-3;
+    EXPECT_LT(rel_error(tokens.o, records.o), kTol) << what << ": outputs";
+    EXPECT_LT(rel_error(tokens.state, records.state), kTol) << what << ": final states";
+    EXPECT_LT(rel_error(tokens.chunks, records.chunks), kTol) << what << ": chunk states";
+    const ChunkStatesRun ref = run_with_chunk_states(c, DType::f64, Schedule::reference);
+    const double e_tokens = rel_error(tokens.o, ref.o), e_records = rel_error(records.o, ref.o);
+    std::printf("  %s: output error against fp64, token rows %.2e, records %.2e\n",
+                what.c_str(), e_tokens, e_records);
+    EXPECT_LT(e_tokens, 1.25 * e_records + 1e-5) << what << ": the token rows are less accurate";
+    if (what.find("fused") == std::string::npos) continue;
+    ChunkStatesRun one_stage, mma_sync;
+    {
+      const ScopedEnv one(kStateStages, "1");
+      one_stage = run_with_chunk_states(c, DType::f32, kChunk);
+    }
+    {
+      const ScopedEnv two(kStateStages, "2");
+      EXPECT_EQ(run_with_chunk_states(c, DType::f32, kChunk).o, one_stage.o)
+          << what << ": outputs, one stage against two";
+    }
+    {
+      const ScopedEnv forced(kStateProducts, "mma_sync");
+      mma_sync = run_with_chunk_states(c, DType::f32, kChunk);
+      expect_forward_matches_reference(c, what + ", token rows on mma.sync", kChunk);
+    }
+    EXPECT_LT(rel_error(one_stage.o, mma_sync.o), 1e-3) << what << ": outputs, mma.sync";
+    EXPECT_LT(rel_error(one_stage.state, mma_sync.state), 1e-3) << what << ": states, mma.sync";
   }
 }
 
