@@ -611,6 +611,26 @@ TEST(CudaChunk, SplitSequencesMatchTheReference) {
   EXPECT_EQ(first.chunks, second.chunks);
 }
 
+// Two runs' outputs, final states and chunk states within a relative tol of each other.
+void expect_runs_close(const ChunkStatesRun& a, const ChunkStatesRun& b, double tol,
+                       const std::string& what) {
+  EXPECT_LT(rel_error(a.o, b.o), tol) << what << ": outputs";
+  EXPECT_LT(rel_error(a.state, b.state), tol) << what << ": final states";
+  EXPECT_LT(rel_error(a.chunks, b.chunks), tol) << what << ": chunk states";
+}
+
+// Run a's output no further from c's fp64 reference than 1.25 times run b's (+1e-5); both
+// errors printed under their labels.
+void expect_about_as_accurate(const Case& c, const ChunkStatesRun& a, const ChunkStatesRun& b,
+                              const std::string& what,
+                              const std::pair<const char*, const char*>& labels) {
+  const ChunkStatesRun ref = run_with_chunk_states(c, DType::f64, Schedule::reference);
+  const double e_a = rel_error(a.o, ref.o), e_b = rel_error(b.o, ref.o);
+  std::printf("  %s: output error against fp64, %s %.2e, %s %.2e\n", what.c_str(), labels.first,
+              e_a, labels.second, e_b);
+  EXPECT_LT(e_a, 1.25 * e_b + 1e-5) << what << ": " << labels.first << " is less accurate";
+}
+
 // The state kernel's products on wgmma (the default where K <= 128 on sm_90a) and on mma.sync
 // (FLASHDELTA_CHUNK_STATE_PRODUCTS=mma_sync) take the same bfloat16 operands and differ only
 // in the order of float32 sums, so their outputs, final states and chunk states agree to far
@@ -656,10 +676,7 @@ TEST(CudaChunk, WgmmaAndMmaSyncStateProductsAgree) {
     }
     // A float32 difference can flip a bfloat16 rounding of S^T here and there (2^-9 of an
     // element), which the recurrence carries on.
-    constexpr double kTol = 1e-3;
-    EXPECT_LT(rel_error(wgmma.o, mma_sync.o), kTol) << what << ": outputs";
-    EXPECT_LT(rel_error(wgmma.state, mma_sync.state), kTol) << what << ": final states";
-    EXPECT_LT(rel_error(wgmma.chunks, mma_sync.chunks), kTol) << what << ": chunk states";
+    expect_runs_close(wgmma, mma_sync, 1e-3, what);
     expect_forward_matches_reference(c, what, kChunk);
   }
 }
@@ -714,10 +731,7 @@ TEST(CudaChunk, InverseOrdersAgree) {
     const Case c = make_case(cfg);
     const auto [columns, distance] =
         run_default_and_forced(c, what, kInverse, {"by columns", "by distance"}, "distance");
-    constexpr double kTol = 1e-3;
-    EXPECT_LT(rel_error(columns.o, distance.o), kTol) << what << ": outputs";
-    EXPECT_LT(rel_error(columns.state, distance.state), kTol) << what << ": final states";
-    EXPECT_LT(rel_error(columns.chunks, distance.chunks), kTol) << what << ": chunk states";
+    expect_runs_close(columns, distance, 1e-3, what);
     // Not built with the A_qk pair (the host refuses the two): skipped in ctest's split_aqk.
     // pass, which runs this test with FLASHDELTA_CHUNK_AQK=split.
     if (const char* aqk = std::getenv(kAqk); aqk && std::string(aqk) == "split") continue;
@@ -857,15 +871,8 @@ TEST(CudaChunk, DenseAndGeneralPathsAgree) {
       EXPECT_EQ(dense.chunks, general.chunks) << what << ": chunk states";
       continue;
     }
-    constexpr double kTol = 5e-3;
-    EXPECT_LT(rel_error(dense.o, general.o), kTol) << what << ": outputs";
-    EXPECT_LT(rel_error(dense.state, general.state), kTol) << what << ": final states";
-    EXPECT_LT(rel_error(dense.chunks, general.chunks), kTol) << what << ": chunk states";
-    const ChunkStatesRun ref = run_with_chunk_states(c, DType::f64, Schedule::reference);
-    const double e_dense = rel_error(dense.o, ref.o), e_general = rel_error(general.o, ref.o);
-    std::printf("  %s: output error against fp64, dense %.2e, general %.2e\n", what.c_str(),
-                e_dense, e_general);
-    EXPECT_LT(e_dense, 1.25 * e_general + 1e-5) << what << ": the dense path is less accurate";
+    expect_runs_close(dense, general, 5e-3, what);
+    expect_about_as_accurate(c, dense, general, what, {"the dense path", "the general path"});
   }
 }
 
@@ -911,15 +918,8 @@ TEST(CudaChunk, QkFromTokensAndRecordsAgree) {
     const Case c = make_case(cfg);
     const auto [tokens, records] =
         run_default_and_forced(c, what, kQk, {"token rows", "records"}, "records");
-    constexpr double kTol = 5e-3;
-    EXPECT_LT(rel_error(tokens.o, records.o), kTol) << what << ": outputs";
-    EXPECT_LT(rel_error(tokens.state, records.state), kTol) << what << ": final states";
-    EXPECT_LT(rel_error(tokens.chunks, records.chunks), kTol) << what << ": chunk states";
-    const ChunkStatesRun ref = run_with_chunk_states(c, DType::f64, Schedule::reference);
-    const double e_tokens = rel_error(tokens.o, ref.o), e_records = rel_error(records.o, ref.o);
-    std::printf("  %s: output error against fp64, token rows %.2e, records %.2e\n",
-                what.c_str(), e_tokens, e_records);
-    EXPECT_LT(e_tokens, 1.25 * e_records + 1e-5) << what << ": the token rows are less accurate";
+    expect_runs_close(tokens, records, 5e-3, what);
+    expect_about_as_accurate(c, tokens, records, what, {"the token rows", "the records"});
     if (what.find("fused") == std::string::npos) continue;
     ChunkStatesRun one_stage, mma_sync;
     {
