@@ -121,18 +121,23 @@ struct TokenRows {
 };
 
 // Rows of a dense bfloat16 token tensor into a stage matrix laid out as a record's
-// (cuda/chunk_records.cuh) by 16-byte cp.async pieces, zeros past len and past K; a row's
-// pieces go to consecutive threads (coalesced reads). Commits nothing.
+// (cuda/chunk_records.cuh) by 16-byte cp.async pieces, zeros past len and past K. A thread
+// keeps one run of 8 channels and steps down the rows (a row's pieces go to consecutive
+// threads: coalesced reads), so its addresses advance by constants. Commits nothing.
 template <int KP, int kThreads>
 __device__ __forceinline__ void fetch_token_rows(bf16* dst, const bf16* rows, int64_t stride,
                                                  int len, int K) {
-  constexpr int kPieces = KP / 8;
-#pragma unroll 4
-  for (int e = threadIdx.x; e < kChunk * kPieces; e += kThreads) {
-    const int t = e / kPieces, c8 = 8 * (e % kPieces);
-    const bool live = t < len && c8 < K;
-    // 0 bytes: zero-filled, nothing read (the tensor's first row stands in for the address)
-    copy_async<16>(dst + record_index(t, c8), live ? rows + t * stride + c8 : rows, live ? 16 : 0);
+  constexpr int kPieces = KP / 8, kStep = kThreads / kPieces;  // rows a pass
+  static_assert(kThreads % kPieces == 0 && kChunk % kStep == 0, "whole rows a pass");
+  const int t0 = threadIdx.x / kPieces, c8 = 8 * (threadIdx.x % kPieces);
+  const bool in_k = c8 < K;
+  const bf16* src = rows + t0 * stride + c8;
+#pragma unroll
+  for (int r = 0; r < kChunk / kStep; ++r, src += kStep * stride) {
+    const int t = t0 + r * kStep;
+    const bool live = in_k && t < len;
+    // 0 bytes: zero-filled, nothing read (the first row stands in for the address)
+    copy_async<16>(dst + record_index(t, c8), live ? src : rows, live ? 16 : 0);
   }
 }
 
