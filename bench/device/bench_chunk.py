@@ -68,6 +68,8 @@ def parse_args(argv):
                         "kda_T8192_H64_K64 and kda_T8192_H32_K256, which run only when named)")
     p.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep")
     p.add_argument("--no-accuracy", action="store_true")
+    p.add_argument("--accuracy-all", action="store_true",
+                   help="the error against fp64 for every case (default: the first case only)")
     p.add_argument("--kernel-calls", type=int, default=3,
                    help="calls profiled for the per-kernel times (0: none)")
     p.add_argument("--variants", default="",
@@ -355,7 +357,7 @@ def main(argv=None):
     for i, case in enumerate(cases):
         t0 = time.perf_counter()
         rows.append(run_case(torch, timer, case, args, copy_bw,
-                             accuracy=i == 0 and not args.no_accuracy))
+                             accuracy=(i == 0 or args.accuracy_all) and not args.no_accuracy))
         print("\n".join(table(rows[-1:], copy_bw, gpu).splitlines()[2:]), flush=True)
         print(f"  ({time.perf_counter() - t0:.1f} s; " + ", ".join(
             f"{k} {v:.1f} s" for k, v in rows[-1].items() if k.endswith("_s")) + ")", flush=True)

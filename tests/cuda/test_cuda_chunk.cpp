@@ -822,9 +822,12 @@ TEST(CudaChunk, SplitAqkBringsTheOutputCloser) {
 // error of order 1) and the dense path must be about as close to the fp64 reference as the general
 // one. Every gate form, K = 64, 128, 256 and K = 40 (tiles padded past K), V over one and two
 // batches of value tiles, fused transforms, gates down to -1000 per step, varlen with partial
-// chunks, GVA. Each path is checked against the reference.
+// chunks, GVA. Each path is checked against the reference. Both keep qg and kg in the records
+// (FLASHDELTA_CHUNK_QK=records): the state kernel's reading of q and k as given, which only
+// the dense path allows, rounds differently again (QkFromTokensAndRecordsAgree).
 TEST(CudaChunk, DenseAndGeneralPathsAgree) {
   FLASHDELTA_REQUIRE_GPU();
+  const ScopedEnv records(kQk, "records");
   struct PathCase {
     std::string what;
     CaseConfig cfg;
