@@ -38,9 +38,10 @@ constexpr const char* kInverseSetting = "FLASHDELTA_CHUNK_INVERSE";
 // issue 5's first row 4.1e-3 -> 3.0e-3 against fp64, at +15% of the KDA forward (H100,
 // bench/NOTES.md (bk)). `auto` and `bf16` keep single bfloat16.
 constexpr const char* kAqkSetting = "FLASHDELTA_CHUNK_AQK";
-// `records` keeps qg and kg in the records where the state kernel could read q and k as
-// given (ChunkParams::qk_from_tokens): for tests and A/B timing.
-constexpr const char* kQkSetting = "FLASHDELTA_CHUNK_QK";
+// `keep_u` keeps u in the records (no ChunkParams::v_from_tokens), `full` also qg and kg (no
+// qk_from_tokens), where the state kernel could read them from the token tensors: for tests
+// and A/B timing.
+constexpr const char* kRecordsSetting = "FLASHDELTA_CHUNK_RECORDS";
 // A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
 // records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter
 // and B=1 T=32768 H=32 runs faster whole than in two segments (3.536 against 3.577 ms,
@@ -51,8 +52,8 @@ constexpr double kMapsStep = 1.0;
 static_assert(cuda::kChunk == kChunkStateTokens);
 
 // The workspace regions in order: chunk table (cu_seqlens only), qg and kg (unless
-// qk_from_tokens), w (delta rule only), u, aqk, aqk_lo (split_aqk only), decay (with the
-// inverse lengths).
+// qk_from_tokens), w (delta rule only), u (unless v_from_tokens), aqk, tu (v_from_tokens with
+// the delta rule), aqk_lo (split_aqk only), decay (with the inverse lengths).
 Carver layout_of(cuda::ChunkParams& c, bool varlen) {
   const int64_t records = c.max_chunks * c.p.HV, rows = records * cuda::kChunk;
   cuda::ChunkWorkspace& w = c.ws;
@@ -61,8 +62,9 @@ Carver layout_of(cuda::ChunkParams& c, bool varlen) {
   r.add(w.qg, c.qk_from_tokens ? 0 : rows * c.KP);
   r.add(w.kg, c.qk_from_tokens ? 0 : rows * c.KP);
   r.add(w.w, c.p.delta ? rows * c.KP : 0);
-  r.add(w.u, rows * c.VP);
+  r.add(w.u, c.v_from_tokens ? 0 : rows * c.VP);
   r.add(w.aqk, rows * cuda::kChunk);
+  r.add(w.tu, c.v_from_tokens && c.p.delta ? rows * cuda::kChunk : 0);
   r.add(c.aqk_lo, c.split_aqk ? rows * cuda::kChunk : 0);
   r.add(w.decay, records * cuda::chunk_record_floats(c.KP));
   r.add(w.segment_maps,
@@ -88,8 +90,9 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
                    bf16_dense_runs(r.v, p.V) &&
                    (r.gate != cuda::GateForm::vector || bf16_dense_runs(r.g, p.K));
   c.dense_output = bf16_dense_runs(c.p.o, p.V);
-  const bool qk_records = env_setting(kQkSetting, {"auto", "records"}) == "records";
-  c.qk_from_tokens = !qk_records && c.dense_tokens && r.gate != cuda::GateForm::vector;
+  const std::string records = env_setting(kRecordsSetting, {"auto", "keep_u", "full"});
+  c.qk_from_tokens = records != "full" && c.dense_tokens && r.gate != cuda::GateForm::vector;
+  c.v_from_tokens = records == "auto" && c.dense_tokens;
   const std::string inverse = env_setting(kInverseSetting, {"auto", "distance", "tf32"});
   c.inverse_by_columns = inverse != "distance";
   c.inverse_one_product = inverse == "tf32";

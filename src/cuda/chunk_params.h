@@ -37,12 +37,14 @@ constexpr int chunk_record_floats(int KP) { return KP + 2 * kChunk; }
 // (n_k v_new: v_new's rows scaled).
 // With ChunkParams::qk_from_tokens there are no qg and kg: the state kernel reads q and k as
 // given, and the record's run and A_qk carry the scalar gate's factors instead (see there).
+// With ChunkParams::v_from_tokens there is no u: tu instead, and the state kernel reads v.
 struct ChunkWorkspace {
   uint16_t* qg = nullptr;   // [KP / 64][C, 64] bf16: scale q 2^Gamma (reads the chunk-start state)
   uint16_t* kg = nullptr;   // [KP / 64][C, 64] bf16: k 2^(Gamma_end - Gamma) (writes the end state)
   uint16_t* w = nullptr;    // [KP / 64][C, 64] bf16: T diag(n_k) (beta k 2^Gamma), delta rule only
   uint16_t* u = nullptr;    // [VP / 64][C, 64] bf16: T (beta v) (delta) or v (linear)
   uint16_t* aqk = nullptr;  // [C, C]  bf16: scale q_i . k_j n_k,j 2^(Gamma_i - Gamma_j), j <= i
+  uint16_t* tu = nullptr;   // [C, C]  bf16: T diag(beta), v_from_tokens with the delta rule
   // [chunk_record_floats(KP)]: [KP] 2^Gamma_end, then [C] n_q and [C] n_k (zero past the
   // chunk's last token).
   float* decay = nullptr;
@@ -111,9 +113,16 @@ struct ChunkParams {
   //     inv_q = n_q scale 2^Gamma       on the columns of o^T = S^T q^T (before + v_new^T A^T),
   //     inv_k = n_k 2^(Gamma_end - Gamma)  on the columns of v_new^T before the state update,
   // with A_qk's rows scaled by n_q in the record and o stored as it comes. 32 KB less written
-  // and kept per record at K = 128. FLASHDELTA_CHUNK_QK=records keeps qg and kg (for tests
-  // and A/B timing).
+  // and kept per record at K = 128.
   bool qk_from_tokens = false;
+  // With dense bfloat16 v (dense_tokens) the record leaves u = T diag(beta) v out too: it keeps
+  // T diag(beta) (tu, C x C), and the state kernel copies its block's tile of v's rows into
+  // its stage and takes u^T = v^T tu^T itself (v^T for the linear write), a product off its
+  // chain through the state. At K = V = 128 the prepare kernel reads 16 KB less (no v) and
+  // writes 8 KB less a record, the state kernel reads 8 KB more; u stays float32.
+  // FLASHDELTA_CHUNK_RECORDS: `auto` takes both of these where they apply, `keep_u` only the
+  // first, `full` neither (qg, kg and u in the records; for tests and A/B timing).
+  bool v_from_tokens = false;
 };
 
 // The three launches of a forward, in order on `stream` (a cudaStream_t); each returns

@@ -900,6 +900,20 @@ __device__ void write_values_from_tiles(const ChunkParams& c, PrepareShared<KP>&
   }
 }
 
+// T diag(beta), solve's tu, to the record in its layout (ChunkParams::v_from_tokens: the
+// state kernel takes u = tu v itself), 16 bytes a thread and pass; ordered after solve by its
+// closing barrier.
+template <bool KeyTiles, int KP>
+__device__ void write_tu(PrepareShared<KP>& sh, const Record& rec) {
+  const bf16* tu = sh.template tu<KeyTiles>();
+  constexpr int kPieces = kChunk / 8;
+  for (int e = threadIdx.x; e < kChunk * kPieces; e += kThreads) {
+    const int r = e / kPieces, c8 = 8 * (e % kPieces);
+    *reinterpret_cast<uint4*>(rec.tu + record_index(r, c8)) = *reinterpret_cast<const uint4*>(
+        tu + PrepareShared<KP>::template t_index<KeyTiles>(r, c8));
+  }
+}
+
 // kSplit: A_qk as a bfloat16 pair (ChunkParams::split_aqk). kOneProduct: T by columns in
 // one tf32 product a step (ChunkParams::inverse_one_product; its own kernels: with the other
 // form in the same kernel, ptxas spilled 120 bytes in the default one's slice loop).
@@ -932,8 +946,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
   if (G == GateForm::vector)
     prefetch_token_rows(p.g, token_offset(p.g, ref.seq, hv) + ref.t * p.g.stride[1], ref.len,
                         static_cast<int>(p.K));
-  prefetch_token_rows(p.v, token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1], ref.len,
-                      static_cast<int>(p.V));
+  if (!c.v_from_tokens)
+    prefetch_token_rows(p.v, token_offset(p.v, ref.seq, hv) + ref.t * p.v.stride[1], ref.len,
+                        static_cast<int>(p.V));
   const int tid = threadIdx.x;
   // The first key slice's loads before the token scalars' (the slices' path).
   SliceRuns runs;
@@ -961,9 +976,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
     }
   }
   finish_a<G, kSplit>(p, kKeyTiles && c.qk_from_tokens, sh, rec, acc_q, acc_k);
+  // With v_from_tokens (dense inputs only) the record takes tu instead of u, and no v.
+  const bool values = !Dense || !c.v_from_tokens;
   if (p.delta) {
     solve<kKeyTiles, Dense, kOneProduct>(c, sh);
-    if constexpr (Dense) fetch_value_tiles(p, sh, ref, hv, 0);
+    if (Dense && values) fetch_value_tiles(p, sh, ref, hv, 0);
   }
 
   // w = T diag(w_cols) wsrc = T diag(n_k) (beta k 2^Gamma); u = T (beta v), or v for the
@@ -972,11 +989,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
     for (int n0 = 0; n0 < KP; n0 += 64)
       lower_product_rows<kKeyTiles, false>(sh.tb(), &sh.wsrc[0][0], KP + 8,
                                            n0, rec.w);
-  if (Dense && p.delta)
+  if (!values) {
+    if (p.delta) write_tu<kKeyTiles>(sh, rec);
+  } else if (Dense && p.delta) {
     write_values_from_tiles<kKeyTiles>(c, sh, rec, ref, hv);
-  else
+  } else {
     for (int64_t v0 = 0; v0 < c.VP; v0 += kValueTile)
       write_values<KP, Dense>(c, sh, rec, ref, hv, v0);
+  }
 }
 
 template <GateForm G, int KP, bool kSplit, bool kOneProduct>

@@ -27,7 +27,7 @@ __device__ bool locate_chunk(const ChunkParams& c, int64_t chunk, ChunkRef& ref)
 // different bank groups too (loads without conflicts, rows without padding); and a
 // state-kernel block's 64 columns of u are one run.
 struct Record {
-  bf16 *qg, *kg, *w, *u, *aqk, *aqk_lo;  // aqk_lo: split_aqk only
+  bf16 *qg, *kg, *w, *u, *aqk, *tu, *aqk_lo;  // tu: v_from_tokens only, aqk_lo: split_aqk only
   float *decay, *inv_q, *inv_k;
 };
 
@@ -54,6 +54,7 @@ __device__ __forceinline__ Record record_of(const ChunkParams& c, int64_t rec) {
   return {at(c.ws.qg, rec * kChunk * kp), at(c.ws.kg, rec * kChunk * kp),
           at(c.ws.w, rec * kChunk * kp),  at(c.ws.u, rec * kChunk * c.VP),
           at(c.ws.aqk, rec * kChunk * kChunk),
+          c.ws.tu ? at(c.ws.tu, rec * kChunk * kChunk) : nullptr,
           c.aqk_lo ? at(c.aqk_lo, rec * kChunk * kChunk) : nullptr,
           run, run + kInvQAt<KP>, run + kInvKAt<KP>};
 }

@@ -70,6 +70,7 @@ struct Stage {
   alignas(1024) bf16 w[kChunk * KP];
   alignas(1024) bf16 u[kChunk * G::BV];
   alignas(1024) bf16 a[kChunk * kChunk];
+  alignas(1024) bf16 tu[kChunk * kChunk];  // v_from_tokens with the delta rule (u's slot: v)
   alignas(16) float decay[kRecordFloats<KP>];  // the record's run: decay, inv_q, inv_k
 
   __device__ const float* inv_q() const { return decay + kInvQAt<KP>; }
@@ -112,25 +113,28 @@ inline constexpr int kStateSharedBytes =
 static_assert(kBlocksPerSM<128, 1> * kStateSharedBytes<128, 1, true> <= 227 * 1024,
               "one stage at K <= 128 fits twice in a Hopper SM");
 
-// A chunk's rows of q and k as given (ChunkParams::qk_from_tokens): row t at q + t q_stride
-// (k alike) for t < len, the sequence's tokens in the chunk, each K bfloat16 channels.
+// A chunk's rows of the token tensors the state kernel reads as given: q and k
+// (ChunkParams::qk_from_tokens; null otherwise), row t at q + t q_stride (k alike), K bfloat16
+// channels each; v (v_from_tokens; null otherwise) from the block's first value column on,
+// `cols` of them before V. Rows t < len are the sequence's tokens in the chunk.
 struct TokenRows {
-  const bf16 *q = nullptr, *k = nullptr;
-  int64_t q_stride = 0, k_stride = 0;
-  int len = 0, K = 0;
+  const bf16 *q = nullptr, *k = nullptr, *v = nullptr;
+  int64_t q_stride = 0, k_stride = 0, v_stride = 0;
+  int len = 0, K = 0, cols = 0;
 };
 
-// Rows of a dense bfloat16 token tensor into a stage matrix laid out as a record's
-// (cuda/chunk_records.cuh) by 16-byte cp.async pieces, zeros past len and past K. A thread
-// keeps one run of 8 channels and steps down the rows (a row's pieces go to consecutive
-// threads: coalesced reads), so its addresses advance by constants. Commits nothing.
-template <int KP, int kThreads>
+// Rows of a dense bfloat16 token tensor, kWidth channels of each, into a stage matrix laid out
+// as a record's (cuda/chunk_records.cuh) by 16-byte cp.async pieces, zeros past len and past
+// `cols`. A thread keeps one run of 8 channels and steps down the rows (a row's pieces go to
+// consecutive threads: coalesced reads), so its addresses advance by constants. Commits
+// nothing.
+template <int kWidth, int kThreads>
 __device__ __forceinline__ void fetch_token_rows(bf16* dst, const bf16* rows, int64_t stride,
-                                                 int len, int K) {
-  constexpr int kPieces = KP / 8, kStep = kThreads / kPieces;  // rows a pass
+                                                 int len, int cols) {
+  constexpr int kPieces = kWidth / 8, kStep = kThreads / kPieces;  // rows a pass
   static_assert(kThreads % kPieces == 0 && kChunk % kStep == 0, "whole rows a pass");
   const int t0 = threadIdx.x / kPieces, c8 = 8 * (threadIdx.x % kPieces);
-  const bool in_k = c8 < K;
+  const bool in_k = c8 < cols;
   const bf16* src = rows + t0 * stride + c8;
 #pragma unroll
   for (int r = 0; r < kChunk / kStep; ++r, src += kStep * stride) {
@@ -143,9 +147,11 @@ __device__ __forceinline__ void fetch_token_rows(bf16* dst, const bf16* rows, in
 
 // Copies one record (this block's tile of u, unless with_u is false: a map's identity
 // columns have none) into a stage: on Hopper one bulk copy per matrix, completing on the
-// stage's barrier `landed`; elsewhere 16-byte cp.async pieces in one commit group. With
-// token rows (tokens.k set: ChunkParams::qk_from_tokens) the stage's qg and kg take the
-// chunk's rows of q (with_q: the maps need none) and k by cp.async instead, one commit group.
+// stage's barrier `landed`; elsewhere 16-byte cp.async pieces in one commit group. Token rows
+// come by cp.async instead, in one commit group: with tokens.k (ChunkParams::qk_from_tokens)
+// the stage's qg and kg take the chunk's rows of q (with_q: the maps need none) and k, with
+// tokens.v (v_from_tokens) its u takes the tile of v and, with the delta rule, tu the
+// record's T diag(beta).
 template <int KP, bool kSplit>
 __device__ void fetch_record(const Record& r, const TokenRows& tokens, int64_t j0, bool delta,
                              bool with_u, bool with_q, StageOf<KP, kSplit>& st,
@@ -153,44 +159,51 @@ __device__ void fetch_record(const Record& r, const TokenRows& tokens, int64_t j
   using G = StateGeometry<KP>;
   constexpr int kKeys = kChunk * KP, kValues = kChunk * G::BV, kA = kChunk * kChunk,
                 kFloats = kRecordFloats<KP>;
-  const bf16* u = r.u + j0 * kChunk;  // the tile of columns j0 ..
   const int tid = threadIdx.x;
-  const bool from_tokens = tokens.k != nullptr;
-  if (from_tokens) {
+  const bool qk_tokens = tokens.k != nullptr, v_tokens = tokens.v != nullptr;
+  const bf16* u = v_tokens ? nullptr : r.u + j0 * kChunk;  // the tile of columns j0 ..
+  if (qk_tokens) {
     if (with_q) fetch_token_rows<KP, G::kThreads>(st.qg, tokens.q, tokens.q_stride, tokens.len,
                                                   tokens.K);
     fetch_token_rows<KP, G::kThreads>(st.kg, tokens.k, tokens.k_stride, tokens.len, tokens.K);
   }
+  if (v_tokens && with_u)
+    fetch_token_rows<G::BV, G::kThreads>(st.u, tokens.v, tokens.v_stride, tokens.len,
+                                         tokens.cols);
+  const bool tu = v_tokens && delta && with_u;
   if constexpr (kBulkCopies) {
-    if (from_tokens) commit_async();
-    constexpr uint32_t kKeyBytes = kKeys * sizeof(bf16), kValueBytes = kValues * sizeof(bf16);
-    // One thread issues all six: a switch over six threads compiled to a jump table whose
+    if (qk_tokens || v_tokens) commit_async();
+    constexpr uint32_t kKeyBytes = kKeys * sizeof(bf16), kValueBytes = kValues * sizeof(bf16),
+                       kABytes = kA * sizeof(bf16);
+    // One thread issues all of them: a switch over six threads compiled to a jump table whose
     // branch held 5% of the kernel's samples (NOTES (ai)).
     if (tid == 0) {
-      expect_bytes(landed, (from_tokens ? 0 : 2 * kKeyBytes) + (delta ? kKeyBytes : 0) +
-                               (with_u ? kValueBytes : 0) + (kSplit ? 2 : 1) * kA * sizeof(bf16) +
-                               kFloats * sizeof(float));
-      if (!from_tokens) {
+      expect_bytes(landed, (qk_tokens ? 0 : 2 * kKeyBytes) + (delta ? kKeyBytes : 0) +
+                               (with_u && !v_tokens ? kValueBytes : 0) + (tu ? kABytes : 0) +
+                               (kSplit ? 2 : 1) * kABytes + kFloats * sizeof(float));
+      if (!qk_tokens) {
         bulk_copy(st.qg, r.qg, kKeyBytes, landed);
         bulk_copy(st.kg, r.kg, kKeyBytes, landed);
       }
       if (delta) bulk_copy(st.w, r.w, kKeyBytes, landed);
-      if (with_u) bulk_copy(st.u, u, kValueBytes, landed);
-      bulk_copy(st.a, r.aqk, kA * sizeof(bf16), landed);
+      if (with_u && !v_tokens) bulk_copy(st.u, u, kValueBytes, landed);
+      if (tu) bulk_copy(st.tu, r.tu, kABytes, landed);
+      bulk_copy(st.a, r.aqk, kABytes, landed);
       if constexpr (kSplit) bulk_copy(st.a_lo, r.aqk_lo, kA * sizeof(bf16), landed);
       bulk_copy(st.decay, r.decay, kFloats * sizeof(float), landed);
     }
   } else {
     for (int e = 8 * tid; e < kKeys; e += 8 * G::kThreads) {
-      if (!from_tokens) {
+      if (!qk_tokens) {
         copy_async<16>(st.qg + e, r.qg + e, 16);
         copy_async<16>(st.kg + e, r.kg + e, 16);
       }
       if (delta) copy_async<16>(st.w + e, r.w + e, 16);
     }
-    for (int e = 8 * tid; with_u && e < kValues; e += 8 * G::kThreads)
+    for (int e = 8 * tid; with_u && !v_tokens && e < kValues; e += 8 * G::kThreads)
       copy_async<16>(st.u + e, u + e, 16);
     for (int e = 8 * tid; e < kA; e += 8 * G::kThreads) {
+      if (tu) copy_async<16>(st.tu + e, r.tu + e, 16);
       copy_async<16>(st.a + e, r.aqk + e, 16);
       if constexpr (kSplit) copy_async<16>(st.a_lo + e, r.aqk_lo + e, 16);
     }
@@ -419,14 +432,22 @@ __device__ __forceinline__ void scale_for_update(Acc (&vn)[kChunk / 8], Acc (&s)
 //     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T (unless kEnds),
 //     S^T = S^T diag(decay) + v_new^T diag(n_k) kg.
 // With q and k as given (tokens: ChunkParams::qk_from_tokens) S^T q^T's columns take inv_q
-// before A_qk's term.
+// before A_qk's term. With u_product (v_from_tokens, the delta rule) the stage holds v's tile
+// in u's place and u^T = v^T tu^T comes first.
 template <int KP, bool kEnds, bool kSplit>
 __device__ __forceinline__ void chunk_step_mma_sync(const StageOf<KP, kSplit>& st,
                                                     StateColumns<KP>& S, Acc (&o)[kChunk / 8],
-                                                    bool delta, bool map, bool tokens, int warp) {
+                                                    bool delta, bool map, bool tokens,
+                                                    bool u_product, int warp) {
   Acc vn[kChunk / 8], u[kChunk / 8];
+  if (u_product) {  // tu is zero above its diagonal, as A_qk
+    Acc v[kChunk / 8];
+    load_u(v, st, map, warp);
+    warp_product<kChunk, kChunk, true, true>(u, v, st.tu);
+  } else {
+    load_u(u, st, map, warp);
+  }
   if (delta) warp_product<KP, kChunk, true>(vn, S.acc, st.w);
-  load_u(u, st, map, warp);
 #pragma unroll
   for (int nt = 0; nt < kChunk / 8; ++nt)
 #pragma unroll
@@ -458,19 +479,31 @@ __host__ __device__ constexpr uint32_t k_step_bytes(int kk) {
 template <int KP, bool kEnds, bool kSplit>
 __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
                                                  StateColumns<KP>& S, Acc (&o)[kChunk / 8],
-                                                 bool delta, bool map, bool tokens, int warp) {
+                                                 bool delta, bool map, bool tokens,
+                                                 bool u_product, int warp) {
   Acc vn[kChunk / 8];
-  load_u(vn, st, map, warp);
+  load_u(vn, st, map, warp);  // u^T, or v^T with u_product
+  // With u_product v_new^T starts from v^T tu^T, in the same batch.
+  uint32_t v[kChunk / 16][4];
+  if (u_product) {
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) a_from_acc(v[kk], vn, kk);
+    for (Acc& x : vn) x = Acc{};
+  }
   for (Acc& x : o) x = Acc{};
   // Every fragment of S^T first: registers the batch reads stay distinct, so ptxas need not
   // wait for one product before it forms the next fragment in the same registers.
   uint32_t a[KP / 16][4];
 #pragma unroll
   for (int kk = 0; kk < KP / 16; ++kk) a_from_acc(a[kk], S.acc, kk);
-  const SwizzledOperand w(st.w), qg(st.qg), aqk(st.a), kg(st.kg);
+  const SwizzledOperand w(st.w), qg(st.qg), aqk(st.a), kg(st.kg), tu(st.tu);
   wgmma_fence();
   hold_registers(vn);
   hold_registers(o);
+  if (u_product)
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk)
+      wgmma_m64n64k16<false>(vn, v[kk], tu.at(k_step_bytes(kk)));
   if (delta)
 #pragma unroll
     for (int kk = 0; kk < KP / 16; ++kk) {
@@ -727,20 +760,29 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
   // Chunk i's stage, and how many fetches into that stage came before it.
   auto record = [&](int64_t i) { return record_of<KP>(c, (chunks.first + i) * p.HV + hv); };
   auto stage = [&](int64_t i) { return static_cast<int>((i - c0) % kStages); };
-  // q and k as given (ChunkParams::qk_from_tokens): the sequence's rows from the chunk on.
-  const bool tokens = c.qk_from_tokens;
+  // Token tensors read as given (ChunkParams::qk_from_tokens, v_from_tokens): the sequence's
+  // rows, v's from the block's first column.
+  const bool tokens = c.qk_from_tokens, v_tokens = c.v_from_tokens;
+  const bool u_product = v_tokens && p.delta && !map;
   const int64_t h = hv / p.group;
-  const bf16* q_rows = tokens ? static_cast<const bf16*>(p.q.data) + token_offset(p.q, seq, h)
-                              : nullptr;
-  const bf16* k_rows = tokens ? static_cast<const bf16*>(p.k.data) + token_offset(p.k, seq, h)
-                              : nullptr;
+  auto rows_of = [&](const TokenTensor& x, int64_t head, int64_t col) {
+    return static_cast<const bf16*>(x.data) + token_offset(x, seq, head) + col;
+  };
+  const bf16* q_rows = tokens ? rows_of(p.q, h, 0) : nullptr;
+  const bf16* k_rows = tokens ? rows_of(p.k, h, 0) : nullptr;
+  const bf16* v_rows = v_tokens && !map ? rows_of(p.v, hv, j0) : nullptr;
   auto fetch = [&](int64_t i) {
+    const int64_t t0 = i * kChunk, left = seq.len - t0;
     TokenRows rows;
+    rows.len = static_cast<int>(left < kChunk ? left : kChunk);
     if (tokens) {
-      const int64_t t0 = i * kChunk, left = seq.len - t0;
-      rows = {q_rows + t0 * p.q.stride[1], k_rows + t0 * p.k.stride[1], p.q.stride[1],
-              p.k.stride[1], static_cast<int>(left < kChunk ? left : kChunk),
-              static_cast<int>(p.K)};
+      rows.q = q_rows + t0 * p.q.stride[1], rows.q_stride = p.q.stride[1];
+      rows.k = k_rows + t0 * p.k.stride[1], rows.k_stride = p.k.stride[1];
+      rows.K = static_cast<int>(p.K);
+    }
+    if (v_rows) {
+      rows.v = v_rows + t0 * p.v.stride[1], rows.v_stride = p.v.stride[1];
+      rows.cols = static_cast<int>(p.V - j0 < G::BV ? p.V - j0 : G::BV);
     }
     fetch_record<KP, kSplit>(record(i), rows, j0, p.delta, !map, !kEnds, sh.stage[stage(i)],
                              &sh.landed[stage(i)]);
@@ -753,7 +795,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
       S.store_entry(c, chunks.first + i, hv, jw);
     StageOf<KP, kSplit>& st = sh.stage[stage(i)];
     if (kStages == 1) fetch(i);
-    await_record(&sh.landed[stage(i)], (i - c0) / kStages, tokens);
+    await_record(&sh.landed[stage(i)], (i - c0) / kStages, tokens || v_rows);
     // Chunk i's stage has landed for every thread, and every warp is done with chunk i - 1,
     // whose stage the prefetch of chunk i + 1 then overwrites while chunk i computes.
     __syncthreads();
@@ -761,9 +803,9 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
 
     Acc o[G::kTokenTiles];
     if constexpr (kW)
-      chunk_step_wgmma<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, warp);
+      chunk_step_wgmma<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, u_product, warp);
     else
-      chunk_step_mma_sync<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, warp);
+      chunk_step_mma_sync<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, u_product, warp);
 
     if (kEnds) {
       if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage

@@ -181,7 +181,7 @@ constexpr const char* kStateProducts = "FLASHDELTA_CHUNK_STATE_PRODUCTS";
 constexpr const char* kStateStages = "FLASHDELTA_CHUNK_STATE_STAGES";
 constexpr const char* kInverse = "FLASHDELTA_CHUNK_INVERSE";
 constexpr const char* kAqk = "FLASHDELTA_CHUNK_AQK";
-constexpr const char* kQk = "FLASHDELTA_CHUNK_QK";
+constexpr const char* kRecords = "FLASHDELTA_CHUNK_RECORDS";
 
 // Views of host arguments labelled as cuda: the size query and the workspace checks are
 // host arithmetic and run before any device access, so this needs no GPU.
@@ -213,17 +213,25 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
     const ScopedEnv pair(kAqk, "split");
     EXPECT_EQ(forward_workspace_bytes(a, c.options, kChunk), need + 768 * 64 * 2);
   }
-  // Gated DeltaNet on dense bfloat16 q and k: no qg and kg (FLASHDELTA_CHUNK_QK=records
-  // keeps them), the rest as above.
-  const Case gdn = make_case({.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130,
-                              .K = 128, .V = 64, .dtype = DType::bf16});
-  HostTensor o3 = gdn.make_output(DType::f32), s3 = gdn.make_state();
-  const ForwardArgs gdn_args = labelled_cuda(gdn.args(o3, &s3));
-  const size_t gdn_need = forward_workspace_bytes(gdn_args, gdn.options, kChunk);
-  EXPECT_EQ(gdn_need, need - 2u * 768 * 128 * 2);
-  {
-    const ScopedEnv records(kQk, "records");
-    EXPECT_EQ(forward_workspace_bytes(gdn_args, gdn.options, kChunk), need);
+  // Dense bfloat16 inputs at V = 128 (KDA's gate computed in the kernel from a bfloat16 input):
+  // no u but T diag(beta) (64 columns) where the state kernel reads v as given, and for Gated
+  // DeltaNet no qg and kg either (FLASHDELTA_CHUNK_RECORDS=keep_u keeps u, full also qg, kg).
+  for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet}) {
+    const Case dense = make_case({.mechanism = m, .B = 2, .T = 130, .K = 128, .V = 128,
+                                  .dtype = DType::bf16, .gate_in_kernel = true});
+    HostTensor o3 = dense.make_output(DType::f32), s3 = dense.make_state();
+    const ForwardArgs args = labelled_cuda(dense.args(o3, &s3));
+    const size_t floats = 12 * (128 + 64 + 64) * 4, qk = 2u * 768 * 128 * 2,
+                 full = 4u * 768 * 128 * 2 + 768 * 64 * 2 + floats;
+    const size_t keep_u = m == Mechanism::kda ? full : full - qk;
+    EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk),
+              keep_u - 768 * 128 * 2 + 768 * 64 * 2);
+    {
+      const ScopedEnv records(kRecords, "keep_u");
+      EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk), keep_u);
+    }
+    const ScopedEnv records(kRecords, "full");
+    EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk), full);
   }
   // A larger T needs more: the size follows the problem, not a fixed cap.
   const Case longer = make_case({.B = 2, .T = 1000, .K = 128, .V = 64});
@@ -255,7 +263,8 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
 // Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general,
 // FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync, FLASHDELTA_CHUNK_STATE_STAGES auto, 1 or
 // 2, FLASHDELTA_CHUNK_INVERSE auto, distance or tf32, FLASHDELTA_CHUNK_AQK auto, bf16 or split,
-// FLASHDELTA_CHUNK_QK auto or records (read for every mechanism, not only where it applies);
+// FLASHDELTA_CHUNK_RECORDS auto, keep_u or full (read for every mechanism and input, not only
+// where it applies);
 // anything else fails the call (here its size query, before any device access) naming the
 // variable; so does the one-product inverse with the A_qk pair (not built together).
 TEST(CudaChunkSettings, RejectUnknownValues) {
@@ -274,7 +283,7 @@ TEST(CudaChunkSettings, RejectUnknownValues) {
                               {kStateStages, {"", "auto", "1", "2"}, "3"},
                               {kInverse, {"", "auto", "distance", "tf32"}, "columns"},
                               {kAqk, {"", "auto", "bf16", "split"}, "pair"},
-                              {kQk, {"", "auto", "records"}, "tokens"}};
+                              {kRecords, {"", "auto", "keep_u", "full"}, "tokens"}};
   for (const Setting& setting : settings) {
     for (const char* fine : setting.fine) {
       const ScopedEnv set(setting.name, fine);
@@ -822,12 +831,12 @@ TEST(CudaChunk, SplitAqkBringsTheOutputCloser) {
 // error of order 1) and the dense path must be about as close to the fp64 reference as the general
 // one. Every gate form, K = 64, 128, 256 and K = 40 (tiles padded past K), V over one and two
 // batches of value tiles, fused transforms, gates down to -1000 per step, varlen with partial
-// chunks, GVA. Each path is checked against the reference. Both keep qg and kg in the records
-// (FLASHDELTA_CHUNK_QK=records): the state kernel's reading of q and k as given, which only
-// the dense path allows, rounds differently again (QkFromTokensAndRecordsAgree).
+// chunks, GVA. Each path is checked against the reference. Both keep qg, kg and u in the
+// records (FLASHDELTA_CHUNK_RECORDS=full): the state kernel's reading of q, k and v as given,
+// which only the dense path allows, rounds differently again (TokenOperandsAndRecordsAgree).
 TEST(CudaChunk, DenseAndGeneralPathsAgree) {
   FLASHDELTA_REQUIRE_GPU();
-  const ScopedEnv records(kQk, "records");
+  const ScopedEnv records(kRecords, "full");
   struct PathCase {
     std::string what;
     CaseConfig cfg;
@@ -879,51 +888,67 @@ TEST(CudaChunk, DenseAndGeneralPathsAgree) {
   }
 }
 
-// Without a vector gate and with dense bfloat16 q and k the state kernel reads q and k as
-// given and applies the gate's per-token factors itself (ChunkParams::qk_from_tokens); with
-// FLASHDELTA_CHUNK_QK=records the prepare kernel writes qg and kg as before. The two round
-// differently (qg and kg in bfloat16 against q and k as given with float32 factors, A_qk with
-// or without n_q on its rows), so they agree to far below the reference's tolerance, not
-// bitwise; a misread token row or a factor applied twice would be an error of order 1. Both
-// paths are checked against the reference, and the token rows must be about as accurate.
-// Scalar gates and none, fused transforms, gates to -1000, K = 40, 64, 128 and 256 (tiles
-// padded past K), varlen with empty, one-token and partial chunks, GVA, the linear write,
-// sequences split into segments (the maps read k too), both state layouts. One case again on
-// mma.sync and with one record stage (bitwise the same as two).
-TEST(CudaChunk, QkFromTokensAndRecordsAgree) {
+// With dense bfloat16 inputs the state kernel reads v as given and takes u = T diag(beta) v
+// itself (ChunkParams::v_from_tokens), and without a vector gate q and k as given too, with the
+// gate's per-token factors (qk_from_tokens); FLASHDELTA_CHUNK_RECORDS=full keeps qg, kg and u
+// in the records as before, keep_u only u. The forms round differently (qg, kg and u in
+// bfloat16 against q, k, v as given with float32 factors and u in float32; A_qk with or
+// without n_q on its rows), so they agree to far below the reference's tolerance, not
+// bitwise; a misread token row or a factor applied twice would be an error of order 1. Every
+// form is checked against the reference, and the token operands must be about as accurate.
+// Both gate forms and none, fused transforms, gates to -1000, K = 40, 64, 128 and 256 (tiles
+// padded past K), V over several tiles with a partial last one, varlen with empty, one-token
+// and partial chunks, GVA, the linear write, 3 segments (the maps read k and v too), both
+// state layouts. The fused cases again with keep_u, on mma.sync and with one record stage
+// (bitwise the same as two).
+TEST(CudaChunk, TokenOperandsAndRecordsAgree) {
   FLASHDELTA_REQUIRE_GPU();
   std::vector<std::pair<std::string, CaseConfig>> cases = {
+      {"kda, fused transforms, lower bound", gate_form_case(Mechanism::kda, 1, 150, 6000)},
+      {"kda, K = 64, V = 200, varlen", {.T = 267, .HV = 2, .K = 64, .V = 200,
+                                        .dtype = DType::bf16, .seqlens = {0, 1, 130, 64, 65, 7},
+                                        .gate_in_kernel = true, .seed = 6001}},
+      {"gla, K = 256, V = 120", {.mechanism = Mechanism::gla, .T = 70, .K = 256, .V = 120,
+                                 .dtype = DType::bf16, .gate_in_kernel = true, .seed = 6002}},
       {"gated deltanet, fused transforms, lower bound",
-       gate_form_case(Mechanism::gated_deltanet, 1, 150, 6000)},
+       gate_form_case(Mechanism::gated_deltanet, 1, 150, 6003)},
       {"gated deltanet, K = V = 64, varlen", {.mechanism = Mechanism::gated_deltanet, .T = 267,
                                               .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16,
-                                              .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 6001}},
+                                              .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 6004}},
       {"gated deltanet, K = 40, V = 96, GVA", {.mechanism = Mechanism::gated_deltanet, .T = 200,
                                                .H = 1, .HV = 2, .K = 40, .V = 96,
                                                .dtype = DType::bf16, .qk_l2norm = true,
-                                               .seed = 6002}},
+                                               .seed = 6005}},
       {"deltanet, K = 256, V = 120", {.mechanism = Mechanism::deltanet, .T = 130, .K = 256,
                                       .V = 120, .dtype = DType::bf16, .qk_l2norm = true,
-                                      .seed = 6003}},
+                                      .seed = 6006}},
       {"simple gla, gates to -1000", {.mechanism = Mechanism::simple_gla, .T = 150, .K = 128,
                                       .V = 64, .dtype = DType::bf16, .gate_min = -1000.0,
-                                      .seed = 6004}},
+                                      .seed = 6007}},
       {"linear attention, K = 40", {.mechanism = Mechanism::linear_attention, .T = 100,
                                     .HV = 2, .K = 40, .V = 64, .dtype = DType::bf16,
-                                    .seed = 6005}},
+                                    .seed = 6008}},
       {"gated deltanet, 3 segments", {.mechanism = Mechanism::gated_deltanet, .T = 700, .H = 2,
                                       .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
                                       .layout = StateLayout::v_first, .qk_l2norm = true,
-                                      .gate_min = -0.05, .seed = 6006}},
+                                      .gate_min = -0.05, .seed = 6009}},
+      {"kda, 3 segments", {.T = 700, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+                           .qk_l2norm = true, .gate_in_kernel = true, .seed = 6010}},
   };
   for (const auto& [what, cfg] : cases) {
     const ScopedEnv split(kSegments, what.find("segments") != std::string::npos ? "3" : nullptr);
     const Case c = make_case(cfg);
-    const auto [tokens, records] =
-        run_default_and_forced(c, what, kQk, {"token rows", "records"}, "records");
-    expect_runs_close(tokens, records, 5e-3, what);
-    expect_about_as_accurate(c, tokens, records, what, {"the token rows", "the records"});
+    const auto [tokens, full] =
+        run_default_and_forced(c, what, kRecords, {"token operands", "full records"}, "full");
+    expect_runs_close(tokens, full, 5e-3, what);
+    expect_about_as_accurate(c, tokens, full, what, {"the token operands", "the full records"});
     if (what.find("fused") == std::string::npos) continue;
+    {
+      const ScopedEnv keep_u(kRecords, "keep_u");
+      const ChunkStatesRun with_u = run_with_chunk_states(c, DType::f32, kChunk);
+      expect_forward_matches_reference(c, what + ", u in the records", kChunk);
+      expect_runs_close(with_u, full, 5e-3, what + ", u in the records");
+    }
     ChunkStatesRun one_stage, mma_sync;
     {
       const ScopedEnv one(kStateStages, "1");
@@ -937,10 +962,9 @@ TEST(CudaChunk, QkFromTokensAndRecordsAgree) {
     {
       const ScopedEnv forced(kStateProducts, "mma_sync");
       mma_sync = run_with_chunk_states(c, DType::f32, kChunk);
-      expect_forward_matches_reference(c, what + ", token rows on mma.sync", kChunk);
+      expect_forward_matches_reference(c, what + ", token operands on mma.sync", kChunk);
     }
-    EXPECT_LT(rel_error(one_stage.o, mma_sync.o), 1e-3) << what << ": outputs, mma.sync";
-    EXPECT_LT(rel_error(one_stage.state, mma_sync.state), 1e-3) << what << ": states, mma.sync";
+    expect_runs_close(one_stage, mma_sync, 1e-3, what + ", mma.sync");
   }
 }
 
