@@ -92,7 +92,7 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
   c.dense_output = bf16_dense_runs(c.p.o, p.V);
   const std::string records = env_setting(kRecordsSetting, {"auto", "keep_u", "full"});
   c.qk_from_tokens = records != "full" && c.dense_tokens && r.gate != cuda::GateForm::vector;
-  c.v_from_tokens = records == "auto" && c.dense_tokens;
+  c.v_from_tokens = records != "keep_u" && records != "full" && c.dense_tokens;  // "" is auto
   const std::string inverse = env_setting(kInverseSetting, {"auto", "distance", "tf32"});
   c.inverse_by_columns = inverse != "distance";
   c.inverse_one_product = inverse == "tf32";
