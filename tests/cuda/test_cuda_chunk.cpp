@@ -214,8 +214,8 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
     EXPECT_EQ(forward_workspace_bytes(a, c.options, kChunk), need + 768 * 64 * 2);
   }
   // Dense bfloat16 inputs at V = 128 (KDA's gate computed in the kernel from a bfloat16 input):
-  // no u but T diag(beta) (64 columns) where the state kernel reads v as given, and for Gated
-  // DeltaNet no qg and kg either (FLASHDELTA_CHUNK_RECORDS=keep_u keeps u, full also qg, kg).
+  // for Gated DeltaNet no qg and kg (FLASHDELTA_CHUNK_RECORDS=full keeps them), and with
+  // FLASHDELTA_CHUNK_RECORDS=operands T diag(beta) (64 columns) instead of u.
   for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet}) {
     const Case dense = make_case({.mechanism = m, .B = 2, .T = 130, .K = 128, .V = 128,
                                   .dtype = DType::bf16, .gate_in_kernel = true});
@@ -223,12 +223,12 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
     const ForwardArgs args = labelled_cuda(dense.args(o3, &s3));
     const size_t floats = 12 * (128 + 64 + 64) * 4, qk = 2u * 768 * 128 * 2,
                  full = 4u * 768 * 128 * 2 + 768 * 64 * 2 + floats;
-    const size_t keep_u = m == Mechanism::kda ? full : full - qk;
-    EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk),
-              keep_u - 768 * 128 * 2 + 768 * 64 * 2);
+    const size_t automatic = m == Mechanism::kda ? full : full - qk;
+    EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk), automatic);
     {
-      const ScopedEnv records(kRecords, "keep_u");
-      EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk), keep_u);
+      const ScopedEnv records(kRecords, "operands");
+      EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk),
+                automatic - 768 * 128 * 2 + 768 * 64 * 2);
     }
     const ScopedEnv records(kRecords, "full");
     EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk), full);
@@ -263,7 +263,7 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
 // Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general,
 // FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync, FLASHDELTA_CHUNK_STATE_STAGES auto, 1 or
 // 2, FLASHDELTA_CHUNK_INVERSE auto, distance or tf32, FLASHDELTA_CHUNK_AQK auto, bf16 or split,
-// FLASHDELTA_CHUNK_RECORDS auto, keep_u or full (read for every mechanism and input, not only
+// FLASHDELTA_CHUNK_RECORDS auto, operands or full (read for every mechanism and input, not only
 // where it applies);
 // anything else fails the call (here its size query, before any device access) naming the
 // variable; so does the one-product inverse with the A_qk pair (not built together).
@@ -283,7 +283,7 @@ TEST(CudaChunkSettings, RejectUnknownValues) {
                               {kStateStages, {"", "auto", "1", "2"}, "3"},
                               {kInverse, {"", "auto", "distance", "tf32"}, "columns"},
                               {kAqk, {"", "auto", "bf16", "split"}, "pair"},
-                              {kRecords, {"", "auto", "keep_u", "full"}, "tokens"}};
+                              {kRecords, {"", "auto", "operands", "full"}, "keep_u"}};
   for (const Setting& setting : settings) {
     for (const char* fine : setting.fine) {
       const ScopedEnv set(setting.name, fine);
@@ -888,19 +888,20 @@ TEST(CudaChunk, DenseAndGeneralPathsAgree) {
   }
 }
 
-// With dense bfloat16 inputs the state kernel reads v as given and takes u = T diag(beta) v
-// itself (ChunkParams::v_from_tokens), and without a vector gate q and k as given too, with the
-// gate's per-token factors (qk_from_tokens); FLASHDELTA_CHUNK_RECORDS=full keeps qg, kg and u
-// in the records as before, keep_u only u. The forms round differently (qg, kg and u in
-// bfloat16 against q, k, v as given with float32 factors and u in float32; A_qk with or
-// without n_q on its rows), so they agree to far below the reference's tolerance, not
-// bitwise; a misread token row or a factor applied twice would be an error of order 1. Every
-// form is checked against the reference, and the token operands must be about as accurate.
-// Both gate forms and none, fused transforms, gates to -1000, K = 40, 64, 128 and 256 (tiles
-// padded past K), V over several tiles with a partial last one, varlen with empty, one-token
-// and partial chunks, GVA, the linear write, 3 segments (the maps read k and v too), both
-// state layouts. The fused cases again with keep_u, on mma.sync and with one record stage
-// (bitwise the same as two).
+// Without a vector gate and with dense bfloat16 q and k the state kernel reads q and k as
+// given and applies the gate's per-token factors itself (ChunkParams::qk_from_tokens, the
+// default); with FLASHDELTA_CHUNK_RECORDS=operands it also reads v as given and takes
+// u = T diag(beta) v itself, for every gate form (v_from_tokens); with full the records keep
+// qg, kg and u as before. The forms round differently (qg, kg and u in bfloat16 against q, k,
+// v as given with float32 factors and u in float32; A_qk with or without n_q on its rows), so
+// they agree to far below the reference's tolerance, not bitwise; a misread token row or a
+// factor applied twice would be an error of order 1. Every form is checked against the
+// reference, and the operands as given must be about as accurate. Both gate forms and none,
+// fused transforms, gates to -1000, K = 40, 64, 128 and 256 (tiles padded past K), V over
+// several tiles with a partial last one, varlen with empty, one-token and partial chunks,
+// GVA, the linear write, 3 segments (the maps read k and v too), both state layouts. The
+// fused cases again with the default, and with the operands on mma.sync and with one record
+// stage (bitwise the same as two).
 TEST(CudaChunk, TokenOperandsAndRecordsAgree) {
   FLASHDELTA_REQUIRE_GPU();
   std::vector<std::pair<std::string, CaseConfig>> cases = {
@@ -935,20 +936,24 @@ TEST(CudaChunk, TokenOperandsAndRecordsAgree) {
       {"kda, 3 segments", {.T = 700, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
                            .qk_l2norm = true, .gate_in_kernel = true, .seed = 6010}},
   };
+  // c's run with FLASHDELTA_CHUNK_RECORDS set to `records` (null: unset), checked against the
+  // reference.
+  auto run = [](const Case& c, const std::string& what, const char* records) {
+    const ScopedEnv set(kRecords, records);
+    ChunkStatesRun r = run_with_chunk_states(c, DType::f32, kChunk);
+    expect_forward_matches_reference(c, what + ", records " + (records ? records : "auto"),
+                                     kChunk);
+    return r;
+  };
   for (const auto& [what, cfg] : cases) {
     const ScopedEnv split(kSegments, what.find("segments") != std::string::npos ? "3" : nullptr);
     const Case c = make_case(cfg);
-    const auto [tokens, full] =
-        run_default_and_forced(c, what, kRecords, {"token operands", "full records"}, "full");
-    expect_runs_close(tokens, full, 5e-3, what);
-    expect_about_as_accurate(c, tokens, full, what, {"the token operands", "the full records"});
+    const ChunkStatesRun operands = run(c, what, "operands"), full = run(c, what, "full");
+    expect_runs_close(operands, full, 5e-3, what);
+    expect_about_as_accurate(c, operands, full, what, {"the operands as given", "the records"});
     if (what.find("fused") == std::string::npos) continue;
-    {
-      const ScopedEnv keep_u(kRecords, "keep_u");
-      const ChunkStatesRun with_u = run_with_chunk_states(c, DType::f32, kChunk);
-      expect_forward_matches_reference(c, what + ", u in the records", kChunk);
-      expect_runs_close(with_u, full, 5e-3, what + ", u in the records");
-    }
+    expect_runs_close(run(c, what, nullptr), full, 5e-3, what + ", records auto");
+    const ScopedEnv set(kRecords, "operands");
     ChunkStatesRun one_stage, mma_sync;
     {
       const ScopedEnv one(kStateStages, "1");
