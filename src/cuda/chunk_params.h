@@ -133,8 +133,9 @@ void launch_chunk_state(const ChunkParams& c, void* stream);
 // Whether the state kernel must run with one record stage on the current GPU. Its shared
 // memory per block: 104 KB at K <= 64, 152 KB at K <= 128, 136 KB at K <= 256 (one stage);
 // with split_aqk 120, 168 and 144 KB, or 95 KB with one stage at K <= 128 (A100s: true
-// there). Throws Error(unsupported) where the GPU has less (99 KB per block); called before
-// anything is launched.
+// there); v_from_tokens with the delta rule adds 8 KB a stage (A100s at K <= 128: true).
+// Throws Error(unsupported) where the GPU has less (99 KB per block); called before anything
+// is launched.
 bool chunk_state_one_stage_only(const ChunkParams& c);
 // The three above at key width KP = 64, 128 or 256 (ChunkParams::KP), one width's kernels
 // per file (cuda/chunk_prepare_k64.cu, _k128.cu, _k256.cu and cuda/chunk_state_k64.cu, ...;

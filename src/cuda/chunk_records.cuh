@@ -49,14 +49,16 @@ inline constexpr int kInvKAt = KP + kChunk;
 template <int KP>
 __device__ __forceinline__ Record record_of(const ChunkParams& c, int64_t rec) {
   constexpr int64_t kp = KP;
-  auto at = [](uint16_t* base, int64_t off) { return reinterpret_cast<bf16*>(base) + off; };
+  // Matrices a launch has no region for (qk_from_tokens, v_from_tokens, no delta rule, no
+  // split_aqk) are null.
+  auto at = [](uint16_t* base, int64_t off) {
+    return base ? reinterpret_cast<bf16*>(base) + off : nullptr;
+  };
   float* run = c.ws.decay + rec * kRecordFloats<KP>;
   return {at(c.ws.qg, rec * kChunk * kp), at(c.ws.kg, rec * kChunk * kp),
           at(c.ws.w, rec * kChunk * kp),  at(c.ws.u, rec * kChunk * c.VP),
-          at(c.ws.aqk, rec * kChunk * kChunk),
-          c.ws.tu ? at(c.ws.tu, rec * kChunk * kChunk) : nullptr,
-          c.aqk_lo ? at(c.aqk_lo, rec * kChunk * kChunk) : nullptr,
-          run, run + kInvQAt<KP>, run + kInvKAt<KP>};
+          at(c.ws.aqk, rec * kChunk * kChunk), at(c.ws.tu, rec * kChunk * kChunk),
+          at(c.aqk_lo, rec * kChunk * kChunk), run, run + kInvQAt<KP>, run + kInvKAt<KP>};
 }
 
 // mma.cuh's load_a, load_b_pair_nk and load_b_pair_kn for a record matrix in shared memory,

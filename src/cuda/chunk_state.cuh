@@ -70,7 +70,6 @@ struct Stage {
   alignas(1024) bf16 w[kChunk * KP];
   alignas(1024) bf16 u[kChunk * G::BV];
   alignas(1024) bf16 a[kChunk * kChunk];
-  alignas(1024) bf16 tu[kChunk * kChunk];  // v_from_tokens with the delta rule (u's slot: v)
   alignas(16) float decay[kRecordFloats<KP>];  // the record's run: decay, inv_q, inv_k
 
   __device__ const float* inv_q() const { return decay + kInvQAt<KP>; }
@@ -112,6 +111,19 @@ inline constexpr int kStateSharedBytes =
     sizeof(StateShared<KP, kStages, kSplit>) + kSharedAlignSlack;
 static_assert(kBlocksPerSM<128, 1> * kStateSharedBytes<128, 1, true> <= 227 * 1024,
               "one stage at K <= 128 fits twice in a Hopper SM");
+// Each stage's T diag(beta) (ChunkParams::v_from_tokens with the delta rule; u's slot holds
+// v's tile then) lies past StateShared, 1024-byte aligned for wgmma, in memory that only
+// those launches request (kTuSharedBytes more): the other launches keep their size.
+template <int KP, int kStages, bool kSplit>
+inline constexpr int kTuOffset = (sizeof(StateShared<KP, kStages, kSplit>) + 1023) / 1024 * 1024;
+template <int KP, int kStages, bool kSplit>
+inline constexpr int kTuSharedBytes = kTuOffset<KP, kStages, kSplit> -
+                                      sizeof(StateShared<KP, kStages, kSplit>) +
+                                      kStages * kChunk * kChunk * sizeof(bf16);
+template <int KP, int kStages, bool kSplit>
+constexpr int state_shared_bytes(bool tu) {
+  return kStateSharedBytes<KP, kStages, kSplit> + (tu ? kTuSharedBytes<KP, kStages, kSplit> : 0);
+}
 
 // A chunk's rows of the token tensors the state kernel reads as given: q and k
 // (ChunkParams::qk_from_tokens; null otherwise), row t at q + t q_stride (k alike), K bfloat16
@@ -150,11 +162,11 @@ __device__ __forceinline__ void fetch_token_rows(bf16* dst, const bf16* rows, in
 // stage's barrier `landed`; elsewhere 16-byte cp.async pieces in one commit group. Token rows
 // come by cp.async instead, in one commit group: with tokens.k (ChunkParams::qk_from_tokens)
 // the stage's qg and kg take the chunk's rows of q (with_q: the maps need none) and k, with
-// tokens.v (v_from_tokens) its u takes the tile of v and, with the delta rule, tu the
-// record's T diag(beta).
+// tokens.v (v_from_tokens) its u takes the tile of v and, with the delta rule, tu (the
+// stage's, kTuOffset) the record's T diag(beta).
 template <int KP, bool kSplit>
 __device__ void fetch_record(const Record& r, const TokenRows& tokens, int64_t j0, bool delta,
-                             bool with_u, bool with_q, StageOf<KP, kSplit>& st,
+                             bool with_u, bool with_q, StageOf<KP, kSplit>& st, bf16* stage_tu,
                              uint64_t* landed) {
   using G = StateGeometry<KP>;
   constexpr int kKeys = kChunk * KP, kValues = kChunk * G::BV, kA = kChunk * kChunk,
@@ -187,7 +199,7 @@ __device__ void fetch_record(const Record& r, const TokenRows& tokens, int64_t j
       }
       if (delta) bulk_copy(st.w, r.w, kKeyBytes, landed);
       if (with_u && !v_tokens) bulk_copy(st.u, u, kValueBytes, landed);
-      if (tu) bulk_copy(st.tu, r.tu, kABytes, landed);
+      if (tu) bulk_copy(stage_tu, r.tu, kABytes, landed);
       bulk_copy(st.a, r.aqk, kABytes, landed);
       if constexpr (kSplit) bulk_copy(st.a_lo, r.aqk_lo, kA * sizeof(bf16), landed);
       bulk_copy(st.decay, r.decay, kFloats * sizeof(float), landed);
@@ -203,7 +215,7 @@ __device__ void fetch_record(const Record& r, const TokenRows& tokens, int64_t j
     for (int e = 8 * tid; with_u && !v_tokens && e < kValues; e += 8 * G::kThreads)
       copy_async<16>(st.u + e, u + e, 16);
     for (int e = 8 * tid; e < kA; e += 8 * G::kThreads) {
-      if (tu) copy_async<16>(st.tu + e, r.tu + e, 16);
+      if (tu) copy_async<16>(stage_tu + e, r.tu + e, 16);
       copy_async<16>(st.a + e, r.aqk + e, 16);
       if constexpr (kSplit) copy_async<16>(st.a_lo + e, r.aqk_lo + e, 16);
     }
@@ -432,18 +444,18 @@ __device__ __forceinline__ void scale_for_update(Acc (&vn)[kChunk / 8], Acc (&s)
 //     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T (unless kEnds),
 //     S^T = S^T diag(decay) + v_new^T diag(n_k) kg.
 // With q and k as given (tokens: ChunkParams::qk_from_tokens) S^T q^T's columns take inv_q
-// before A_qk's term. With u_product (v_from_tokens, the delta rule) the stage holds v's tile
-// in u's place and u^T = v^T tu^T comes first.
+// before A_qk's term. With tu (v_from_tokens, the delta rule; null otherwise) the stage holds
+// v's tile in u's place and u^T = v^T tu^T comes first.
 template <int KP, bool kEnds, bool kSplit>
 __device__ __forceinline__ void chunk_step_mma_sync(const StageOf<KP, kSplit>& st,
                                                     StateColumns<KP>& S, Acc (&o)[kChunk / 8],
                                                     bool delta, bool map, bool tokens,
-                                                    bool u_product, int warp) {
+                                                    const bf16* tu, int warp) {
   Acc vn[kChunk / 8], u[kChunk / 8];
-  if (u_product) {  // tu is zero above its diagonal, as A_qk
+  if (tu) {  // tu is zero above its diagonal, as A_qk
     Acc v[kChunk / 8];
     load_u(v, st, map, warp);
-    warp_product<kChunk, kChunk, true, true>(u, v, st.tu);
+    warp_product<kChunk, kChunk, true, true>(u, v, tu);
   } else {
     load_u(u, st, map, warp);
   }
@@ -480,12 +492,12 @@ template <int KP, bool kEnds, bool kSplit>
 __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
                                                  StateColumns<KP>& S, Acc (&o)[kChunk / 8],
                                                  bool delta, bool map, bool tokens,
-                                                 bool u_product, int warp) {
+                                                 const bf16* tu, int warp) {
   Acc vn[kChunk / 8];
-  load_u(vn, st, map, warp);  // u^T, or v^T with u_product
-  // With u_product v_new^T starts from v^T tu^T, in the same batch.
+  load_u(vn, st, map, warp);  // u^T, or v^T with tu
+  // With tu v_new^T starts from v^T tu^T, in the same batch.
   uint32_t v[kChunk / 16][4];
-  if (u_product) {
+  if (tu) {
 #pragma unroll
     for (int kk = 0; kk < kChunk / 16; ++kk) a_from_acc(v[kk], vn, kk);
     for (Acc& x : vn) x = Acc{};
@@ -496,14 +508,16 @@ __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
   uint32_t a[KP / 16][4];
 #pragma unroll
   for (int kk = 0; kk < KP / 16; ++kk) a_from_acc(a[kk], S.acc, kk);
-  const SwizzledOperand w(st.w), qg(st.qg), aqk(st.a), kg(st.kg), tu(st.tu);
+  const SwizzledOperand w(st.w), qg(st.qg), aqk(st.a), kg(st.kg);
   wgmma_fence();
   hold_registers(vn);
   hold_registers(o);
-  if (u_product)
+  if (tu) {
+    const SwizzledOperand t(tu);
 #pragma unroll
     for (int kk = 0; kk < kChunk / 16; ++kk)
-      wgmma_m64n64k16<false>(vn, v[kk], tu.at(k_step_bytes(kk)));
+      wgmma_m64n64k16<false>(vn, v[kk], t.at(k_step_bytes(kk)));
+  }
   if (delta)
 #pragma unroll
     for (int kk = 0; kk < KP / 16; ++kk) {
@@ -763,7 +777,12 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
   // Token tensors read as given (ChunkParams::qk_from_tokens, v_from_tokens): the sequence's
   // rows, v's from the block's first column.
   const bool tokens = c.qk_from_tokens, v_tokens = c.v_from_tokens;
-  const bool u_product = v_tokens && p.delta && !map;
+  // Each stage's T diag(beta) with v's tiles and the delta rule (kTuOffset), else null.
+  bf16* const tu = v_tokens && p.delta
+                       ? reinterpret_cast<bf16*>(reinterpret_cast<unsigned char*>(&sh) +
+                                                 kTuOffset<KP, kStages, kSplit>)
+                       : nullptr;
+  auto stage_tu = [&](int s) { return tu ? tu + s * kChunk * kChunk : nullptr; };
   const int64_t h = hv / p.group;
   auto rows_of = [&](const TokenTensor& x, int64_t head, int64_t col) {
     return static_cast<const bf16*>(x.data) + token_offset(x, seq, head) + col;
@@ -785,7 +804,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
       rows.cols = static_cast<int>(p.V - j0 < G::BV ? p.V - j0 : G::BV);
     }
     fetch_record<KP, kSplit>(record(i), rows, j0, p.delta, !map, !kEnds, sh.stage[stage(i)],
-                             &sh.landed[stage(i)]);
+                             stage_tu(stage(i)), &sh.landed[stage(i)]);
   };
   if (kStages == 2 && c0 < c1) fetch(c0);
 
@@ -802,10 +821,11 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
     if (kStages == 2 && i + 1 < c1) fetch(i + 1);
 
     Acc o[G::kTokenTiles];
+    const bf16* u_from_v = map ? nullptr : stage_tu(stage(i));  // u = tu v (map: no u)
     if constexpr (kW)
-      chunk_step_wgmma<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, u_product, warp);
+      chunk_step_wgmma<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, u_from_v, warp);
     else
-      chunk_step_mma_sync<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, u_product, warp);
+      chunk_step_mma_sync<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, u_from_v, warp);
 
     if (kEnds) {
       if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
@@ -840,16 +860,17 @@ void launch_state_kernel(const ChunkParams& c, int64_t tiles, cudaStream_t strea
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     kernel<<<static_cast<unsigned>(blocks), G::kThreads, smem, stream>>>(c);
   };
+  const bool tu = c.v_from_tokens && c.p.delta;
   if constexpr (kWgmma && KP <= 128) {
     const bool one = c.state_stages == 1 ||
                      (c.state_stages == 0 && blocks > c.sm_count && blocks <= 2 * c.sm_count);
     if (one)
       return launch(chunk_state_kernel<KP, kRecord, kPass, true, 1, kSplit>,
-                    kStateSharedBytes<KP, 1, kSplit>);
+                    state_shared_bytes<KP, 1, kSplit>(tu));
   }
   constexpr int kStages = kDefaultStages<KP>;
   launch(chunk_state_kernel<KP, kRecord, kPass, kWgmma, kStages, kSplit>,
-         kStateSharedBytes<KP, kStages, kSplit>);
+         state_shared_bytes<KP, kStages, kSplit>(tu));
 }
 
 template <int KP, bool kWgmma, bool kSplit>
@@ -889,11 +910,14 @@ bool one_stage_only(const ChunkParams& c) {
       cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
           cudaSuccess)
     throw Error(ErrorCode::runtime, "the CUDA chunk schedule: no usable CUDA device");
-  constexpr int smem = kStateSharedBytes<KP, kDefaultStages<KP>, kSplit>;
+  const bool tu = c.v_from_tokens && c.p.delta;
+  const int smem = state_shared_bytes<KP, kDefaultStages<KP>, kSplit>(tu);
   if (available >= smem) return false;
-  // The pair's second stage passes an A100's 163 KB at K = 128: one stage, which is
-  // instantiated with the wgmma flag at KP <= 128 (launch_state_kernel), takes it there.
-  if (kSplit && KP <= 128 && c.state_wgmma && available >= kStateSharedBytes<KP, 1, kSplit>)
+  // The pair's second stage, or the second stage's T diag(beta), passes an A100's 163 KB at
+  // K = 128: one stage, which is instantiated with the wgmma flag at KP <= 128
+  // (launch_state_kernel), takes it there.
+  if ((kSplit || tu) && KP <= 128 && c.state_wgmma &&
+      available >= state_shared_bytes<KP, 1, kSplit>(tu))
     return true;
   throw Error(ErrorCode::unsupported,
               "argument 'q': the CUDA chunk state kernel for K <= " + std::to_string(KP) +
