@@ -584,19 +584,15 @@ __device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&a
 template <int KP>
 __device__ void fetch_key_tiles(const RecurrentParams& p, PrepareShared<KP>& sh,
                                 const ChunkRef& ref, int64_t h) {
-  constexpr int kRuns = KP / 8;  // 16-byte runs per row
-  const auto* q = static_cast<const unsigned short*>(p.q.data) + token_offset(p.q, ref.seq, h) +
+  const auto* q = static_cast<const bf16*>(p.q.data) + token_offset(p.q, ref.seq, h) +
                   ref.t * p.q.stride[1];
-  const auto* k = static_cast<const unsigned short*>(p.k.data) + token_offset(p.k, ref.seq, h) +
+  const auto* k = static_cast<const bf16*>(p.k.data) + token_offset(p.k, ref.seq, h) +
                   ref.t * p.k.stride[1];
-  for (int e = threadIdx.x; e < kChunk * kRuns; e += kThreads) {
-    const int t = e / kRuns, c8 = 8 * (e % kRuns);
-    const bool live = t < ref.len && c8 < p.K;
-    // A zero fill reads nothing; its address stays the chunk's first run all the same.
-    const int64_t row = live ? t : 0, col = live ? c8 : 0;
-    copy_async<16>(&sh.u.qt.q[t][c8], q + row * p.q.stride[1] + col, live ? 16 : 0);
-    copy_async<16>(&sh.wsrc[t][c8], k + row * p.k.stride[1] + col, live ? 16 : 0);
-  }
+  // Not unrolled: unrolled, the kernel (128 registers at four blocks an SM) spilled.
+  fetch_token_rows<KP, kThreads, 1>([&sh](int t, int c) { return &sh.u.qt.q[t][c]; }, q,
+                                    p.q.stride[1], ref.len, p.K);
+  fetch_token_rows<KP, kThreads, 1>([&sh](int t, int c) { return &sh.wsrc[t][c]; }, k,
+                                    p.k.stride[1], ref.len, p.K);
   commit_async();
 }
 
@@ -865,7 +861,8 @@ static_assert(kValueTilesInT * kChunk * 64 * sizeof(bf16) <= sizeof(float) * kCh
               "the value tiles fit in T's float32 place");
 
 // Value columns [v0, v0 + 64 kValueTilesInT) of v into vt (zeros past the chunk's last token
-// and past V); committed, not waited on.
+// and past V); committed, not waited on. Not by fetch_token_rows (cuda/chunk_records.cuh):
+// with its stepping pointer the split A_qk form at K = 128 spilled 32 bytes, at any unrolling.
 template <int KP>
 __device__ void fetch_value_tiles(const RecurrentParams& p, PrepareShared<KP>& sh,
                                   const ChunkRef& ref, int64_t hv, int64_t v0) {

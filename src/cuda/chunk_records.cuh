@@ -4,6 +4,7 @@
 
 #include "cuda/chunk_index.cuh"
 #include "cuda/chunk_params.h"
+#include "cuda/device_io.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/sequence.cuh"
 
@@ -34,6 +35,37 @@ struct Record {
 // Element (t, x) of a record matrix (any width: the tiles make it independent of it).
 __host__ __device__ __forceinline__ int64_t record_index(int t, int64_t x) {
   return (x >> 6) * (kChunk * 64) + t * 64 + ((((x >> 3) & 7) ^ (t & 7)) << 3) + (x & 7);
+}
+
+// Rows [0, kChunk) of a dense bfloat16 token tensor, kWidth channels of each, into shared
+// memory by 16-byte cp.async pieces, the piece of row t at channel c going to at(t, c); zeros
+// past len and past `cols`. A thread keeps one run of 8 channels and steps down the rows (a
+// row's pieces go to consecutive threads: coalesced reads), so its addresses advance by
+// constants. kUnroll: the loop's unrolling (all its passes by default; a kernel short of
+// registers takes fewer). Commits nothing.
+template <int kWidth, int kThreads, int kUnroll = kChunk, class At>
+__device__ __forceinline__ void fetch_token_rows(At at, const bf16* rows, int64_t stride,
+                                                 int len, int cols) {
+  constexpr int kPieces = kWidth / 8, kStep = kThreads / kPieces;  // rows a pass
+  static_assert(kThreads % kPieces == 0 && kChunk % kStep == 0, "whole rows a pass");
+  const int t0 = threadIdx.x / kPieces, c8 = 8 * (threadIdx.x % kPieces);
+  const bool in_cols = c8 < cols;
+  const bf16* src = rows + t0 * stride + c8;
+#pragma unroll(kUnroll)
+  for (int r = 0; r < kChunk / kStep; ++r, src += kStep * stride) {
+    const int t = t0 + r * kStep;
+    const bool live = in_cols && t < len;
+    // 0 bytes: zero-filled, nothing read (the first row stands in for the address)
+    copy_async<16>(at(t, c8), live ? src : rows, live ? 16 : 0);
+  }
+}
+
+// The same into a matrix laid out as a record's (record_index).
+template <int kWidth, int kThreads, int kUnroll = kChunk>
+__device__ __forceinline__ void fetch_token_rows(bf16* record, const bf16* rows, int64_t stride,
+                                                 int len, int cols) {
+  fetch_token_rows<kWidth, kThreads, kUnroll>(
+      [record](int t, int c) { return record + record_index(t, c); }, rows, stride, len, cols);
 }
 
 // chunk_record_floats(KP) as a constant device code can read (the function is host code),

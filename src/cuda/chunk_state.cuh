@@ -135,28 +135,6 @@ struct TokenRows {
   int len = 0, K = 0, cols = 0;
 };
 
-// Rows of a dense bfloat16 token tensor, kWidth channels of each, into a stage matrix laid out
-// as a record's (cuda/chunk_records.cuh) by 16-byte cp.async pieces, zeros past len and past
-// `cols`. A thread keeps one run of 8 channels and steps down the rows (a row's pieces go to
-// consecutive threads: coalesced reads), so its addresses advance by constants. Commits
-// nothing.
-template <int kWidth, int kThreads>
-__device__ __forceinline__ void fetch_token_rows(bf16* dst, const bf16* rows, int64_t stride,
-                                                 int len, int cols) {
-  constexpr int kPieces = kWidth / 8, kStep = kThreads / kPieces;  // rows a pass
-  static_assert(kThreads % kPieces == 0 && kChunk % kStep == 0, "whole rows a pass");
-  const int t0 = threadIdx.x / kPieces, c8 = 8 * (threadIdx.x % kPieces);
-  const bool in_k = c8 < cols;
-  const bf16* src = rows + t0 * stride + c8;
-#pragma unroll
-  for (int r = 0; r < kChunk / kStep; ++r, src += kStep * stride) {
-    const int t = t0 + r * kStep;
-    const bool live = in_k && t < len;
-    // 0 bytes: zero-filled, nothing read (the first row stands in for the address)
-    copy_async<16>(dst + record_index(t, c8), live ? src : rows, live ? 16 : 0);
-  }
-}
-
 // Copies one record (this block's tile of u, unless with_u is false: a map's identity
 // columns have none) into a stage: on Hopper one bulk copy per matrix, completing on the
 // stage's barrier `landed`; elsewhere 16-byte cp.async pieces in one commit group. Token rows
