@@ -38,9 +38,9 @@ constexpr const char* kInverseSetting = "FLASHDELTA_CHUNK_INVERSE";
 // issue 5's first row 4.1e-3 -> 3.0e-3 against fp64, at +15% of the KDA forward (H100,
 // bench/NOTES.md (bk)). `auto` and `bf16` keep single bfloat16.
 constexpr const char* kAqkSetting = "FLASHDELTA_CHUNK_AQK";
-// `operands` leaves u out of the records too (ChunkParams::v_from_tokens: opt-in until it is
-// measured on a GPU), `full` keeps qg and kg in them (no qk_from_tokens): for tests and A/B
-// timing.
+// `auto` (or `operands`) leaves every operand the state kernel can read as given out of the
+// records (ChunkParams::qk_from_tokens and v_from_tokens); `qk` keeps u in them, `full` also
+// qg and kg: for tests and A/B timing.
 constexpr const char* kRecordsSetting = "FLASHDELTA_CHUNK_RECORDS";
 // A maps step against a scan step (no outputs, no A_qk term). It weighed 0.6 while the
 // records came by cp.async (bench/NOTES.md (ab)); with bulk copies the scan step is shorter
@@ -90,9 +90,9 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
                    bf16_dense_runs(r.v, p.V) &&
                    (r.gate != cuda::GateForm::vector || bf16_dense_runs(r.g, p.K));
   c.dense_output = bf16_dense_runs(c.p.o, p.V);
-  const std::string records = env_setting(kRecordsSetting, {"auto", "operands", "full"});
+  const std::string records = env_setting(kRecordsSetting, {"auto", "operands", "qk", "full"});
   c.qk_from_tokens = records != "full" && c.dense_tokens && r.gate != cuda::GateForm::vector;
-  c.v_from_tokens = records == "operands" && c.dense_tokens;
+  c.v_from_tokens = records != "full" && records != "qk" && c.dense_tokens;
   const std::string inverse = env_setting(kInverseSetting, {"auto", "distance", "tf32"});
   c.inverse_by_columns = inverse != "distance";
   c.inverse_one_product = inverse == "tf32";

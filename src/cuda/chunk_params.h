@@ -120,8 +120,8 @@ struct ChunkParams {
   // its stage and takes u^T = v^T tu^T itself (v^T for the linear write), a product off its
   // chain through the state. At K = V = 128 the prepare kernel reads 16 KB less (no v) and
   // writes 8 KB less a record, the state kernel reads 8 KB more; u stays float32.
-  // FLASHDELTA_CHUNK_RECORDS: `auto` takes the first where it applies, `operands` both
-  // (opt-in until measured on a GPU), `full` neither (qg, kg and u in the records).
+  // FLASHDELTA_CHUNK_RECORDS: `auto` takes both where they apply, `qk` the first alone, `full`
+  // neither (qg, kg and u in the records).
   bool v_from_tokens = false;
 };
 

@@ -214,8 +214,8 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
     EXPECT_EQ(forward_workspace_bytes(a, c.options, kChunk), need + 768 * 64 * 2);
   }
   // Dense bfloat16 inputs at V = 128 (KDA's gate computed in the kernel from a bfloat16 input):
-  // for Gated DeltaNet no qg and kg (FLASHDELTA_CHUNK_RECORDS=full keeps them), and with
-  // FLASHDELTA_CHUNK_RECORDS=operands T diag(beta) (64 columns) instead of u.
+  // T diag(beta) (64 columns) instead of u, and for Gated DeltaNet no qg and kg;
+  // FLASHDELTA_CHUNK_RECORDS=qk keeps u, `full` also qg and kg.
   for (const Mechanism m : {Mechanism::kda, Mechanism::gated_deltanet}) {
     const Case dense = make_case({.mechanism = m, .B = 2, .T = 130, .K = 128, .V = 128,
                                   .dtype = DType::bf16, .gate_in_kernel = true});
@@ -223,12 +223,16 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
     const ForwardArgs args = labelled_cuda(dense.args(o3, &s3));
     const size_t floats = 12 * (128 + 64 + 64) * 4, qk = 2u * 768 * 128 * 2,
                  full = 4u * 768 * 128 * 2 + 768 * 64 * 2 + floats;
-    const size_t automatic = m == Mechanism::kda ? full : full - qk;
+    const size_t with_u = m == Mechanism::kda ? full : full - qk,
+                 automatic = with_u - 768 * 128 * 2 + 768 * 64 * 2;
     EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk), automatic);
+    for (const char* same : {"auto", "operands"}) {
+      const ScopedEnv records(kRecords, same);
+      EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk), automatic) << same;
+    }
     {
-      const ScopedEnv records(kRecords, "operands");
-      EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk),
-                automatic - 768 * 128 * 2 + 768 * 64 * 2);
+      const ScopedEnv records(kRecords, "qk");
+      EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk), with_u);
     }
     const ScopedEnv records(kRecords, "full");
     EXPECT_EQ(forward_workspace_bytes(args, dense.options, kChunk), full);
@@ -263,7 +267,7 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
 // Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general,
 // FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync, FLASHDELTA_CHUNK_STATE_STAGES auto, 1 or
 // 2, FLASHDELTA_CHUNK_INVERSE auto, distance or tf32, FLASHDELTA_CHUNK_AQK auto, bf16 or split,
-// FLASHDELTA_CHUNK_RECORDS auto, operands or full (read for every mechanism and input, not only
+// FLASHDELTA_CHUNK_RECORDS auto, operands, qk or full (read for every mechanism and input, not only
 // where it applies);
 // anything else fails the call (here its size query, before any device access) naming the
 // variable; so does the one-product inverse with the A_qk pair (not built together).
@@ -283,7 +287,7 @@ TEST(CudaChunkSettings, RejectUnknownValues) {
                               {kStateStages, {"", "auto", "1", "2"}, "3"},
                               {kInverse, {"", "auto", "distance", "tf32"}, "columns"},
                               {kAqk, {"", "auto", "bf16", "split"}, "pair"},
-                              {kRecords, {"", "auto", "operands", "full"}, "keep_u"}};
+                              {kRecords, {"", "auto", "operands", "qk", "full"}, "keep_u"}};
   for (const Setting& setting : settings) {
     for (const char* fine : setting.fine) {
       const ScopedEnv set(setting.name, fine);
@@ -888,11 +892,11 @@ TEST(CudaChunk, DenseAndGeneralPathsAgree) {
   }
 }
 
-// Without a vector gate and with dense bfloat16 q and k the state kernel reads q and k as
-// given and applies the gate's per-token factors itself (ChunkParams::qk_from_tokens, the
-// default); with FLASHDELTA_CHUNK_RECORDS=operands it also reads v as given and takes
-// u = T diag(beta) v itself, for every gate form (v_from_tokens); with full the records keep
-// qg, kg and u as before. The forms round differently (qg, kg and u in bfloat16 against q, k,
+// With dense bfloat16 inputs the state kernel reads v as given and takes u = T diag(beta) v
+// itself, for every gate form (ChunkParams::v_from_tokens), and without a vector gate also q
+// and k, applying the gate's per-token factors itself (qk_from_tokens): the default, also
+// named FLASHDELTA_CHUNK_RECORDS=operands; with `qk` the records keep u, with `full` also qg
+// and kg. The forms round differently (qg, kg and u in bfloat16 against q, k,
 // v as given with float32 factors and u in float32; A_qk with or without n_q on its rows), so
 // they agree to far below the reference's tolerance, not bitwise; a misread token row or a
 // factor applied twice would be an error of order 1. Every form is checked against the
@@ -900,9 +904,9 @@ TEST(CudaChunk, DenseAndGeneralPathsAgree) {
 // fused transforms, gates to -1000, K = 40, 64, 128 and 256 (tiles padded past K), V over
 // several tiles with a partial last one, varlen with empty, one-token and partial chunks,
 // GVA, the linear write, 3 segments (the maps read k, the segments' value blocks v), both
-// state layouts. The fused cases again with the operands on mma.sync and with one record stage
-// (bitwise the same as two), Gated DeltaNet's with the default (q and k as given, u in the
-// records; for KDA the default is the full records).
+// state layouts. The fused cases again with the default (bitwise the same as `operands`), with
+// the operands on mma.sync and with one record stage (bitwise the same as two), Gated
+// DeltaNet's with `qk` (for KDA that is the full records).
 TEST(CudaChunk, TokenOperandsAndRecordsAgree) {
   FLASHDELTA_REQUIRE_GPU();
   std::vector<std::pair<std::string, CaseConfig>> cases = {
@@ -953,8 +957,9 @@ TEST(CudaChunk, TokenOperandsAndRecordsAgree) {
     expect_runs_close(operands, full, 5e-3, what);
     expect_about_as_accurate(c, operands, full, what, {"the operands as given", "the records"});
     if (what.find("fused") == std::string::npos) continue;
+    EXPECT_EQ(run(c, what, nullptr).o, operands.o) << what << ": the default against operands";
     if (cfg.mechanism == Mechanism::gated_deltanet)
-      expect_runs_close(run(c, what, nullptr), full, 5e-3, what + ", records auto");
+      expect_runs_close(run(c, what, "qk"), full, 5e-3, what + ", records qk");
     const ScopedEnv set(kRecords, "operands");
     ChunkStatesRun one_stage, mma_sync;
     {
