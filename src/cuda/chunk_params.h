@@ -119,7 +119,8 @@ struct ChunkParams {
   // T diag(beta) (tu, C x C), and the state kernel copies its block's tile of v's rows into
   // its stage and takes u^T = v^T tu^T itself (v^T for the linear write), a product off its
   // chain through the state. At K = V = 128 the prepare kernel reads 16 KB less (no v) and
-  // writes 8 KB less a record, the state kernel reads 8 KB more; u stays float32.
+  // writes 8 KB less a record, the state kernel reads 8 KB more; u stays float32. On an H100
+  // the KDA forward -7%, Gated DeltaNet's -9% (bench/NOTES.md (bt)).
   // FLASHDELTA_CHUNK_RECORDS: `auto` takes both where they apply, `qk` the first alone, `full`
   // neither (qg, kg and u in the records).
   bool v_from_tokens = false;

@@ -267,8 +267,8 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
 // Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general,
 // FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync, FLASHDELTA_CHUNK_STATE_STAGES auto, 1 or
 // 2, FLASHDELTA_CHUNK_INVERSE auto, distance or tf32, FLASHDELTA_CHUNK_AQK auto, bf16 or split,
-// FLASHDELTA_CHUNK_RECORDS auto, operands, qk or full (read for every mechanism and input, not only
-// where it applies);
+// FLASHDELTA_CHUNK_RECORDS auto, operands, qk or full (read for every mechanism and input,
+// not only where it applies);
 // anything else fails the call (here its size query, before any device access) naming the
 // variable; so does the one-product inverse with the A_qk pair (not built together).
 TEST(CudaChunkSettings, RejectUnknownValues) {
