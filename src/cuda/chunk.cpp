@@ -64,7 +64,7 @@ Carver layout_of(cuda::ChunkParams& c, bool varlen) {
   r.add(w.w, c.p.delta ? rows * c.KP : 0);
   r.add(w.u, c.v_from_tokens ? 0 : rows * c.VP);
   r.add(w.aqk, rows * cuda::kChunk);
-  r.add(w.tu, c.v_from_tokens && c.p.delta ? rows * cuda::kChunk : 0);
+  r.add(w.tu, cuda::records_keep_tu(c) ? rows * cuda::kChunk : 0);
   r.add(c.aqk_lo, c.split_aqk ? rows * cuda::kChunk : 0);
   r.add(w.decay, records * cuda::chunk_record_floats(c.KP));
   r.add(w.segment_maps,

@@ -126,6 +126,13 @@ struct ChunkParams {
   bool v_from_tokens = false;
 };
 
+// Whether the records keep T diag(beta) (ChunkParams::v_from_tokens with the delta rule): the
+// workspace's region for it and the state kernel's shared memory (host side; the kernels test
+// the two flags themselves, as they are).
+inline bool records_keep_tu(const ChunkParams& c) {
+  return c.v_from_tokens && c.p.delta;
+}
+
 // The three launches of a forward, in order on `stream` (a cudaStream_t); each returns
 // without synchronising. The chunk table runs only with cu_seqlens (ws.chunk_start set).
 void launch_chunk_table(const ChunkParams& c, void* stream);

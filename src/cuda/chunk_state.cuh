@@ -109,8 +109,6 @@ constexpr int kSharedAlignSlack = 1024;
 template <int KP, int kStages = kDefaultStages<KP>, bool kSplit = false>
 inline constexpr int kStateSharedBytes =
     sizeof(StateShared<KP, kStages, kSplit>) + kSharedAlignSlack;
-static_assert(kBlocksPerSM<128, 1> * kStateSharedBytes<128, 1, true> <= 227 * 1024,
-              "one stage at K <= 128 fits twice in a Hopper SM");
 // Each stage's T diag(beta) (ChunkParams::v_from_tokens with the delta rule; u's slot holds
 // v's tile then) lies past StateShared, 1024-byte aligned for wgmma, in memory that only
 // those launches request (kTuSharedBytes more): the other launches keep their size.
@@ -124,6 +122,9 @@ template <int KP, int kStages, bool kSplit>
 constexpr int state_shared_bytes(bool tu) {
   return kStateSharedBytes<KP, kStages, kSplit> + (tu ? kTuSharedBytes<KP, kStages, kSplit> : 0);
 }
+static_assert(kBlocksPerSM<128, 1> * state_shared_bytes<128, 1, true>(true) <= 227 * 1024,
+              "one stage at K <= 128, with the A_qk pair and T diag(beta), fits twice in a "
+              "Hopper SM");
 
 // A chunk's rows of the token tensors the state kernel reads as given: q and k
 // (ChunkParams::qk_from_tokens; null otherwise), row t at q + t q_stride (k alike), K bfloat16
@@ -140,8 +141,8 @@ struct TokenRows {
 // stage's barrier `landed`; elsewhere 16-byte cp.async pieces in one commit group. Token rows
 // come by cp.async instead, in one commit group: with tokens.k (ChunkParams::qk_from_tokens)
 // the stage's qg and kg take the chunk's rows of q (with_q: the maps need none) and k, with
-// tokens.v (v_from_tokens) its u takes the tile of v and, with the delta rule, tu (the
-// stage's, kTuOffset) the record's T diag(beta).
+// tokens.v (v_from_tokens) its u takes the tile of v, and stage_tu (the stage's place past
+// StateShared, kTuOffset; null unless records_keep_tu) the record's T diag(beta).
 template <int KP, bool kSplit>
 __device__ void fetch_record(const Record& r, const TokenRows& tokens, int64_t j0, bool delta,
                              bool with_u, bool with_q, StageOf<KP, kSplit>& st, bf16* stage_tu,
@@ -838,7 +839,7 @@ void launch_state_kernel(const ChunkParams& c, int64_t tiles, cudaStream_t strea
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     kernel<<<static_cast<unsigned>(blocks), G::kThreads, smem, stream>>>(c);
   };
-  const bool tu = c.v_from_tokens && c.p.delta;
+  const bool tu = records_keep_tu(c);
   if constexpr (kWgmma && KP <= 128) {
     const bool one = c.state_stages == 1 ||
                      (c.state_stages == 0 && blocks > c.sm_count && blocks <= 2 * c.sm_count);
@@ -888,7 +889,7 @@ bool one_stage_only(const ChunkParams& c) {
       cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
           cudaSuccess)
     throw Error(ErrorCode::runtime, "the CUDA chunk schedule: no usable CUDA device");
-  const bool tu = c.v_from_tokens && c.p.delta;
+  const bool tu = records_keep_tu(c);
   const int smem = state_shared_bytes<KP, kDefaultStages<KP>, kSplit>(tu);
   if (available >= smem) return false;
   // The pair's second stage, or the second stage's T diag(beta), passes an A100's 163 KB at

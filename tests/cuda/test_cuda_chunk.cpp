@@ -694,23 +694,22 @@ TEST(CudaChunk, WgmmaAndMmaSyncStateProductsAgree) {
   }
 }
 
-// c's outputs, final states and chunk states (float32) with `setting` unset and set to
-// `forced`, each run also checked against the reference (labelled what + ", " + the label).
+// c's outputs, final states and chunk states (float32) with `setting` set to `value` (null:
+// unset), the run also checked against the reference (labelled what + ", " + label).
+ChunkStatesRun run_with_setting(const Case& c, const std::string& what, const char* setting,
+                                const char* value, const std::string& label) {
+  const ScopedEnv set(setting, value);
+  ChunkStatesRun run = run_with_chunk_states(c, DType::f32, kChunk);
+  expect_forward_matches_reference(c, what + ", " + label, kChunk);
+  return run;
+}
+
+// The same with `setting` unset and set to `forced`.
 std::pair<ChunkStatesRun, ChunkStatesRun> run_default_and_forced(
     const Case& c, const std::string& what, const char* setting,
     const std::pair<const char*, const char*>& labels, const char* forced) {
-  std::pair<ChunkStatesRun, ChunkStatesRun> runs;
-  {
-    const ScopedEnv automatic(setting, nullptr);
-    runs.first = run_with_chunk_states(c, DType::f32, kChunk);
-    expect_forward_matches_reference(c, what + ", " + labels.first, kChunk);
-  }
-  {
-    const ScopedEnv set(setting, forced);
-    runs.second = run_with_chunk_states(c, DType::f32, kChunk);
-    expect_forward_matches_reference(c, what + ", " + labels.second, kChunk);
-  }
-  return runs;
+  return {run_with_setting(c, what, setting, nullptr, labels.first),
+          run_with_setting(c, what, setting, forced, labels.second)};
 }
 
 // The prepare kernel's two orders of T's blocks off the diagonal (cuda/chunk_inverse.cuh): by
@@ -941,14 +940,9 @@ TEST(CudaChunk, TokenOperandsAndRecordsAgree) {
       {"kda, 3 segments", {.T = 700, .H = 2, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
                            .qk_l2norm = true, .gate_in_kernel = true, .seed = 6010}},
   };
-  // c's run with FLASHDELTA_CHUNK_RECORDS set to `records` (null: unset), checked against the
-  // reference.
   auto run = [](const Case& c, const std::string& what, const char* records) {
-    const ScopedEnv set(kRecords, records);
-    ChunkStatesRun r = run_with_chunk_states(c, DType::f32, kChunk);
-    expect_forward_matches_reference(c, what + ", records " + (records ? records : "auto"),
-                                     kChunk);
-    return r;
+    return run_with_setting(c, what, kRecords, records,
+                            std::string("records ") + (records ? records : "auto"));
   };
   for (const auto& [what, cfg] : cases) {
     const ScopedEnv split(kSegments, what.find("segments") != std::string::npos ? "3" : nullptr);
