@@ -102,10 +102,11 @@ def chunk_backward(q, k, v, g, beta, S0, d_o, d_final):
         dkg = x["vn"] @ dS.T
         dgC = eC * (dS * S).sum(1) + (dkg * x["kg"]).sum(0)
         dw = -dvn @ S.T
-        # The WY form: w = T kb, u = T vb, T = (I + A_kk)^-1.
-        dT = dvn @ x["vb"].T + dw @ x["kb"].T
+        # The WY form: w = T kb, u = T vb, T = (I + A_kk)^-1. w and u enter only vn = u - w S,
+        # so dT = dvn vb^T + dw kb^T = dvn (vb - kb S)^T = dvn ((I + A_kk) vn)^T, and
+        # dA_kk = -T^T dT T^T = -T^T dvn vn^T: one product, as cuda/backward_chunk.cu takes it.
         dvb, dkb = x["Tm"].T @ dvn, x["Tm"].T @ dw
-        dAkk = torch.tril(-x["Tm"].T @ dT @ x["Tm"].T, -1)
+        dAkk = torch.tril(-dvb @ x["vn"].T, -1)
         # Back to q, k, v, beta and Gamma.
         dG = dLq * x["Lq"]
         dqc = dLq * x["E"]

@@ -431,63 +431,56 @@ struct PairScratch {
 static_assert(offsetof(GradTables, steps) >= sizeof(float[kC][kDwLd]),
               "the tables' steps lie past dw");
 
-// grads' first C x C products in one staged pass: out_0 = a_0 b_0^T (d A_qk, summed over V)
-// and out_1 = a_1 b_1^T + a_2 b_2^T (dT: over V, then over K), for rows and columns < M,
-// handed to epi(out, m, n, value); operand pair p sums over l < L[p], every operand row-major
-// (contiguous in l). One slice loop stages all six operands' slices (cp.async,
-// double-buffered) and each warp keeps its tiles of both outputs: a third of the staged rounds
-// and barriers of three staged_product calls. Warp w owns rows 16 (w % 4) .. + 15 and the
-// 8-column tiles w / 4, + 2, + 4, + 6. tf32 operands (kBf16: bfloat16, below), float32 sums
-// in a fixed order. Starts and ends with a block barrier.
+// grads' first C x C products in one staged pass over V: out_p = a_p b^T for p = 0, 1 (with
+// the delta rule, d A_qk = dO v_new^T and T^T dv_new v_new^T, whose operands share the right
+// one), for rows and columns < M, handed to epi(p, m, n, value); every operand row-major
+// (contiguous in l, the summed index, l < L). One slice loop stages all three operands'
+// slices (cp.async, double-buffered) and each warp keeps its tiles of both outputs. Warp w
+// owns rows 16 (w % 4) .. + 15 and the 8-column tiles w / 4, + 2, + 4, + 6. tf32 operands
+// (kBf16: bfloat16, below), float32 sums in a fixed order. Starts and ends with a block
+// barrier.
 //
-// kBf16 (BackwardParams::joint_bf16): one m16n8k16 per slice, tile and pair on operands
+// kBf16 (BackwardParams::joint_bf16): one m16n8k16 per slice, tile and output on operands
 // rounded to bfloat16 where the fragments are read (where tf32 took two m16n8k8 and a
 // conversion per element read). The sum over a slice's 16 values takes them in any order
 // both operands agree on, so lane (g, c) gives the mma its own values 4c .. 4c + 3 of a row:
 // k slots 2c, 2c + 1 hold values 4c, 4c + 1 and slots 2c + 8, 2c + 9 values 4c + 2, 4c + 3
 // (as the keys stage's bfloat16 forms, cuda/backward_keys.cu): one 16-byte read per operand
 // row, in rows of 16 floats, whose 8-lane phases then meet 32 distinct banks.
-constexpr int kJointPairs = 3, kJointL = 16, kJointLd = kJointL + 4;  // 4 mod 32: no conflicts
+constexpr int kJointOuts = 2, kJointL = 16, kJointLd = kJointL + 4;  // 4 mod 32: no conflicts
 template <bool kBf16>
 constexpr int kJointRowLd = kBf16 ? kJointL : kJointLd;
 struct alignas(16) JointStage {
-  float a[2][kJointPairs][kC * kJointLd];  // [buffer][pair]: a_p(m, l0 + l) at [m * ld + l]
-  float b[2][kJointPairs][kC * kJointLd];
+  float a[2][kJointOuts][kC * kJointLd];  // [buffer][output]: a_p(m, l0 + l) at [m * ld + l]
+  float b[2][kC * kJointLd];
 };
 
 template <bool kBf16, class Epi>
-__device__ void joint_products(int M, const int (&L)[kJointPairs],
-                               const Rows (&a)[kJointPairs], const Rows (&bm)[kJointPairs],
+__device__ void joint_products(int M, int L, const Rows (&a)[kJointOuts], const Rows& bm,
                                JointStage& st, const Epi& epi) {
   constexpr int kLd = kJointRowLd<kBf16>;
-  constexpr int kOut[kJointPairs] = {0, 1, 1};
   constexpr int kRowTiles = kC / 16, kColGroups = kWarps / kRowTiles;
   constexpr int kTiles = kC / 8 / kColGroups;  // column tiles per warp and output
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int m0 = warp % kRowTiles * 16, first = warp / kRowTiles;
   const bool rows = m0 < M;
-  int slices = 0;
-#pragma unroll
-  for (int p = 0; p < kJointPairs; ++p) slices = max(slices, (L[p] + kJointL - 1) / kJointL);
+  const int slices = (L + kJointL - 1) / kJointL;
   auto stage = [&](int s) {
 #pragma unroll
-    for (int p = 0; p < kJointPairs; ++p) {
-      if (s * kJointL >= L[p]) continue;  // this pair's sum is over
-      stage_operand<kJointL, true>([&](int m, int l) { return a[p].at(m, l); }, M, kC, L[p],
+    for (int p = 0; p < kJointOuts; ++p)
+      stage_operand<kJointL, true>([&](int m, int l) { return a[p].at(m, l); }, M, kC, L,
                                    s * kJointL, false, st.a[s & 1][p], kLd);
-      stage_operand<kJointL, true>([&](int n, int l) { return bm[p].at(n, l); }, M, kC, L[p],
-                                   s * kJointL, false, st.b[s & 1][p], kLd);
-    }
+    stage_operand<kJointL, true>([&](int n, int l) { return bm.at(n, l); }, M, kC, L,
+                                 s * kJointL, false, st.b[s & 1], kLd);
   };
-  Acc acc[2][kTiles];
+  Acc acc[kJointOuts][kTiles];
   __syncthreads();
   over_buffered_slices<2>(slices, stage, [&](int s) {
     if (!rows) return;
+    const float* sb = st.b[s & 1];
 #pragma unroll
-    for (int p = 0; p < kJointPairs; ++p) {
-      if (s * kJointL >= L[p]) continue;
+    for (int p = 0; p < kJointOuts; ++p) {
       const float* sa = st.a[s & 1][p];
-      const float* sb = st.b[s & 1][p];
       if constexpr (kBf16) {
         const float4 lo = *reinterpret_cast<const float4*>(sa + (m0 + g) * kLd + 4 * c);
         const float4 hi = *reinterpret_cast<const float4*>(sa + (m0 + g + 8) * kLd + 4 * c);
@@ -497,8 +490,7 @@ __device__ void joint_products(int M, const int (&L)[kJointPairs],
         for (int e = 0; e < kTiles; ++e) {
           const int n0 = (first + kColGroups * e) * 8;
           const float4 col = *reinterpret_cast<const float4*>(sb + (n0 + g) * kLd + 4 * c);
-          if (n0 < M)
-            mma_bf16(acc[kOut[p]][e], af, pack_bf16(col.x, col.y), pack_bf16(col.z, col.w));
+          if (n0 < M) mma_bf16(acc[p][e], af, pack_bf16(col.x, col.y), pack_bf16(col.z, col.w));
         }
       } else {
 #pragma unroll
@@ -511,7 +503,7 @@ __device__ void joint_products(int M, const int (&L)[kJointPairs],
           for (int e = 0; e < kTiles; ++e) {
             const int n0 = (first + kColGroups * e) * 8;
             const float* col = sb + (n0 + g) * kLd + k0 + c;
-            if (n0 < M) mma_tf32(acc[kOut[p]][e], af, to_tf32(col[0]), to_tf32(col[4]));
+            if (n0 < M) mma_tf32(acc[p][e], af, to_tf32(col[0]), to_tf32(col[4]));
           }
         }
       }
@@ -519,13 +511,13 @@ __device__ void joint_products(int M, const int (&L)[kJointPairs],
   });
   if (rows) {
 #pragma unroll
-    for (int o = 0; o < 2; ++o)
+    for (int p = 0; p < kJointOuts; ++p)
 #pragma unroll
       for (int e = 0; e < kTiles; ++e)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int m = m0 + acc_row(r), n = (first + kColGroups * e) * 8 + acc_col(r);
-          if (m < M && n < M) epi(o, m, n, acc[o][e].d[r]);
+          if (m < M && n < M) epi(p, m, n, acc[p][e].d[r]);
         }
   }
   wait_async<0>();
@@ -541,13 +533,12 @@ struct GradsShared {
   float dg_rows[kC];  // scalar gate: the pairs' share of d Gamma per row (see scalar_gate_pairs)
   union {
     struct {
-      float dt[kC][kLd];  // d T
+      // The unscaled A_kk products (kdot), d beta's factors in d A_kk's epilogue; rows of
+      // 4 mod 32 floats: a fragment's 8 rows two to a bank at most.
+      alignas(16) float kdot[kC][kC + 4];
       union {
-        struct {
-          float x[kC][kLd];  // d T T^T
-          ProductStage<16> stage;
-        } after;
-        JointStage joint;  // d A_qk and dT's products, before x is written
+        ProductStage<16> stage;  // T^T dv_new (or, without the delta rule, d A_qk)
+        JointStage joint;        // d A_qk and d A_kk
       };
     } products;
     PairScratch pairs;
@@ -564,12 +555,15 @@ static_assert(2 * (sizeof(GradsShared) + 1024) <= 228 * 1024,
 constexpr int kColTiles = kGradSlice / 8;
 static_assert(kWarps == 8 && kBlocks == 4 && kColTiles == 2, "the assignment above");
 
-// T (C x C, row-major in global memory) into shared rows of kTLd floats, as 16-byte
-// asynchronous copies left uncommitted: the next commit_async / wait_async lands them.
-__device__ void stage_inverse_async(const float* tm, float (&dst)[kC][kTLd]) {
+// A C x C float32 matrix (T, or the unscaled A_kk products; row-major in global memory) into
+// shared rows of kDstLd floats, as 16-byte asynchronous copies left uncommitted: the next
+// commit_async / wait_async lands them.
+template <int kDstLd>
+__device__ void stage_matrix_async(const float* src, float (&dst)[kC][kDstLd]) {
+  static_assert(kDstLd % 4 == 0, "16-byte aligned rows");
   constexpr int kQuads = kC / 4;
   for (int idx = threadIdx.x; idx < kC * kQuads; idx += blockDim.x)
-    copy_async<16>(&dst[idx / kQuads][idx % kQuads * 4], tm + idx * 4, 16);
+    copy_async<16>(&dst[idx / kQuads][idx % kQuads * 4], src + idx * 4, 16);
 }
 
 // L2 prefetches of the chunk's rows, channels [c0, c0 + kGradSlice), of the pairwise stage's
@@ -683,7 +677,7 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
 // rho) factor in its epilogue; a (block, channel) that fails the diagonal bound adds its
 // diagonal pairs one by one, exactly, in the final epilogue. Starts with a barrier (the
 // scratch's last use and the dA writes are behind it). With the delta rule, T (pr.tm) must
-// have landed with the first slice (stage_inverse_async before it) and T^T dw's d beta share
+// have landed with the first slice (stage_matrix_async before it) and T^T dw's d beta share
 // goes to dbeta's epilogue slots.
 // kScalar (a scalar gate): daqk and dakk already carry e^(Gamma_i - Gamma_j)
 // (scalar_gate_pairs), so the sums are plain products over the slice with no tables, and
@@ -1023,57 +1017,50 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   if (kScalar)  // every channel's Gamma is the same: channel 0's
     for (int i = threadIdx.x; i < kC; i += blockDim.x)
       sh.gamma[i] = i < len ? x.k_rec(ws.gamma, i)[0] : 0.f;
-  // d beta[m] = sum over n of beta_m's share of three products' outputs, added in their
+  // d beta[m] = sum over n of beta_m's share of the products' outputs, added in their
   // epilogues (epilogue_slot; T^T dw's in add_pair_terms): nothing is stored for a second
   // pass to sum.
   auto add_dbeta = [&](int m, int n, float v) { sh.dbeta[m][epilogue_slot(n)] += v; };
   const Rows dO = x.v_rows(ws.dout);
-  ProductStage<16>& st = sh.products.after.stage;
+  ProductStage<16>& st = sh.products.stage;
   prefetch_pair_inputs<kScalar>(x, 0);  // the first key slice, needed after the products
   // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
   // workspace for reverse_cumsum_dg.
 
-  // d A_qk = tril(dO v_new^T); with the delta rule, in the same pass,
-  // dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T.
-  if (b.p.delta) {
-    const Rows a[kJointPairs] = {dO, x.v_recs(ws.dvn), x.k_recs(ws.dw)};
-    const Rows bm[kJointPairs] = {x.v_recs(ws.vn), x.v_recs(ws.vb), x.k_recs(ws.kb)};
-    const int L[kJointPairs] = {V, V, K};
-    joint_products<kJointBf16>(len, L, a, bm, sh.products.joint,
-                               [&](int o, int m, int n, float acc) {
-                                 if (o == 0)
-                                   sh.daqk[m][n] = n <= m ? acc : 0.f;
-                                 else
-                                   sh.products.dt[m][n] = acc;
-                               });
-  } else {
-    staged_product(len, len, V, dO, x.v_recs_t(ws.vn), st,
-                   [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });
-  }
-
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
+    stage_matrix_async(kdot, sh.products.kdot);  // lands with the product's first slice
     // d(beta v) = T^T dv_new, stored as it is: the outputs stage scales it by beta into dv
     // and adds its products with v to d beta, a row at a time in 16-byte loads (here every
     // output waited on its own load of v).
     staged_product(len, V, len, T_t, x.v_recs(ws.dvn), st,
                    store_rows([&](int m) { return x.v_row(ws.dv, m); }));
+    // d A_kk = -T^T dT T^T (strictly lower) needs neither dT nor T twice: w and u enter only
+    // v_new = u - w S, so dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T with
+    // dw = -dv_new S^T is dv_new (beta v - beta k e^Gamma S)^T = dv_new ((I + A_kk) v_new)^T,
+    // and T^T dT T^T = T^T dv_new v_new^T (I + A_kk)^T T^T = d(beta v) v_new^T. So
+    // d A_qk = tril(dO v_new^T) and d A_kk = -tril(d(beta v) v_new^T, -1) come from one pass
+    // over V with a shared right operand, d(beta v) read back from dv (this block wrote it
+    // before the product's closing barrier). d beta takes d A_kk's products with the
+    // unscaled A_kk products.
+    const Rows a[kJointOuts] = {dO, x.v_rows(ws.dv)};
+    joint_products<kJointBf16>(len, V, a, x.v_recs(ws.vn), sh.products.joint,
+                               [&](int p, int m, int n, float acc) {
+                                 if (p == 0) {
+                                   sh.daqk[m][n] = n <= m ? acc : 0.f;
+                                   return;
+                                 }
+                                 const float d = n < m ? -acc : 0.f;
+                                 sh.dakk[m][n] = sh.beta[m] * d;
+                                 add_dbeta(m, n, d * sh.products.kdot[m][n]);
+                               });
     // d(beta k e^Gamma) = T^T dw, per key slice in add_pair_terms (its epilogue there adds
     // to dk and dg with the slice's k and Gamma staged).
-    // d A_kk = -T^T dT T^T (strictly lower); d beta takes its products with the unscaled
-    // A_kk products, loaded a tile at a time (the four loads in flight together).
-    staged_product(len, len, len, Rows{&sh.products.dt[0][0], kLd}, T_t, st,
-                   [&](int m, int n, float acc) { sh.products.after.x[m][n] = acc; });
-    staged_product(
-        len, len, len, T_t, Rows{&sh.products.after.x[0][0], kLd}, st,
-        [&](int m, int n) { return kdot[m * kC + n]; },
-        [&](int m, int n, float acc, float products) {
-          const float d = n < m ? -acc : 0.f;
-          sh.dakk[m][n] = sh.beta[m] * d;
-          add_dbeta(m, n, d * products);
-        });
-    stage_inverse_async(tm, sh.pairs.tm);  // lands with the first key slice
+    stage_matrix_async(tm, sh.pairs.tm);  // lands with the first key slice
   } else {
+    // d A_qk = tril(dO v_new^T).
+    staged_product(len, len, V, dO, x.v_recs_t(ws.vn), st,
+                   [&](int m, int n, float acc) { sh.daqk[m][n] = n <= m ? acc : 0.f; });
     for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)
       x.v_row(ws.dv, idx / V)[idx % V] = x.v_rec(ws.dvn, idx / V)[idx % V];
   }

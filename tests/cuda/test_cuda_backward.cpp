@@ -645,13 +645,12 @@ TEST(CudaBackwardJoint, FollowsTheEnvironmentVariable) {
                             [] { return detail::cuda_backward_joint_bf16(); });
 }
 
-// grads' first products on bfloat16 operands (FLASHDELTA_BACKWARD_JOINT=bf16: d A_qk over V,
-// dT over V then K, their permuted k slots) against the reference and the tf32 form: GVA
-// with the fused transforms, a scalar gate (grads' short form) on varlen float16 with empty
-// and one-token sequences (K = 64, V = 40: the sums over V end a slice before dT's over K),
-// K and V not multiples of 16 (partial last slices) and V = 33 (rows not 16-byte aligned),
-// K = V = 256 (16 slices), V = 12 (one slice against K's four), K = 32 < V = 64 (the sums
-// over V outlast dw's over K), a short last chunk.
+// grads' first products on bfloat16 operands (FLASHDELTA_BACKWARD_JOINT=bf16: d A_qk and
+// d(beta v) v_new^T over V, their permuted k slots) against the reference and the tf32 form:
+// GVA with the fused transforms, a scalar gate (grads' short form) on varlen float16 with
+// empty and one-token sequences (K = 64, V = 40), K and V not multiples of 16 (partial last
+// slices) and V = 33 (rows not 16-byte aligned), K = V = 256 (16 slices), V = 12 (one
+// slice), K = 32 < V = 64, a short last chunk.
 TEST(CudaBackward, JointProductsOnBfloat16OperandsMatchTheReference) {
   FLASHDELTA_REQUIRE_GPU();
   expect_bf16_forms_match(
