@@ -395,14 +395,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) records_kernel(const Back
     __syncthreads();
     for (int idx = threadIdx.x; idx < len * V; idx += blockDim.x)
       x.v_rec(b.ws.u, idx / V)[idx % V] = x.v_rec(b.ws.vb, idx / V)[idx % V];
-    __syncthreads();
   }
-  // beta k e^Gamma and beta v were this block's staging for the two products alone (grads
-  // takes d A_kk without them): their lines, written above and likely still in L2, are
-  // dropped rather than written back (a record's rows are 256-byte multiples at 256-byte
-  // aligned bases).
-  discard_l2_lines(x.k_rec(b.ws.kb, 0), int64_t{kC} * K * sizeof(float));
-  discard_l2_lines(x.v_rec(b.ws.vb, 0), int64_t{kC} * V * sizeof(float));
 }
 
 // Grads' tables: the slice's channel is the products' column index (row length 8 mod 32);

@@ -186,19 +186,6 @@ __device__ inline void prefetch_row_lines(const T* p, int64_t stride, int rows, 
   }
 }
 
-// Drops the block's L2 lines of [p, p + bytes) without writing them back (discard.global.L2:
-// their contents become undefined): for scratch the block wrote and has read for the last
-// time, so that its dirty lines never cost DRAM writes. p and bytes multiples of 128; the
-// caller's barrier must order every read of the range before this. A no-op before sm_80.
-__device__ inline void discard_l2_lines(const void* p, int64_t bytes) {
-#if __CUDA_ARCH__ >= 800
-  const char* base = static_cast<const char*>(p);
-  const int lines = static_cast<int>(bytes / 128);
-  for (int idx = threadIdx.x; idx < lines; idx += blockDim.x)
-    asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(base + idx * int64_t{128}) : "memory");
-#endif
-}
-
 // prefetch_row_lines of `rows` token rows of a 16-bit tensor with unit channel stride
 // (channels [0, channels) from element offset `off`); other layouts are not prefetched.
 __device__ inline void prefetch_token_rows(const TokenTensor& x, int64_t off, int rows, int channels) {
