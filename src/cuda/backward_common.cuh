@@ -256,19 +256,16 @@ template <class Row>
 inline constexpr bool kIsStoreRows<StoreRows<Row>> = true;
 
 // out(m, n) = sum over l < L of a(m, l) b(l, n) for m < M <= kC, n < N <= kMaxCols, handed to
-// epi(m, n, value, load(m, n)) (or stored by a StoreRows epi), on the tensor cores: tf32 operands (rounded to nearest),
-// float32 accumulators. In each pass warp w owns rows 16 (w % 4) .. + 15 and every other
-// 8-column tile starting at w / 4. Each output belongs to one lane and is summed in a fixed
-// order: deterministic, and epi may read-modify-write any array at (m, n) that is not an
-// operand. `load` returns what epi reads from global memory (any type): a lane loads for all
-// four elements of an output tile before it stores any, so those loads are in flight together
-// (the compiler cannot move a load past a store that may alias it; two tiles at a time spill
-// grads_kernel past its 128 registers). Slice s + 1 is in flight while slice s is multiplied.
-// Starts and ends with a block barrier, so operands written just before and arrays the
-// epilogue writes are safe to use around it.
-template <int kL, class A, class Bm, class Load, class Epi>
+// epi(m, n, value) (or stored by a StoreRows epi), on the tensor cores: tf32 operands (rounded
+// to nearest), float32 accumulators. In each pass warp w owns rows 16 (w % 4) .. + 15 and
+// every other 8-column tile starting at w / 4. Each output belongs to one lane and is summed
+// in a fixed order: deterministic, and epi may read-modify-write any array at (m, n) that is
+// not an operand. Slice s + 1 is in flight while slice s is multiplied. Starts and ends with a
+// block barrier, so operands written just before and arrays the epilogue writes are safe to
+// use around it.
+template <int kL, class A, class Bm, class Epi>
 __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
-                               ProductStage<kL>& st, const Load& load, const Epi& epi) {
+                               ProductStage<kL>& st, const Epi& epi) {
   using Stage = ProductStage<kL>;
   constexpr bool kALast = !A::kContiguousFirst;  // A staged [m][l]
   constexpr bool kBLast = Bm::kContiguousFirst;  // B staged [n][l]
@@ -327,24 +324,14 @@ __device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
         }
       }
     } else {
-      constexpr int kLoadBatch = 1;  // output tiles whose loads go out together
-      static_assert(kTilesPerWarp % kLoadBatch == 0, "whole batches");
 #pragma unroll
-      for (int e0 = 0; e0 < kTilesPerWarp; e0 += kLoadBatch) {
-        decltype(load(0, 0)) in[kLoadBatch][4];
-        auto each = [&](auto&& f) {
+      for (int e = 0; e < kTilesPerWarp; ++e)
 #pragma unroll
-          for (int e = e0; e < e0 + kLoadBatch; ++e)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              const int nt = (first_tile + kColGroups * e) * 8;
-              const int m = m0 + acc_row(r), n = n0 + nt + acc_col(r);
-              if (nt < N8 && m < M && n < N) f(e, r, m, n);
-            }
-        };
-        each([&](int e, int r, int m, int n) { in[e - e0][r] = load(m, n); });
-        each([&](int e, int r, int m, int n) { epi(m, n, acc[e].d[r], in[e - e0][r]); });
-      }
+        for (int r = 0; r < 4; ++r) {
+          const int nt = (first_tile + kColGroups * e) * 8;
+          const int m = m0 + acc_row(r), n = n0 + nt + acc_col(r);
+          if (nt < N8 && m < M && n < N) epi(m, n, acc[e].d[r]);
+        }
     }
   }
   wait_async<0>();
@@ -360,23 +347,6 @@ __device__ __forceinline__ int epilogue_slot(int n) {
   constexpr int kColGroups = kBackwardThreads / 32 / (kC / 16);  // as in staged_product
   static_assert(kColGroups * 4 == kEpilogueSlots, "column group x lane of the quad");
   return n / 8 % kColGroups * 4 + n % 8 / 2;  // passes start at multiples of 16 tiles
-}
-
-struct NoLoad {};
-// staged_product whose epilogue epi(m, n, value) reads nothing from global memory before it
-// stores.
-template <int kL, class A, class Bm, class Epi>
-__device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
-                               ProductStage<kL>& st, const Epi& epi) {
-  staged_product(
-      M, N, L, a, bm, st, [](int, int) { return NoLoad{}; },
-      [&](int m, int n, float acc, NoLoad) { epi(m, n, acc); });
-}
-
-template <int kL, class A, class Bm, class Row>
-__device__ void staged_product(int M, int N, int L, const A& a, const Bm& bm,
-                               ProductStage<kL>& st, const StoreRows<Row>& out) {
-  staged_product(M, N, L, a, bm, st, [](int, int) { return NoLoad{}; }, out);
 }
 
 // Opts a kernel in to `bytes` of dynamic shared memory (past the 48 KB default); the host
