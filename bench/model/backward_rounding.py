@@ -2,8 +2,9 @@
 
 bench/NOTES.md (j) plans the fast backward on bfloat16 tensor-core operands: the forward's
 bf16 records (q e^G, k e^(G_C - G), w, u, A_qk), the states and state gradients as mma
-operands (S, dS'), v_new and dv_new as operands, the per-chunk gradient products (T, beta v,
-beta k e^G, dT, dT T^T, dA) and the pairwise A-side sums in the forward's factorised form
+operands (S, dS'), v_new and dv_new as operands, the per-chunk gradient products (T, dv_new,
+dw, and the joint pass's d A_qk and d A_kk) and the pairwise A-side sums in the forward's
+factorised form
 (a reference point per 16-row block, q / k times e^(G - ref) or e^(ref - G) as operands).
 This model runs the chunkwise backward of bench/model/chunk_backward.py in float64 with any
 subset of those roundings (names in ROUNDINGS) and reports max |got - exact| / max |exact|
@@ -34,12 +35,12 @@ from chunk_rounding import (BLOCK, CHUNK, bf16, blocked_inverse,  # noqa: E402
 # for the later stages (keys and grads), the scans keeping their own in float32 registers;
 # outputs: the gradients as the library returns them for bfloat16 inputs (dh0 stays float32),
 # which the measured errors include (bench/NOTES.md (aq)).
-PLAN = ["records", "S_op", "vn_op", "dS_op", "dvn_op", "wy_ops", "dA_ops", "pair_ops",
-        "S_keys", "dS_keys"]
+PLAN = ["records", "S_op", "vn_op", "dS_op", "dvn_op", "wy_ops", "pair_ops", "S_keys",
+        "dS_keys"]
 # rec_qg .. rec_Aqk: one record each (`records` rounds all five).
 RECORDS = ["rec_qg", "rec_kg", "rec_w", "rec_u", "rec_Aqk"]
 # joint_ops: the operands of grads' first products alone (cuda/backward_chunk.cu,
-# joint_products): dO and v_new for d A_qk, dv_new, beta v, dw and beta k e^Gamma for dT.
+# joint_products): dO and v_new for d A_qk, d(beta v) and v_new for d A_kk.
 # keys_dout_dvn, keys_vn: the operands of the `keys` stage's products over V alone
 # (cuda/backward_keys.cu, FLASHDELTA_BACKWARD_KEYS): dO and dv_new (its `mixed` form rounds
 # these), v_new (its `bf16` form rounds all three); S and dS are S_keys, dS_keys.
@@ -147,10 +148,10 @@ def backward(x, d_o, d_final, precision):
             dw = rnd("dw_store", -kop(rnd("dvn_store", dvn_op)) @ S_k.T)
             op = lambda m: rnd("wy_ops", m)  # noqa: E731
             jop = lambda m: rnd("joint_ops", op(m))  # noqa: E731
-            dT = jop(dvn) @ jop(c["vb"]).T + jop(dw) @ jop(c["kb"]).T
             dvb, dkb = op(Tm).T @ op(dvn), op(Tm).T @ op(dw)
-            X = rnd("dA_ops", dT) @ rnd("dA_ops", Tm).T
-            dAkk = np.tril(-rnd("dA_ops", Tm).T @ rnd("dA_ops", X), -1)
+            # d A_kk = -T^T dT T^T = -tril(d(beta v) v_new^T) (cuda/backward_chunk.cu: w and
+            # u enter only v_new), in the joint pass beside d A_qk.
+            dAkk = np.tril(-jop(dvb) @ jop(vn_op).T, -1)
             q, k, b, G, E = c["q"], c["k"], c["b"], c["G"], c["E"]
             dAkb = b[:, None] * dAkk
             p1, p2 = row_pairs(dAqk, k, G, rnd), row_pairs(dAkb, k, G, rnd)
@@ -222,11 +223,8 @@ def main():
                                                 dw_store=bf16))
         for name in RECORDS:
             line(f"  + {name} bf16", dict(today, outputs=bf16, **{name: bf16}))
-        # grads' products on bfloat16 operands (bench/NOTES.md (ax)): the joint products,
-        # then also dT T^T and T^T x (dA_ops).
+        # grads' joint products on bfloat16 operands (FLASHDELTA_BACKWARD_JOINT, NOTES (ax)).
         line("  + joint_ops bf16", dict(today, outputs=bf16, joint_ops=bf16))
-        line("  + joint_ops, dA_ops bf16", dict(today, outputs=bf16, joint_ops=bf16,
-                                                dA_ops=bf16))
         # The keys stage on bfloat16 products (m16n8k16, FLASHDELTA_BACKWARD_KEYS): `mixed`
         # rounds dO and dv_new, `bf16` v_new too; first with float32 outputs (the forms'
         # own effect), then with the bfloat16 outputs bench_backward.py measures.

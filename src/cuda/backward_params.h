@@ -117,9 +117,8 @@ struct BackwardParams {
   // grads' first products (d A_qk = dO v_new^T and, with the delta rule, d(beta v) v_new^T
   // for d A_kk) on bfloat16 operands (cuda_backward_joint_bf16; never without bf16_states).
   // bench/model/backward_rounding.py's joint_ops (bench/results/
-  // backward-rounding-model-2026-12-05.txt, training inputs, modelled when d A_kk still came
-  // from dT = dv_new (beta v)^T + dw (beta k e^Gamma)^T): dg 2.9e-3 -> 4.0e-3, the other
-  // gradients as with tf32 (fla: dg 5.8e-3).
+  // backward-rounding-model-2026-12-06.txt, training inputs): dg 2.9e-3 -> 3.3e-3, dq
+  // 2.7e-3 -> 2.9e-3, the other gradients as with tf32 (fla: dg 5.8e-3, dq 4.5e-3).
   bool joint_bf16 = false;
   int64_t B = 0, H = 0;
   int64_t chunks_per_row = 0, max_chunks = 0;
