@@ -436,9 +436,10 @@ static_assert(offsetof(GradTables, steps) >= sizeof(float[kC][kDwLd]),
 // one), for rows and columns < M, handed to epi(p, m, n, value); every operand row-major
 // (contiguous in l, the summed index, l < L). One slice loop stages all three operands'
 // slices (cp.async, double-buffered) and each warp keeps its tiles of both outputs. Warp w
-// owns rows 16 (w % 4) .. + 15 and the 8-column tiles w / 4, + 2, + 4, + 6. tf32 operands
-// (kBf16: bfloat16, below), float32 sums in a fixed order. Starts and ends with a block
-// barrier.
+// owns rows 16 (w % 4) .. + 15 and the 8-column tiles w / 4, + 2, + 4, + 6: the lane of an
+// output is staged_product's, so an epilogue may key row sums by epilogue_slot(n) here too
+// (d A_kk's adds d beta's). tf32 operands (kBf16: bfloat16, below), float32 sums in a fixed
+// order. Starts and ends with a block barrier.
 //
 // kBf16 (BackwardParams::joint_bf16): one m16n8k16 per slice, tile and output on operands
 // rounded to bfloat16 where the fragments are read (where tf32 took two m16n8k8 and a
@@ -461,6 +462,7 @@ __device__ void joint_products(int M, int L, const Rows (&a)[kJointOuts], const 
   constexpr int kLd = kJointRowLd<kBf16>;
   constexpr int kRowTiles = kC / 16, kColGroups = kWarps / kRowTiles;
   constexpr int kTiles = kC / 8 / kColGroups;  // column tiles per warp and output
+  static_assert(kColGroups * 4 == kEpilogueSlots, "epilogue_slot's column groups");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int m0 = warp % kRowTiles * 16, first = warp / kRowTiles;
   const bool rows = m0 < M;
