@@ -416,6 +416,15 @@ using GradSlice = KeySlice<kGradSlice, kGradSliceLd>;
 // rule, p2 also takes d(beta k e^Gamma) = T^T dw's share (its factors, beta e^Gamma for dk
 // and k beta e^Gamma for dg, are p2's own: 1 and k), from T and the slice's dw. The slice's
 // dw is dead once that share is taken, before the tables are filled: they share memory.
+// The slice's d Gamma per row and channel, final once its pairs are added, for the reverse
+// cumulative sum down each channel (Gamma = cumsum(g) inside the chunk): `rows` (zeros past
+// len) and the sums of each group of kRun consecutive rows (reverse_cumsum_slice).
+struct DgColumns {
+  static constexpr int kGroups = kBackwardThreads / kGradSlice, kRun = kC / kGroups;
+  float rows[kC][kGradSlice + 1];
+  float totals[kGroups][kGradSlice + 1];
+};
+
 struct PairScratch {
   GradSlice slice;
   float p1[kC][kGradSlice + 1], p2[kC][kGradSlice + 1], q12[kC][kGradSlice + 1];
@@ -425,11 +434,41 @@ struct PairScratch {
     float dw[kC][kDwLd];
     GradTables tables;
     float pkk[kC][kGradSlice + 1];  // scalar gate: the d A_kk row sums, apart from dw's share
+    DgColumns dg;  // the epilogues' reverse sums, after the last read of the tables or pkk
   };
 };
 // mark_failing_blocks writes the tables' steps while the slice's dw is still read.
 static_assert(offsetof(GradTables, steps) >= sizeof(float[kC][kDwLd]),
               "the tables' steps lie past dw");
+static_assert(sizeof(DgColumns) <= sizeof(GradTables), "d Gamma's columns take no more room");
+
+// The reverse cumulative sum of d Gamma over the slice's rows, from the chunk-end term
+// dgamma_end (of channel c, this thread's) down, stored to dg for rows < len: thread (rg, cc)
+// has put its rows rg + 16 u in cols.rows, and now takes rows kRun rg .. kRun rg + kRun - 1,
+// their sums from the bottom plus the later groups' totals. The same association every run.
+// Every thread calls it (barriers); `live`: channel c exists.
+__device__ void reverse_cumsum_slice(const ChunkRows& x, int c, bool live, float dgamma_end,
+                                     DgColumns& cols) {
+  constexpr int kRun = DgColumns::kRun, kGroups = DgColumns::kGroups;
+  static_assert(kGroups * kGradSlice == kBackwardThreads, "a thread per (group, channel)");
+  const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
+  __syncthreads();
+  float run[kRun], total = 0.f;
+#pragma unroll
+  for (int r = kRun - 1; r >= 0; --r) run[r] = total += cols.rows[kRun * rg + r][cc];
+  cols.totals[rg][cc] = total;
+  __syncthreads();
+  float later = dgamma_end;
+#pragma unroll
+  for (int g = kGroups - 1; g > 0; --g)
+    if (g > rg) later += cols.totals[g][cc];
+  if (!live) return;
+#pragma unroll
+  for (int r = 0; r < kRun; ++r) {
+    const int i = kRun * rg + r;
+    if (i < x.len) x.k_row(x.b.ws.dg, i)[c] = later + run[r];
+  }
+}
 
 // grads' first C x C products in one staged pass over V: out_p = a_p b^T for p = 0, 1 (with
 // the delta rule, d A_qk = dO v_new^T and T^T dv_new v_new^T, whose operands share the right
@@ -596,8 +635,8 @@ __device__ void prefetch_pair_grads(const ChunkRows& x, int c0) {
 // rows i, p1 = sum over j <= i of daqk[i][j] k_j and pkk the same of dakk; columns j, q12 =
 // sum over r >= j of daqk[r][j] q_r + dakk[r][j] k_r (daqk and dakk carrying the decay). The
 // general form's jobs (20 k-steps per warp), each one product with nothing to scale back;
-// then dq and dk, and T^T dw's share of d Gamma summed over the slice's channels into
-// dg_rows.
+// then dq and dk, T^T dw's share of d Gamma summed over the slice's channels into dg_rows,
+// and the reverse sum of the slice's dg down the rows.
 __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)[kDaLd],
                                  const float (*dakk)[kDaLd], float* dg_rows, PairScratch& pr) {
   const BackwardWorkspace& ws = x.b.ws;
@@ -637,14 +676,16 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
   __syncthreads();
   const int c = c0 + cc;
   const bool live = c < K;
-  float dq[kBlocks], dk[kBlocks];
+  float dq[kBlocks], dk[kBlocks], dg[kBlocks];
 #pragma unroll
   for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
     if (i >= len || !live) continue;
     dq[u] = x.k_row(ws.dq, i)[c];
     dk[u] = x.k_row(ws.dk, i)[c];
+    dg[u] = x.k_row(ws.dg, i)[c];
   }
+  const float dgamma_end = live ? ws.dgamma[x.rec * K + c] : 0.f;  // for the reverse sum
   float share[kBlocks];  // this channel's part of T^T dw's d Gamma share, per row
 #pragma unroll
   for (int u = 0; u < kBlocks; ++u) {
@@ -670,6 +711,15 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
     const int i = rg + u * kRowGroups;
     if (cc == 0 && i < len) dg_rows[i] = before[u] + share[u];
   }
+  // The keys stage's d Gamma (the pairs add theirs to dg_rows, summed by add_dg_rows at the
+  // end), reverse-summed down the rows; its columns take pkk's memory once every lane read it.
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kBlocks; ++u) {
+    const int i = rg + u * kRowGroups;
+    pr.dg.rows[i][cc] = i < len && live ? dg[u] : 0.f;
+  }
+  reverse_cumsum_slice(x, c, live, dgamma_end, pr.dg);
 }
 
 // Adds the pairwise terms of d A_qk and d A_kk (row-major [i][j] in shared memory, zero
@@ -677,10 +727,11 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
 // dk and dg (cuda/backward_blocks.cuh): row sums (their i side) and column sums (j side), on
 // the tensor cores block by block, each product's rows scaled back by their own e^(Gamma -
 // rho) factor in its epilogue; a (block, channel) that fails the diagonal bound adds its
-// diagonal pairs one by one, exactly, in the final epilogue. Starts with a barrier (the
-// scratch's last use and the dA writes are behind it). With the delta rule, T (pr.tm) must
-// have landed with the first slice (stage_matrix_async before it) and T^T dw's d beta share
-// goes to dbeta's epilogue slots.
+// diagonal pairs one by one, exactly, in the final epilogue, which also takes d Gamma's
+// reverse sum down the rows (reverse_cumsum_slice): dg leaves final for the slice's channels.
+// Starts with a barrier (the scratch's last use and the dA writes are behind it). With the
+// delta rule, T (pr.tm) must have landed with the first slice (stage_matrix_async before it)
+// and T^T dw's d beta share goes to dbeta's epilogue slots.
 // kScalar (a scalar gate): daqk and dakk already carry e^(Gamma_i - Gamma_j)
 // (scalar_gate_pairs), so the sums are plain products over the slice with no tables, and
 // the pairs' share of d Gamma was taken whole there; only T^T dw's share, summed over the
@@ -847,13 +898,13 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   }
   __syncthreads();
   const int c = c0 + cc;
-  if (c >= K) return;
+  const bool live = c < K;  // no early return: the reverse sum below has barriers
   // Row i = rg + 16 u lies in block u. A failing block's diagonal pairs one by one, added to
   // this thread's own entries (exponents <= 0 for j <= i: Gamma falls). Rare: not unrolled.
 #pragma unroll 1
   for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
-    if (i >= len || !(pr.fails[u] >> cc & 1u)) continue;
+    if (!live || i >= len || !(pr.fails[u] >> cc & 1u)) continue;
     const int first = u * kBlock, last = min(first + kBlock, len);
     const float gi = s.g[i][cc];
     float p1 = pr.p1[i][cc], p2 = pr.p2[i][cc], q12 = pr.q12[i][cc];
@@ -873,11 +924,12 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
 #pragma unroll
   for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
-    if (i >= len) continue;
+    if (i >= len || !live) continue;
     dq[u] = x.k_row(ws.dq, i)[c];
     dk[u] = x.k_row(ws.dk, i)[c];
     dg[u] = x.k_row(ws.dg, i)[c];
   }
+  const float dgamma_end = live ? ws.dgamma[x.rec * K + c] : 0.f;  // for the reverse sum
   // And their shared factors: read in each row's branch, they waited for the row before.
   float p1[kBlocks], p2[kBlocks], q12[kBlocks], qi[kBlocks], ki[kBlocks];
 #pragma unroll
@@ -886,14 +938,20 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
     p1[u] = pr.p1[i][cc], p2[u] = pr.p2[i][cc], q12[u] = pr.q12[i][cc];
     qi[u] = s.q[i][cc], ki[u] = s.k[i][cc];
   }
+  // d Gamma of the slice's rows goes to shared memory (the tables are dead: the products
+  // are behind the last barrier) for its reverse cumulative sum down the rows.
+  DgColumns& cols = pr.dg;
 #pragma unroll
   for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
-    if (i >= len) continue;
-    x.k_row(ws.dq, i)[c] = dq[u] + p1[u];
-    x.k_row(ws.dk, i)[c] = dk[u] + (p2[u] + q12[u]);
-    x.k_row(ws.dg, i)[c] = dg[u] + (qi[u] * p1[u] + ki[u] * p2[u] - ki[u] * q12[u]);
+    const bool row = i < len && live;
+    if (row) {
+      x.k_row(ws.dq, i)[c] = dq[u] + p1[u];
+      x.k_row(ws.dk, i)[c] = dk[u] + (p2[u] + q12[u]);
+    }
+    cols.rows[i][cc] = row ? dg[u] + (qi[u] * p1[u] + ki[u] * p2[u] - ki[u] * q12[u]) : 0.f;
   }
+  reverse_cumsum_slice(x, c, live, dgamma_end, cols);
 }
 
 // A scalar gate's pairs, once per chunk instead of per key slice: e^(Gamma_i - Gamma_j) is one
@@ -963,30 +1021,30 @@ __device__ void scalar_gate_pairs(const ChunkRows& x, const float* aqk, const fl
   __syncthreads();
 }
 
-// Gamma = cumsum(g) inside the chunk: g's gradient is the reverse cumulative sum, from the
-// chunk-end term dgamma_end[c] down the rows. Rows are loaded kRun at a time, so the loads do
-// not wait on each other. dg_rows (a scalar gate's, or null) adds to channel 0: the scalar
-// gate's gradient is the sum over the channels (cuda/backward_tokens.cu).
-__device__ void reverse_cumsum_dg(const ChunkRows& x, const float* dgamma_end,
-                                  const float* dg_rows) {
+// A scalar gate's pairs' share of d Gamma per row (dg_rows, complete once every key slice
+// added T^T dw's), reverse-summed down the rows (as every channel's in its slice,
+// reverse_cumsum_slice) and added to channel 0: the scalar gate's gradient is the sum over
+// the channels (cuda/backward_tokens.cu). One thread; the channel's rows loaded kRun at a
+// time, so the loads do not wait on each other.
+__device__ void add_dg_rows(const ChunkRows& x, const float* dg_rows) {
   constexpr int kRun = 16;
-  const BackwardWorkspace& ws = x.b.ws;
-  const int len = x.len, K = static_cast<int>(x.b.p.K);
-  for (int c = threadIdx.x; c < K; c += blockDim.x) {
-    float run = dgamma_end[c];
-    for (int top = kC; top > 0; top -= kRun) {
-      float col[kRun];
+  if (threadIdx.x != 0) return;
+  float* const dg = x.b.ws.dg;
+  const int len = x.len;
+  float run = 0.f;
+  for (int top = kC; top > 0; top -= kRun) {
+    float col[kRun];
 #pragma unroll
-      for (int i = 0; i < kRun; ++i) {
-        const int row = top - kRun + i;
-        col[i] = row < len ? x.k_row(ws.dg, row)[c] + (dg_rows && c == 0 ? dg_rows[row] : 0.f)
-                           : 0.f;
-      }
+    for (int i = 0; i < kRun; ++i) {
+      const int row = top - kRun + i;
+      col[i] = row < len ? x.k_row(dg, row)[0] : 0.f;
+    }
 #pragma unroll
-      for (int i = kRun - 1; i >= 0; --i) {
-        run += col[i];
-        if (top - kRun + i < len) x.k_row(ws.dg, top - kRun + i)[c] = run;
-      }
+    for (int i = kRun - 1; i >= 0; --i) {
+      const int row = top - kRun + i;
+      if (row >= len) continue;
+      run += dg_rows[row];
+      x.k_row(dg, row)[0] = col[i] + run;
     }
   }
 }
@@ -1027,7 +1085,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   ProductStage<16>& st = sh.products.stage;
   prefetch_pair_inputs<kScalar>(x, 0);  // the first key slice, needed after the products
   // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
-  // workspace for reverse_cumsum_dg.
+  // workspace for each key slice's reverse sum of d Gamma (reverse_cumsum_slice).
 
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
@@ -1082,7 +1140,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
       ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
     }
   }
-  reverse_cumsum_dg(x, ws.dgamma + rec * K, kScalar ? sh.dg_rows : nullptr);
+  if constexpr (kScalar) add_dg_rows(x, sh.dg_rows);
 }
 
 // One block per record; both kernels keep more than the 48 KB of static shared memory.
