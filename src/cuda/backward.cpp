@@ -356,6 +356,8 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     b.scans_mma = scans_mma;
     b.mma_cols = mma_cols;
     b.scalar_pairs = scalar_pairs;
+    b.gate_in_grads = !varlen && (b.p.gate == cuda::GateForm::vector ||
+                                  (b.p.gate == cuda::GateForm::scalar && scalar_pairs));
     b.keys_products = b.bf16_states ? keys_products : cuda::KeysProducts::tf32;
     b.joint_bf16 = b.bf16_states && joint_bf16;
     if (!scans_mma) b.segments = 1;  // the tile scans run whole sequences

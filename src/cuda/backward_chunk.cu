@@ -19,6 +19,7 @@
 
 #include "cuda/backward_blocks.cuh"
 #include "cuda/backward_common.cuh"
+#include "cuda/backward_gate.cuh"
 #include "cuda/chunk_inverse.cuh"
 #include "cuda/transforms.cuh"
 
@@ -411,11 +412,6 @@ constexpr int kTLd = kC + 8, kDwLd = kGradSlice + 8;
 constexpr int kGradSliceLd = kGradSlice + 8;
 using GradSlice = KeySlice<kGradSlice, kGradSliceLd>;
 
-// The pairwise sums of a key slice: sums of d A_qk k e^.. (p1) and d A_kk k e^.. (p2) over
-// j <= i, and of both column terms over r >= i (q12), per row and channel; with the delta
-// rule, p2 also takes d(beta k e^Gamma) = T^T dw's share (its factors, beta e^Gamma for dk
-// and k beta e^Gamma for dg, are p2's own: 1 and k), from T and the slice's dw. The slice's
-// dw is dead once that share is taken, before the tables are filled: they share memory.
 // The slice's d Gamma per row and channel, final once its pairs are added, for the reverse
 // cumulative sum down each channel (Gamma = cumsum(g) inside the chunk): `rows` (zeros past
 // len) and the sums of each group of kRun consecutive rows (reverse_cumsum_slice).
@@ -425,6 +421,11 @@ struct DgColumns {
   float totals[kGroups][kGradSlice + 1];
 };
 
+// The pairwise sums of a key slice: sums of d A_qk k e^.. (p1) and d A_kk k e^.. (p2) over
+// j <= i, and of both column terms over r >= i (q12), per row and channel; with the delta
+// rule, p2 also takes d(beta k e^Gamma) = T^T dw's share (its factors, beta e^Gamma for dk
+// and k beta e^Gamma for dg, are p2's own: 1 and k), from T and the slice's dw. The slice's
+// dw is dead once that share is taken, before the tables are filled: they share memory.
 struct PairScratch {
   GradSlice slice;
   float p1[kC][kGradSlice + 1], p2[kC][kGradSlice + 1], q12[kC][kGradSlice + 1];
@@ -442,31 +443,83 @@ static_assert(offsetof(GradTables, steps) >= sizeof(float[kC][kDwLd]),
               "the tables' steps lie past dw");
 static_assert(sizeof(DgColumns) <= sizeof(GradTables), "d Gamma's columns take no more room");
 
-// The reverse cumulative sum of d Gamma over the slice's rows, from the chunk-end term
-// dgamma_end (of channel c, this thread's) down, stored to dg for rows < len: thread (rg, cc)
-// has put its rows rg + 16 u in cols.rows, and now takes rows kRun rg .. kRun rg + kRun - 1,
-// their sums from the bottom plus the later groups' totals. The same association every run.
-// Every thread calls it (barriers); `live`: channel c exists.
-__device__ void reverse_cumsum_slice(const ChunkRows& x, int c, bool live, float dgamma_end,
-                                     DgColumns& cols) {
-  constexpr int kRun = DgColumns::kRun, kGroups = DgColumns::kGroups;
+// The reverse cumulative sum of d Gamma over the slice's rows from the chunk-end term
+// dgamma_end (of this thread's channel): thread (rg, cc) has put its rows rg + 16 u in
+// cols.rows, and now takes rows kRun rg + r, r < kRun, into d: their sums from the bottom plus
+// the later groups' totals. The same association every run. Every thread calls it (barriers).
+constexpr int kDgRun = DgColumns::kRun;
+__device__ void reverse_cumsum_slice(float dgamma_end, DgColumns& cols, float (&d)[kDgRun]) {
+  constexpr int kGroups = DgColumns::kGroups;
   static_assert(kGroups * kGradSlice == kBackwardThreads, "a thread per (group, channel)");
   const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
   __syncthreads();
-  float run[kRun], total = 0.f;
+  float run[kDgRun], total = 0.f;
 #pragma unroll
-  for (int r = kRun - 1; r >= 0; --r) run[r] = total += cols.rows[kRun * rg + r][cc];
+  for (int r = kDgRun - 1; r >= 0; --r) run[r] = total += cols.rows[kDgRun * rg + r][cc];
   cols.totals[rg][cc] = total;
   __syncthreads();
   float later = dgamma_end;
 #pragma unroll
   for (int g = kGroups - 1; g > 0; --g)
     if (g > rg) later += cols.totals[g][cc];
-  if (!live) return;
 #pragma unroll
-  for (int r = 0; r < kRun; ++r) {
-    const int i = kRun * rg + r;
-    if (i < x.len) x.k_row(x.b.ws.dg, i)[c] = later + run[r];
+  for (int r = 0; r < kDgRun; ++r) d[r] = later + run[r];
+}
+
+// The raw gate inputs (dt_bias added) of rows kDgRun rg + r of channel c, where grads finishes
+// the gate's gradient (BackwardParams::gate_in_grads; 0 elsewhere): loaded before the reverse
+// sum, whose barriers they pass in flight.
+__device__ void load_raw_gates(const ChunkRows& x, int c, bool live, float (&raw)[kDgRun]) {
+  const RecurrentParams& p = x.b.p;
+  const int rg = threadIdx.x / kGradSlice;
+  const bool want = x.b.gate_in_grads && live;
+  const int64_t at = want ? x.token_base(p.g) + c * p.g.stride[3] : 0;
+  const float bias = want ? gate_bias(p, x.hv, c) : 0.f;
+#pragma unroll
+  for (int r = 0; r < kDgRun; ++r) {
+    const int i = kDgRun * rg + r;
+    raw[r] = want && i < x.len ? load_float(p.g.data, p.g.dtype, at + i * p.g.stride[1]) + bias
+                               : 0.f;
+  }
+}
+
+// d Gamma of rows kDgRun rg + r of channel c, final (reverse_cumsum_slice): to the
+// workspace's dg for the outputs stage, or, where grads finishes the gate's gradient, through
+// the activation (raw: load_raw_gates) to the raw gate's gradient in its dtype (and its
+// float32 copy in the workspace for ddt_bias's sum), A_log's share summed over the slice's
+// channels into dA_rows (the group's lane cc = 0 adds its rows': no race). Every thread calls
+// it (the lane sums).
+__device__ void store_dg_slice(const ChunkRows& x, int c, bool live, const float (&d)[kDgRun],
+                               const float (&raw)[kDgRun], float* dA_rows) {
+  const BackwardParams& b = x.b;
+  const int rg = threadIdx.x / kGradSlice, cc = threadIdx.x % kGradSlice;
+  if (!b.gate_in_grads) {
+#pragma unroll
+    for (int r = 0; r < kDgRun; ++r) {
+      const int i = kDgRun * rg + r;
+      if (live && i < x.len) x.k_row(b.ws.dg, i)[c] = d[r];
+    }
+    return;
+  }
+  const float a = gate_scale(b.p, x.hv);
+  const int64_t at = live ? x.token_base(b.dg) + c * b.dg.stride[3] : 0;
+  float dA[kDgRun];
+#pragma unroll
+  for (int r = 0; r < kDgRun; ++r) {
+    const int i = kDgRun * rg + r;
+    const bool row = live && i < x.len;
+    const GateGrad gg = gate_grad(b.p, raw[r], a, row ? d[r] : 0.f);
+    dA[r] = row ? gg.A_log : 0.f;
+    if (!row) continue;
+    if (b.dg.data) store_float(const_cast<void*>(b.dg.data), b.dg.dtype, at + i * b.dg.stride[1], gg.raw);
+    if (b.ddt_bias.data) x.k_row(b.ws.dg, i)[c] = gg.raw;
+  }
+  if (!b.dA_log.data) return;  // the same in every thread
+#pragma unroll
+  for (int r = 0; r < kDgRun; ++r) {
+    const float sum = lane_sum<1, kGradSlice / 2>(dA[r]);  // the slice's 16 channels
+    const int i = kDgRun * rg + r;
+    if (cc == 0 && i < x.len) dA_rows[i] += sum;
   }
 }
 
@@ -571,7 +624,9 @@ struct GradsShared {
   float dbeta[kC][kEpilogueSlots];  // d beta's row sums, by epilogue slot
   float beta[kC];
   float gamma[kC];    // scalar gate: Gamma per row
-  float dg_rows[kC];  // scalar gate: the pairs' share of d Gamma per row (see scalar_gate_pairs)
+  // Per row: the short scalar form's d Gamma summed over the channels (scalar_gate_pairs,
+  // scalar_pair_sums, finish_scalar_gate); the general form's A_log share (store_dg_slice).
+  float dg_rows[kC];
   union {
     struct {
       // The unscaled A_kk products (kdot), d beta's factors in d A_kk's epilogue; rows of
@@ -635,8 +690,8 @@ __device__ void prefetch_pair_grads(const ChunkRows& x, int c0) {
 // rows i, p1 = sum over j <= i of daqk[i][j] k_j and pkk the same of dakk; columns j, q12 =
 // sum over r >= j of daqk[r][j] q_r + dakk[r][j] k_r (daqk and dakk carrying the decay). The
 // general form's jobs (20 k-steps per warp), each one product with nothing to scale back;
-// then dq and dk, T^T dw's share of d Gamma summed over the slice's channels into dg_rows,
-// and the reverse sum of the slice's dg down the rows.
+// then dq and dk, and d Gamma summed over the slice's channels into dg_rows: keys' dg, T^T
+// dw's share, and d Gamma_end at the last row.
 __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)[kDaLd],
                                  const float (*dakk)[kDaLd], float* dg_rows, PairScratch& pr) {
   const BackwardWorkspace& ws = x.b.ws;
@@ -685,8 +740,11 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
     dk[u] = x.k_row(ws.dk, i)[c];
     dg[u] = x.k_row(ws.dg, i)[c];
   }
-  const float dgamma_end = live ? ws.dgamma[x.rec * K + c] : 0.f;  // for the reverse sum
-  float share[kBlocks];  // this channel's part of T^T dw's d Gamma share, per row
+  const float dgamma_end = live ? ws.dgamma[x.rec * K + c] : 0.f;
+  // This channel's part of the row's d Gamma: keys' dg, T^T dw's share, and d Gamma_end at the
+  // last row (where the reverse sum down the rows, taken once for the sum over the channels
+  // in finish_scalar_gate, starts).
+  float share[kBlocks];
 #pragma unroll
   for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
@@ -695,7 +753,7 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
       const float p2 = delta ? pr.p2[i][cc] : 0.f;
       x.k_row(ws.dq, i)[c] = dq[u] + pr.p1[i][cc];
       x.k_row(ws.dk, i)[c] = dk[u] + (p2 + pr.pkk[i][cc] + pr.q12[i][cc]);
-      share[u] = s.k[i][cc] * p2;
+      share[u] = dg[u] + s.k[i][cc] * p2 + (i == len - 1 ? dgamma_end : 0.f);
     }
   }
   // dg_rows' read-modify-writes after every row's reads and sums (over the half-warp's
@@ -711,15 +769,6 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
     const int i = rg + u * kRowGroups;
     if (cc == 0 && i < len) dg_rows[i] = before[u] + share[u];
   }
-  // The keys stage's d Gamma (the pairs add theirs to dg_rows, summed by add_dg_rows at the
-  // end), reverse-summed down the rows; its columns take pkk's memory once every lane read it.
-  __syncthreads();
-#pragma unroll
-  for (int u = 0; u < kBlocks; ++u) {
-    const int i = rg + u * kRowGroups;
-    pr.dg.rows[i][cc] = i < len && live ? dg[u] : 0.f;
-  }
-  reverse_cumsum_slice(x, c, live, dgamma_end, pr.dg);
 }
 
 // Adds the pairwise terms of d A_qk and d A_kk (row-major [i][j] in shared memory, zero
@@ -930,6 +979,8 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
     dg[u] = x.k_row(ws.dg, i)[c];
   }
   const float dgamma_end = live ? ws.dgamma[x.rec * K + c] : 0.f;  // for the reverse sum
+  float raw[kDgRun];
+  load_raw_gates(x, c, live, raw);
   // And their shared factors: read in each row's branch, they waited for the row before.
   float p1[kBlocks], p2[kBlocks], q12[kBlocks], qi[kBlocks], ki[kBlocks];
 #pragma unroll
@@ -951,7 +1002,9 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
     }
     cols.rows[i][cc] = row ? dg[u] + (qi[u] * p1[u] + ki[u] * p2[u] - ki[u] * q12[u]) : 0.f;
   }
-  reverse_cumsum_slice(x, c, live, dgamma_end, cols);
+  float d[kDgRun];
+  reverse_cumsum_slice(dgamma_end, cols, d);
+  store_dg_slice(x, c, live, d, raw, dg_rows);
 }
 
 // A scalar gate's pairs, once per chunk instead of per key slice: e^(Gamma_i - Gamma_j) is one
@@ -1021,32 +1074,48 @@ __device__ void scalar_gate_pairs(const ChunkRows& x, const float* aqk, const fl
   __syncthreads();
 }
 
-// A scalar gate's pairs' share of d Gamma per row (dg_rows, complete once every key slice
-// added T^T dw's), reverse-summed down the rows (as every channel's in its slice,
-// reverse_cumsum_slice) and added to channel 0: the scalar gate's gradient is the sum over
-// the channels (cuda/backward_tokens.cu). One thread; the channel's rows loaded kRun at a
-// time, so the loads do not wait on each other.
-__device__ void add_dg_rows(const ChunkRows& x, const float* dg_rows) {
-  constexpr int kRun = 16;
-  if (threadIdx.x != 0) return;
-  float* const dg = x.b.ws.dg;
+// A scalar gate's gradient per row, the short form's (kScalar): the reverse sum down the rows
+// of dg_rows, which holds the whole of d Gamma summed over the channels (the pairs' share from
+// scalar_gate_pairs, each key slice's from scalar_pair_sums). To channel 0 of the workspace's
+// dg for the outputs stage, which reads that channel alone (BackwardParams::scalar_pairs), or
+// finished here (gate_in_grads): the raw gate's gradient in its dtype, its float32 copy in the
+// workspace for ddt_bias's sum, A_log's share. Every thread calls it (a barrier).
+__device__ void finish_scalar_gate(const ChunkRows& x, float* dg_rows) {
+  const BackwardParams& b = x.b;
   const int len = x.len;
-  float run = 0.f;
-  for (int top = kC; top > 0; top -= kRun) {
-    float col[kRun];
+  if (threadIdx.x < 32) {  // a warp's suffix sums, rows 2 l and 2 l + 1 in lane l
+    const int l = threadIdx.x;
+    const float a0 = 2 * l < len ? dg_rows[2 * l] : 0.f;
+    const float a1 = 2 * l + 1 < len ? dg_rows[2 * l + 1] : 0.f;
+    float suffix = a0 + a1;  // from lane l on, once the shuffles are done
 #pragma unroll
-    for (int i = 0; i < kRun; ++i) {
-      const int row = top - kRun + i;
-      col[i] = row < len ? x.k_row(dg, row)[0] : 0.f;
+    for (int off = 1; off < 32; off <<= 1) {
+      const float t = __shfl_down_sync(0xffffffffu, suffix, off);
+      if (l + off < 32) suffix += t;
     }
-#pragma unroll
-    for (int i = kRun - 1; i >= 0; --i) {
-      const int row = top - kRun + i;
-      if (row >= len) continue;
-      run += dg_rows[row];
-      x.k_row(dg, row)[0] = col[i] + run;
-    }
+    float later = __shfl_down_sync(0xffffffffu, suffix, 1);  // from lane l + 1 on
+    if (l == 31) later = 0.f;
+    const float odd = later + a1;
+    dg_rows[2 * l + 1] = odd;
+    dg_rows[2 * l] = odd + a0;
   }
+  __syncthreads();
+  const int m = threadIdx.x;
+  if (m >= len) return;
+  const float d = dg_rows[m];
+  const RecurrentParams& p = b.p;
+  if (!b.gate_in_grads) {
+    x.k_row(b.ws.dg, m)[0] = d;
+    return;
+  }
+  const float raw =
+      load_float(p.g.data, p.g.dtype, x.token_base(p.g) + m * p.g.stride[1]) + gate_bias(p, x.hv, 0);
+  const GateGrad gg = gate_grad(p, raw, gate_scale(p, x.hv), d);
+  if (b.dg.data)
+    store_float(const_cast<void*>(b.dg.data), b.dg.dtype, x.token_base(b.dg) + m * b.dg.stride[1],
+                gg.raw);
+  if (b.ddt_bias.data) x.k_row(b.ws.dg, m)[0] = gg.raw;
+  if (b.dA_log.data) b.ws.dA_log_part[(x.r0 + m) * p.HV + x.hv] = gg.A_log;
 }
 
 // kScalar: a scalar gate (GateForm::scalar), whose pairs take the short form
@@ -1077,6 +1146,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   if (kScalar)  // every channel's Gamma is the same: channel 0's
     for (int i = threadIdx.x; i < kC; i += blockDim.x)
       sh.gamma[i] = i < len ? x.k_rec(ws.gamma, i)[0] : 0.f;
+  else  // the general form sums A_log's share per row there (store_dg_slice)
+    for (int i = threadIdx.x; i < kC; i += blockDim.x) sh.dg_rows[i] = 0.f;
   // d beta[m] = sum over n of beta_m's share of the products' outputs, added in their
   // epilogues (epilogue_slot; T^T dw's in add_pair_terms): nothing is stored for a second
   // pass to sum.
@@ -1140,7 +1211,12 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
       ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
     }
   }
-  if constexpr (kScalar) add_dg_rows(x, sh.dg_rows);
+  if constexpr (kScalar) {
+    finish_scalar_gate(x, sh.dg_rows);
+  } else if (b.gate_in_grads && b.dA_log.data) {  // dg_rows: A_log's share per row
+    for (int m = threadIdx.x; m < len; m += blockDim.x)
+      ws.dA_log_part[(x.r0 + m) * b.p.HV + hv] = sh.dg_rows[m];
+  }
 }
 
 // One block per record; both kernels keep more than the 48 KB of static shared memory.

@@ -22,8 +22,10 @@
 // segment's affine map (segment_maps).
 //   keys      per (chunk, value head, 64-key tile), in parallel: the key gradients' products
 //             over V and d Gamma_end, each gradient written once (cuda/backward_keys.cu)
-//   grads     per (chunk, value head), in parallel: everything else (notes (h))
+//   grads     per (chunk, value head), in parallel: everything else (notes (h)), and the
+//             gate's gradient finished (gate_in_grads)
 //   outputs   per token: GVA sums, the transforms' derivatives, the gradients in their dtypes
+//             (the gate's, where grads took it: gate_in_grads)
 //   params    dA_log and ddt_bias, summed over tokens in a fixed order
 // No atomics anywhere: every float is written by one thread in a fixed order, so the
 // gradients are bitwise identical from run to run.
@@ -110,8 +112,14 @@ struct BackwardParams {
   // The scans store S and dS' for `keys` in bfloat16 (backward_bf16_states, cuda/cuda.h):
   // `keys` reads them as its products' operands only, and half the bytes move.
   bool bf16_states = false;
-  // A scalar gate's records and grads in their short form (cuda_backward_scalar_pairs).
+  // A scalar gate's records and grads in their short form (cuda_backward_scalar_pairs), whose
+  // grads sums d Gamma over the channels: ws.dg then holds a row's whole in channel 0.
   bool scalar_pairs = false;
+  // grads finishes the gate's gradient (dg in its dtype, ws.dg's float32 copy for ddt_bias,
+  // ws.dA_log_part) and the outputs stage leaves it: where every token row is some chunk's
+  // (no cu_seqlens: a device-side table may leave rows that only the outputs stage's zeros
+  // reach) and the gate is a vector, or a scalar one in the short form.
+  bool gate_in_grads = false;
   // The `keys` stage's products (cuda_backward_keys_products; tf32 unless bf16_states).
   KeysProducts keys_products = KeysProducts::tf32;
   // grads' first products (d A_qk = dO v_new^T and, with the delta rule, d(beta v) v_new^T

@@ -7,17 +7,13 @@
 #include <cstdint>
 
 #include "cuda/backward_common.cuh"
+#include "cuda/backward_gate.cuh"
 #include "cuda/transforms.cuh"
 
 namespace flashdelta::detail::cuda {
 namespace {
 
-// Decays below e^-128 are 0 in float32 (its smallest denormal is e^-103.3); flooring the
-// gate there keeps Gamma finite for gates of -inf, so differences of Gamma never give NaN.
-constexpr float kMinGate = -128.f;
 constexpr int kWarps = kBackwardThreads / 32;
-
-__device__ __forceinline__ float sigmoid_exact(float x) { return 1.f / (1.f + expf(-x)); }
 
 // A lane handles a run of 8 adjacent channels of a row (a token of one head), so that it reads
 // and writes 16-byte words where the tensors allow: the per-token stages move bytes and little
@@ -99,11 +95,6 @@ __device__ __forceinline__ int64_t row_offset(const TokenTensor& x, int64_t row,
   return b * x.stride[0] + t * x.stride[1] + head * x.stride[2];
 }
 
-// exp(A_log[hv]) or 1 without A_log.
-__device__ __forceinline__ float gate_scale(const RecurrentParams& p, int64_t hv) {
-  return p.A_log ? expf(load_float(p.A_log, p.A_log_dtype, hv * p.A_log_stride)) : 1.f;
-}
-
 // The raw gate pre-activations of `valid` channels from channel c0 (at most 8; 1 for a
 // scalar gate), dt_bias added when the gate is activated here.
 __device__ __forceinline__ void raw_gates(const RecurrentParams& p, int64_t row, int64_t hv,
@@ -112,13 +103,7 @@ __device__ __forceinline__ void raw_gates(const RecurrentParams& p, int64_t row,
   if (p.gate_in_kernel && p.dt_bias)
 #pragma unroll
     for (int e = 0; e < 8; ++e)
-      if (e < valid)
-        x[e] += load_float(p.dt_bias, p.dt_bias_dtype,
-                           hv * p.dt_bias_head_stride + (c0 + e) * p.dt_bias_key_stride);
-}
-
-__device__ __forceinline__ float activated_gate(const RecurrentParams& p, float x, float a) {
-  return p.gate_in_kernel ? activate_gate(p, x, a) : x;
+      if (e < valid) x[e] += gate_bias(p, hv, c0 + e);
 }
 
 // q or k of key head h at token row `row`, normalised (and scaled for q).
@@ -269,27 +254,11 @@ __device__ void key_grads_row(const BackwardParams& b, const RowLanes& rl, bool 
   finish_key_grad(p, rl, rk, p.k, b.dk, 1.f, row, h, valid, want_k, yk);
 }
 
-// d gate / d raw and d gate / d A_log of one channel (the reference's gate_derivative).
-struct GateSlopes {
-  float raw, A_log;
-};
-
-__device__ GateSlopes gate_slopes(const RecurrentParams& p, float x, float a) {
-  if (!p.gate_in_kernel) return {1.f, 0.f};
-  const bool has_a = p.A_log != nullptr;
-  if (p.has_lower_bound) {
-    const float z = has_a ? a * x : x;
-    const float dz = p.lower_bound * sigmoid_exact(z) * sigmoid_exact(-z);
-    return has_a ? GateSlopes{dz * a, dz * z} : GateSlopes{dz, 0.f};
-  }
-  return {-a * sigmoid_exact(x), -a * softplusf(x)};
-}
-
-// dv, dbeta and the gate gradient of value head hv at one token row, with every load of the
-// row out before anything is stored (RunStage). The workspace holds d(beta v): dv is beta
-// times it, and d beta gains its product with v, summed over the row here (with the delta
-// rule; the linear rules' beta is 1). ws.dg keeps the raw gate's gradient only for ddt_bias
-// (params), the one stage that reads it again.
+// dv, dbeta and the gate gradient (unless grads took it) of value head hv at one token row,
+// with every load of the row out before anything is stored (RunStage). The workspace holds
+// d(beta v): dv is beta times it, and d beta gains its product with v, summed over the row
+// here (with the delta rule; the linear rules' beta is 1). ws.dg keeps the raw gate's
+// gradient only for ddt_bias (params), the one stage that reads it again.
 // An inactive row (padding) reads and writes nothing but joins its warp's lane sums.
 __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, bool active,
                                 int64_t row, int64_t hv, RunStage& st) {
@@ -298,8 +267,13 @@ __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, boo
   const int64_t vi = row * p.HV + hv;
   const bool v_dot = p.delta && b.dbeta.data;  // the same in every lane
   const int vvalid = active && (b.dv.data || v_dot) ? clamp_run(p.V - c0) : 0;
-  const bool scalar = p.gate == GateForm::scalar, gated = p.gate != GateForm::none;
-  const int kvalid = active && gated ? clamp_run(p.K - c0) : 0;
+  // The gate's gradient, unless grads finished it (BackwardParams::gate_in_grads); a scalar
+  // gate's short form left the row's whole in channel 0 (scalar_pairs), the general form's
+  // channels are summed here.
+  const bool scalar = p.gate == GateForm::scalar;
+  const bool gated = p.gate != GateForm::none && !b.gate_in_grads;
+  const bool summed = scalar && b.scalar_pairs;
+  const int kvalid = !active || !gated ? 0 : summed ? (rl.leader() ? 1 : 0) : clamp_run(p.K - c0);
   // A scalar gate feeds every channel: its gradient is the sum of theirs, taken by lane 0.
   const int valid = scalar ? (rl.leader() && active ? 1 : 0) : kvalid;
   const bool beta_lane = b.dbeta.data && rl.leader() && active;
@@ -353,12 +327,9 @@ __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, boo
   float dA = 0.f;
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
-    const float g = activated_gate(p, x[e], a);
-    // The floor at kMinGate passes no gradient (the reference's is 0 there too: e^g S = 0).
-    const float de = e < valid && !(g < kMinGate) ? d[e] : 0.f;
-    const GateSlopes s = gate_slopes(p, x[e], a);
-    dA += de * s.A_log;
-    d[e] = de * s.raw;
+    const GateGrad gg = gate_grad(p, x[e], a, e < valid ? d[e] : 0.f);
+    dA += gg.A_log;
+    d[e] = gg.raw;
   }
   if (valid > 0) {
     if (b.ddt_bias.data) store_floats8(dgate + (scalar ? 0 : c0), valid, d);
