@@ -783,8 +783,9 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
 // and T^T dw's d beta share goes to dbeta's epilogue slots.
 // kScalar (a scalar gate): daqk and dakk already carry e^(Gamma_i - Gamma_j)
 // (scalar_gate_pairs), so the sums are plain products over the slice with no tables, and
-// the pairs' share of d Gamma was taken whole there; only T^T dw's share, summed over the
-// slice's channels, is added here, to dg_rows (gamma: Gamma per row; scalar_pair_sums).
+// the pairs' share of d Gamma was taken whole there; T^T dw's share and keys' dg (d Gamma_end
+// at the last row), summed over the slice's channels, are added here, to dg_rows (gamma:
+// Gamma per row; scalar_pair_sums).
 template <bool kScalar>
 __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[kDaLd],
                                const float (*dakk)[kDaLd], const float* beta, const float* gamma,
@@ -1156,7 +1157,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   ProductStage<16>& st = sh.products.stage;
   prefetch_pair_inputs<kScalar>(x, 0);  // the first key slice, needed after the products
   // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
-  // workspace for each key slice's reverse sum of d Gamma (reverse_cumsum_slice).
+  // workspace for each key slice's reverse sum of d Gamma (reverse_cumsum_slice; the scalar
+  // form's sum over the channels first, scalar_pair_sums).
 
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
