@@ -20,6 +20,7 @@
 #include "cuda/backward_blocks.cuh"
 #include "cuda/backward_common.cuh"
 #include "cuda/backward_gate.cuh"
+#include "cuda/backward_rows.cuh"
 #include "cuda/chunk_inverse.cuh"
 #include "cuda/transforms.cuh"
 
@@ -1119,6 +1120,58 @@ __device__ void finish_scalar_gate(const ChunkRows& x, float* dg_rows) {
   if (b.dA_log.data) b.ws.dA_log_part[(x.r0 + m) * p.HV + x.hv] = gg.A_log;
 }
 
+// The chunk's rows of dq, dk, dv and d beta in their dtypes, as the outputs stage would take
+// them (BackwardParams::rows_in_grads: one value head per key head, so nothing is summed over
+// heads, and every token row is some chunk's): dq and dk from the workspace's, final once
+// every key slice is done; dv and d beta from d(beta v) (the workspace's dv, written at the
+// start) and d beta's other terms (its epilogue slots). A warp takes one or two rows at a
+// time (RowLanes), every load of the rows out before the first store. Every thread calls it
+// (the lane sums).
+__device__ void finish_rows(const ChunkRows& x, const float (*dbeta_slots)[kEpilogueSlots],
+                            const float* beta) {
+  const BackwardParams& b = x.b;
+  const RecurrentParams& p = b.p;
+  const BackwardWorkspace& ws = b.ws;
+  const RowLanes rl(p);
+  const int c0 = rl.c0, rows = rl.rows(), warp = threadIdx.x / 32;
+  const bool v_dot = p.delta && b.dbeta.data;
+  const int key_run = clamp_run(p.K - c0);
+  const int value_run = b.dv.data || v_dot ? clamp_run(p.V - c0) : 0;
+  const int64_t T = p.T;
+  const int64_t q0 = token_row_offset(p.q, x.r0, T, x.h), k0 = token_row_offset(p.k, x.r0, T, x.h);
+  const int64_t dq0 = token_row_offset(b.dq, x.r0, T, x.h), dk0 = token_row_offset(b.dk, x.r0, T, x.h);
+  const int64_t v0 = x.token_base(p.v), dv0 = x.token_base(b.dv), db0 = x.token_base(b.dbeta);
+  const int64_t beta0 = x.token_base(p.beta);
+  // The same count of rows for both halves of a warp (C is even): the lane sums stay whole.
+  for (int m = warp * rows + rl.sub; m < kC; m += kWarps * rows) {
+    const bool active = m < x.len;
+    const int kvalid = active ? key_run : 0, vvalid = active ? value_run : 0;
+    const bool want_q = b.dq.data && kvalid > 0, want_k = b.dk.data && kvalid > 0;
+    const bool beta_lane = b.dbeta.data && rl.leader() && active;
+    float yq[8], yk[8], d[8];
+    load_floats8(x.k_row(ws.dq, m) + c0, want_q ? kvalid : 0, yq);
+    load_floats8(x.k_row(ws.dk, m) + c0, want_k ? kvalid : 0, yk);
+    load_floats8(x.v_row(ws.dv, m) + c0, vvalid, d);
+    Run8 rq{}, rk{}, vraw{};
+    if (p.qk_l2norm && want_q) rq = load_run8(p.q, q0 + m * p.q.stride[1] + c0 * p.q.stride[3], kvalid);
+    if (p.qk_l2norm && want_k) rk = load_run8(p.k, k0 + m * p.k.stride[1] + c0 * p.k.stride[3], kvalid);
+    if (v_dot && vvalid > 0) vraw = load_run8(p.v, v0 + m * p.v.stride[1] + c0 * p.v.stride[3], vvalid);
+    float dbeta = 0.f, raw_beta = 0.f;
+    if (beta_lane) {
+#pragma unroll
+      for (int e = 0; e < kEpilogueSlots; ++e) dbeta += dbeta_slots[m][e];
+      if (p.beta_sigmoid) raw_beta = load_float(p.beta.data, p.beta.dtype, beta0 + m * p.beta.stride[1]);
+    }
+    finish_key_grad(p, rl, rq, p.q.dtype, b.dq, dq0 + m * b.dq.stride[1] + c0 * b.dq.stride[3],
+                    p.scale, kvalid, want_q, yq);
+    finish_key_grad(p, rl, rk, p.k.dtype, b.dk, dk0 + m * b.dk.stride[1] + c0 * b.dk.stride[3],
+                    1.f, kvalid, want_k, yk);
+    finish_value_row(b, rl, d, vraw, vvalid, active ? beta[m] : 0.f,
+                     dv0 + m * b.dv.stride[1] + c0 * b.dv.stride[3], beta_lane, dbeta, raw_beta,
+                     db0 + m * b.dbeta.stride[1]);
+  }
+}
+
 // kScalar: a scalar gate (GateForm::scalar), whose pairs take the short form
 // (scalar_gate_pairs, add_pair_terms<true>).
 template <bool kScalar, bool kJointBf16>
@@ -1205,7 +1258,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
     add_pair_terms<kScalar>(x, c0, sh.daqk, sh.dakk, sh.beta, sh.gamma, sh.dg_rows, sh.dbeta,
                             sh.pairs);
   __syncthreads();
-  if (b.p.delta) {
+  if (b.rows_in_grads) {
+    finish_rows(x, sh.dbeta, sh.beta);
+  } else if (b.p.delta) {
     for (int m = threadIdx.x; m < len; m += blockDim.x) {
       float s = 0.f;
 #pragma unroll

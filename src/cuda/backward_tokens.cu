@@ -8,6 +8,7 @@
 
 #include "cuda/backward_common.cuh"
 #include "cuda/backward_gate.cuh"
+#include "cuda/backward_rows.cuh"
 #include "cuda/transforms.cuh"
 
 namespace flashdelta::detail::cuda {
@@ -15,49 +16,28 @@ namespace {
 
 constexpr int kWarps = kBackwardThreads / 32;
 
-// A lane handles a run of 8 adjacent channels of a row (a token of one head), so that it reads
-// and writes 16-byte words where the tensors allow: the per-token stages move bytes and little
-// else. A row takes 32 lanes when K or V is above 128 (up to 256), else 16, two rows per warp:
-// at K = V = 128 a row per warp left half the lanes idle, halving the loads in flight.
-__host__ __device__ inline int rows_per_warp(const RecurrentParams& p) {
-  return p.K > 128 || p.V > 128 ? 1 : 2;
-}
-
-struct RowLanes {
-  bool wide;  // 32 lanes per row
-  int sub;    // the lane's row of the warp's rows
-  int c0;     // the lane's first channel
-  __device__ explicit RowLanes(const RecurrentParams& p) : wide(rows_per_warp(p) == 1) {
-    const int lane = threadIdx.x % 32;
-    sub = wide ? 0 : lane / 16;
-    c0 = 8 * (wide ? lane : lane % 16);
-  }
-  __device__ int rows() const { return wide ? 1 : 2; }
-  __device__ bool leader() const { return c0 == 0; }
-  // The sum over the row's lanes (every lane of the warp calls it: `wide` is the kernel's).
-  __device__ float sum(float x) const {
-    x = lane_sum<1, 8>(x);
-    return wide ? x + __shfl_xor_sync(0xffffffffu, x, 16) : x;
-  }
-};
-
 // The rows of a per-token stage: key items (row, key head) and value items (row, value head),
 // each kind padded to whole warps' worth of rows, so that the rows of a warp are of one kind
 // (their lane sums run together); a padding row is inactive: it reads and writes nothing.
+// The outputs stage (`outputs`) takes only what grads left: no key rows where grads finished
+// them, no value rows where it finished the gate's gradient too (or there is no gate).
 struct RowSlots {
   int64_t key_items, value_items, key_slots, slots;
-  __host__ __device__ RowSlots(const BackwardParams& b, int rows_per_warp) {
+  __host__ __device__ RowSlots(const BackwardParams& b, int rows_per_warp, bool outputs) {
     const int64_t rows = b.B * b.p.T, r = rows_per_warp;
-    key_items = rows * b.H, value_items = rows * b.p.HV;
+    const bool rows_done = outputs && b.rows_in_grads;
+    const bool gate_done = b.gate_in_grads || b.p.gate == GateForm::none;
+    key_items = rows_done ? 0 : rows * b.H;
+    value_items = rows_done && gate_done ? 0 : rows * b.p.HV;
     key_slots = (key_items + r - 1) / r * r;
     slots = key_slots + (value_items + r - 1) / r * r;
   }
 };
 
 // body(is_key, item, active) for each of this lane's slots, grid-stride over warps.
-template <class Body>
+template <bool kOutputs, class Body>
 __device__ void over_rows(const BackwardParams& b, const RowLanes& rl, const Body& body) {
-  const RowSlots rs(b, rl.rows());
+  const RowSlots rs(b, rl.rows(), kOutputs);
   const int64_t r = rl.rows();
   for (int64_t w = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; w * r < rs.slots;
        w += int64_t{gridDim.x} * kWarps) {
@@ -126,7 +106,7 @@ __global__ void __launch_bounds__(kBackwardThreads) inputs_kernel(const Backward
   const RecurrentParams& p = b.p;
   const RowLanes rl(p);
   const int c0 = rl.c0;
-  over_rows(b, rl, [&](bool is_key, int64_t item, bool active) {
+  over_rows<false>(b, rl, [&](bool is_key, int64_t item, bool active) {
     if (is_key) {
       int64_t row, h;
       split_index(item, b.H, row, h);
@@ -200,31 +180,6 @@ struct RunStage {
   }
 };
 
-// dx of q or k from y, the sum of its value heads' gradients, and the raw input's run: scaled,
-// through the L2 norm. Every lane calls it (the norm's lane sums); `store` says whether this
-// lane's run is stored.
-__device__ void finish_key_grad(const RecurrentParams& p, const RowLanes& rl, const Run8& raw,
-                                const TokenTensor& x, const TokenTensor& dx, float scale,
-                                int64_t row, int64_t h, int valid, bool store, float (&y)[8]) {
-#pragma unroll
-  for (int e = 0; e < 8; ++e) y[e] *= scale;
-  if (p.qk_l2norm) {
-    // y = x / n, n = sqrt(sum x^2 + eps): dx = (dy - y (y . dy)) / n.
-    float xs[8] = {}, ss = 0.f;
-    if (store) run8_to_float(raw, x.dtype, xs);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss += xs[e] * xs[e];
-    const float inv = rsqrtf(rl.sum(ss) + kL2NormEps);
-    float dot = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) dot += xs[e] * inv * y[e];
-    dot = rl.sum(dot);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) y[e] = (y[e] - xs[e] * inv * dot) * inv;
-  }
-  if (store) store_run8(dx, row_offset(dx, row, p.T, h) + rl.c0 * dx.stride[3], valid, y);
-}
-
 // dq and dk of key head h at one token row: the sums over the key head's value heads, then
 // finish_key_grad. q, k and the first value head's rows of both are all in flight at once.
 __device__ void key_grads_row(const BackwardParams& b, const RowLanes& rl, bool active,
@@ -250,8 +205,10 @@ __device__ void key_grads_row(const BackwardParams& b, const RowLanes& rl, bool 
 #pragma unroll
     for (int e = 0; e < 8; ++e) yk[e] += g[e];
   }
-  finish_key_grad(p, rl, rq, p.q, b.dq, p.scale, row, h, valid, want_q, yq);
-  finish_key_grad(p, rl, rk, p.k, b.dk, 1.f, row, h, valid, want_k, yk);
+  finish_key_grad(p, rl, rq, p.q.dtype, b.dq, row_offset(b.dq, row, p.T, h) + c0 * b.dq.stride[3],
+                  p.scale, valid, want_q, yq);
+  finish_key_grad(p, rl, rk, p.k.dtype, b.dk, row_offset(b.dk, row, p.T, h) + c0 * b.dk.stride[3],
+                  1.f, valid, want_k, yk);
 }
 
 // dv, dbeta and the gate gradient (unless grads took it) of value head hv at one token row,
@@ -265,8 +222,10 @@ __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, boo
   const RecurrentParams& p = b.p;
   const int c0 = rl.c0;
   const int64_t vi = row * p.HV + hv;
-  const bool v_dot = p.delta && b.dbeta.data;  // the same in every lane
-  const int vvalid = active && (b.dv.data || v_dot) ? clamp_run(p.V - c0) : 0;
+  // dv and d beta, unless grads finished them (BackwardParams::rows_in_grads).
+  const bool rows_left = !b.rows_in_grads;
+  const bool v_dot = rows_left && p.delta && b.dbeta.data;  // the same in every lane
+  const int vvalid = active && rows_left && (b.dv.data || v_dot) ? clamp_run(p.V - c0) : 0;
   // The gate's gradient, unless grads finished it (BackwardParams::gate_in_grads); a scalar
   // gate's short form left the row's whole in channel 0 (scalar_pairs), the general form's
   // channels are summed here.
@@ -276,7 +235,7 @@ __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, boo
   const int kvalid = !active || !gated ? 0 : summed ? (rl.leader() ? 1 : 0) : clamp_run(p.K - c0);
   // A scalar gate feeds every channel: its gradient is the sum of theirs, taken by lane 0.
   const int valid = scalar ? (rl.leader() && active ? 1 : 0) : kvalid;
-  const bool beta_lane = b.dbeta.data && rl.leader() && active;
+  const bool beta_lane = rows_left && b.dbeta.data && rl.leader() && active;
   float* const dgate = b.ws.dg + vi * p.K;
   st.copy_async_run(0, b.ws.dv + vi * p.V + c0, vvalid);
   st.copy_async_run(1, dgate + c0, kvalid);
@@ -295,24 +254,11 @@ __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, boo
   wait_async<0>();
 
   {
-    float d[8], vals[8] = {};
+    float d[8];
     st.read(0, d);
-    if (v_dot && vvalid > 0) run8_to_float(vraw, p.v.dtype, vals);
-    float dot = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      dot = fmaf(d[e], vals[e], dot);
-      d[e] *= beta;
-    }
-    if (v_dot) dbeta += rl.sum(dot);
-    if (b.dv.data && vvalid > 0)
-      store_run8(b.dv, row_offset(b.dv, row, p.T, hv) + c0 * b.dv.stride[3], vvalid, d);
-  }
-  if (beta_lane) {
-    if (p.beta_sigmoid)
-      dbeta *= p.beta_factor * sigmoid_exact(raw_beta) * sigmoid_exact(-raw_beta);
-    store_float(const_cast<void*>(b.dbeta.data), b.dbeta.dtype,
-                row_offset(b.dbeta, row, p.T, hv), dbeta);
+    finish_value_row(b, rl, d, vraw, vvalid, beta,
+                     row_offset(b.dv, row, p.T, hv) + c0 * b.dv.stride[3], beta_lane, dbeta,
+                     raw_beta, beta_lane ? row_offset(b.dbeta, row, p.T, hv) : 0);
   }
   if (!gated) return;
   float d[8];
@@ -347,7 +293,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 4) outputs_kernel(const Back
   const RecurrentParams& p = b.p;
   const RowLanes rl(p);
   __shared__ RunStage stage;
-  over_rows(b, rl, [&](bool is_key, int64_t item, bool active) {
+  over_rows<true>(b, rl, [&](bool is_key, int64_t item, bool active) {
     if (is_key) {
       int64_t row, h;
       split_index(item, b.H, row, h);
@@ -386,9 +332,9 @@ __global__ void __launch_bounds__(kBackwardThreads) params_kernel(const Backward
                 partial[0]);
 }
 
-int item_blocks(const BackwardParams& b) {
+int item_blocks(const BackwardParams& b, bool outputs) {
   const int rows = rows_per_warp(b.p);
-  const int64_t warps = RowSlots(b, rows).slots / rows;
+  const int64_t warps = RowSlots(b, rows, outputs).slots / rows;
   const int64_t blocks = (warps + kWarps - 1) / kWarps;
   return static_cast<int>(blocks < 65535 * 16 ? blocks : 65535 * 16);
 }
@@ -397,12 +343,14 @@ int item_blocks(const BackwardParams& b) {
 
 void launch_backward_inputs(const BackwardParams& b, void* stream) {
   if (b.B * b.p.T == 0) return;
-  inputs_kernel<<<item_blocks(b), kBackwardThreads, 0, static_cast<cudaStream_t>(stream)>>>(b);
+  inputs_kernel<<<item_blocks(b, false), kBackwardThreads, 0,
+                  static_cast<cudaStream_t>(stream)>>>(b);
 }
 
 void launch_backward_outputs(const BackwardParams& b, void* stream) {
-  if (b.B * b.p.T == 0) return;
-  outputs_kernel<<<item_blocks(b), kBackwardThreads, 0, static_cast<cudaStream_t>(stream)>>>(b);
+  const int blocks = item_blocks(b, true);
+  if (blocks == 0) return;  // no tokens, or grads finished every gradient
+  outputs_kernel<<<blocks, kBackwardThreads, 0, static_cast<cudaStream_t>(stream)>>>(b);
 }
 
 void launch_backward_params(const BackwardParams& b, void* stream) {

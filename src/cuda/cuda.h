@@ -125,6 +125,12 @@ cuda::KeysProducts cuda_backward_keys_products();
 // `auto`) or `bf16` (opt-in: within 2% of tf32 on an H100, bench/NOTES.md (ba)). Any other
 // value throws Error(invalid_argument) naming the variable.
 bool cuda_backward_joint_bf16();
+// Whether grads finishes the gradients it can in their dtypes (cuda::BackwardParams::
+// gate_in_grads, rows_in_grads), leaving the outputs stage what needs every chunk or value
+// head done: FLASHDELTA_BACKWARD_FINISH `grads` (unset, empty or `auto`) or `outputs` (the
+// outputs stage finishes every gradient: the form before, for comparisons). Any other value
+// throws Error(invalid_argument) naming the variable.
+bool cuda_backward_finish_in_grads();
 // Segments each sequence of `chunks` chunks is split into by the scans in registers
 // (K <= 128; 1 otherwise), for `scans` (sequence, value head) pairs of V columns:
 // split_scan (cuda/host_params.h: a device-independent model unless forced) under

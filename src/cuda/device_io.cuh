@@ -73,6 +73,18 @@ __device__ __forceinline__ void store_floats8(float* dst, int valid, const float
     if (e < valid) dst[e] = v[e];
 }
 
+// Eight consecutive floats of a float32 buffer (zeros at or past `valid`).
+__device__ __forceinline__ void load_floats8(const float* src, int valid, float (&v)[8]) {
+  if (valid == 8 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+    const float4 a = reinterpret_cast<const float4*>(src)[0];
+    const float4 b = reinterpret_cast<const float4*>(src)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = e < valid ? src[e] : 0.f;
+}
+
 // Eight consecutive channels of a token tensor, as raw bits, for kernels that move whole
 // tiles: a 16-bit tensor with unit channel stride whose run is complete and 16-byte aligned
 // (the common case: contiguous bf16) takes one vector load and stays packed (w[0..3]);

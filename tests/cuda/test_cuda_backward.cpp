@@ -550,6 +550,79 @@ TEST(CudaBackward, ScalarGatePairsMatchTheGeneralForm) {
   }
 }
 
+constexpr const char* kFinish = "FLASHDELTA_BACKWARD_FINISH";
+
+// Host only: grads finishes the gradients it can unless the outputs stage is asked to.
+TEST(CudaBackwardFinish, FollowsTheEnvironmentVariable) {
+  for (const char* grads : {static_cast<const char*>(nullptr), "", "auto", "grads"}) {
+    const ScopedEnv setting(kFinish, grads);
+    EXPECT_TRUE(detail::cuda_backward_finish_in_grads());
+  }
+  {
+    const ScopedEnv outputs(kFinish, "outputs");
+    EXPECT_FALSE(detail::cuda_backward_finish_in_grads());
+  }
+  for (const char* bad : {"Grads", "stage"})
+    expect_setting_rejected(kFinish, bad, [] { detail::cuda_backward_finish_in_grads(); });
+}
+
+// grads finishing the gradients (the gate's without cu_seqlens; dq, dk, dv and d beta too with
+// one value head per key head) against the outputs stage finishing them all, on the same
+// inputs: both against the reference (grads' form in a NaN-poisoned workspace: it reads no
+// element it did not write), bitwise the same from run to run, and the same to float32
+// roundings (the same functions on the same workspace; dA_log's per-token sums over the
+// channels go by key slice in grads: to its tolerance). Cases: every transform fused (A_log,
+// dt_bias, beta's sigmoid, the L2 norm), a lower-bounded gate, GVA (the gate alone in grads),
+// rows of 32 lanes (K = V = 256), a scalar gate's short form, linear rules with and without a
+// gate, last chunks cut short, each gradient wanted alone, varlen (the outputs stage either
+// way).
+TEST(CudaBackward, GradsFinishLikeTheOutputsStage) {
+  FLASHDELTA_REQUIRE_GPU();
+  const CaseConfig cases[] = {
+      {.B = 2, .T = 150, .H = 2, .HV = 2, .K = 128, .V = 128, .dtype = DType::bf16,
+       .qk_l2norm = true, .beta_sigmoid = true, .gate_in_kernel = true, .seed = 8400},
+      {.T = 200, .H = 1, .HV = 1, .K = 64, .V = 96, .qk_l2norm = true, .gate_in_kernel = true,
+       .lower_bound = -5.0, .seed = 8401},
+      {.B = 2, .T = 100, .H = 2, .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16,
+       .gate_in_kernel = true, .seed = 8402},
+      {.T = 70, .H = 1, .HV = 1, .K = 256, .V = 256, .dtype = DType::bf16, .qk_l2norm = true,
+       .seed = 8403},
+      {.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 130, .K = 64, .V = 64,
+       .dtype = DType::f16, .layout = StateLayout::v_first, .beta_sigmoid = true,
+       .gate_in_kernel = true, .seed = 8404},
+      {.mechanism = Mechanism::simple_gla, .T = 90, .K = 17, .V = 33, .seed = 8405},
+      {.mechanism = Mechanism::linear_attention, .T = 90, .K = 24, .V = 40, .seed = 8406},
+      {.mechanism = Mechanism::deltanet, .T = 64, .K = 32, .V = 32, .seed = 8407},
+      {.T = 266, .K = 64, .V = 64, .seqlens = {0, 1, 200, 65}, .gate_in_kernel = true,
+       .seed = 8408}};
+  bool alone = true;  // each gradient alone, for the first case
+  for (const CaseConfig& c : cases) {
+    const BackwardCase b = make_backward_case(c);
+    Gradients stage;
+    {
+      const ScopedEnv outputs(kFinish, "outputs");
+      expect_gradients_match(b, describe(c) + ", the outputs stage");
+      stage = cuda_gradients(b);
+    }
+    const ScopedEnv automatic(kFinish, nullptr);
+    expect_gradients_match(b, describe(c) + ", finished in grads", DType::f32, true);
+    const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
+    for (size_t i = 0; i < kNumSlots; ++i) {
+      const std::string what = describe(c) + ": d" + kGradInputs[i].name;
+      EXPECT_EQ(first.t[i].bytes, second.t[i].bytes) << what << " differs from run to run";
+      if (first.t[i].bytes.empty() || !first.t[i].view.present()) continue;
+      const bool A_log = kGradInputs[i].value == &BackwardArgs::A_log;
+      EXPECT_LT(rel_error(first.values(i), stage.values(i)), A_log ? kParamTolerance : 1e-5)
+          << what << " against the outputs stage's";
+      if (!alone) continue;
+      const Gradients one = cuda_gradients(b, DType::f32, false, i);
+      EXPECT_LT(rel_error(one.values(i), first.values(i)), A_log ? kParamTolerance : 1e-5)
+          << what << " wanted alone";
+    }
+    alone = false;
+  }
+}
+
 constexpr const char* kKeys = "FLASHDELTA_BACKWARD_KEYS";
 
 // Host only: the keys stage's products by the environment (tf32 unless asked).
