@@ -487,6 +487,14 @@ TEST(CudaBackwardScansMma, FollowsTheEnvironmentVariable) {
     expect_setting_rejected(kScans, bad, [] { detail::cuda_backward_scans_mma(128); });
 }
 
+// b's gradients with `setting` at `value`, checked against the reference first.
+Gradients checked_gradients(const char* setting, const char* value, const BackwardCase& b,
+                            const std::string& what) {
+  const ScopedEnv chosen(setting, value);
+  expect_gradients_match(b, what);
+  return cuda_gradients(b);
+}
+
 constexpr const char* kGatePairs = "FLASHDELTA_BACKWARD_GATE_PAIRS";
 
 // Host only: a scalar gate's short form unless the general one is asked for.
@@ -527,12 +535,8 @@ TEST(CudaBackward, ScalarGatePairsMatchTheGeneralForm) {
        .dtype = DType::f32, .gate_min = -8.0, .seed = 8303}};
   for (const CaseConfig& c : cases) {
     const BackwardCase b = make_backward_case(c);
-    Gradients general;
-    {
-      const ScopedEnv forced(kGatePairs, "general");
-      expect_gradients_match(b, describe(c) + ", general form");
-      general = cuda_gradients(b);
-    }
+    const Gradients general =
+        checked_gradients(kGatePairs, "general", b, describe(c) + ", general form");
     const ScopedEnv automatic(kGatePairs, nullptr);
     expect_gradients_match(b, describe(c) + ", scalar pairs");
     const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
@@ -598,12 +602,8 @@ TEST(CudaBackward, GradsFinishLikeTheOutputsStage) {
   bool alone = true;  // each gradient alone, for the first case
   for (const CaseConfig& c : cases) {
     const BackwardCase b = make_backward_case(c);
-    Gradients stage;
-    {
-      const ScopedEnv outputs(kFinish, "outputs");
-      expect_gradients_match(b, describe(c) + ", the outputs stage");
-      stage = cuda_gradients(b);
-    }
+    const Gradients stage =
+        checked_gradients(kFinish, "outputs", b, describe(c) + ", the outputs stage");
     const ScopedEnv automatic(kFinish, nullptr);
     expect_gradients_match(b, describe(c) + ", finished in grads", DType::f32, true);
     const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
