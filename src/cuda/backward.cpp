@@ -295,6 +295,13 @@ bool cuda_backward_finish_in_grads() {
   return env_setting("FLASHDELTA_BACKWARD_FINISH", {"auto", "grads", "outputs"}) != "outputs";
 }
 
+CudaBackwardSplit cuda_backward_split(const Problem& p) {
+  if (p.cu_seqlens.present() || !cuda_backward_finish_in_grads()) return {};
+  const bool gate = p.gate == GateKind::vector ||
+                    (p.gate == GateKind::scalar && cuda_backward_scalar_pairs(p.gate));
+  return {gate, p.group == 1};
+}
+
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
   return split_scan(kSegmentsSetting, scans, K, V, chunks, kMapsStep).segments;
 }
@@ -335,9 +342,7 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   const bool scalar_pairs = cuda_backward_scalar_pairs(p.gate);
   const cuda::KeysProducts keys_products = cuda_backward_keys_products();
   const bool joint_bf16 = cuda_backward_joint_bf16();
-  // grads finishes the gradients where every token row is some chunk's (no cu_seqlens: a
-  // device-side table may leave rows that only the outputs stage's zeros reach).
-  const bool finish = cuda_backward_finish_in_grads() && !varlen;
+  const CudaBackwardSplit split = cuda_backward_split(p);
   {
     const cuda::BackwardParams b = backward_params(p, a);
     // The per-chunk stages run one block per record (`keys` one per record and key tile); the
@@ -363,9 +368,8 @@ void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
     b.scans_mma = scans_mma;
     b.mma_cols = mma_cols;
     b.scalar_pairs = scalar_pairs;
-    b.gate_in_grads = finish && (b.p.gate == cuda::GateForm::vector ||
-                                 (b.p.gate == cuda::GateForm::scalar && scalar_pairs));
-    b.rows_in_grads = finish && p.group == 1;
+    b.gate_in_grads = split.gate;
+    b.rows_in_grads = split.rows;
     b.keys_products = b.bf16_states ? keys_products : cuda::KeysProducts::tf32;
     b.joint_bf16 = b.bf16_states && joint_bf16;
     if (!scans_mma) b.segments = 1;  // the tile scans run whole sequences

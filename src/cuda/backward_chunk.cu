@@ -1167,8 +1167,8 @@ __device__ void finish_rows(const ChunkRows& x, const float (*dbeta_slots)[kEpil
     finish_key_grad(p, rl, rk, p.k.dtype, b.dk, dk0 + m * b.dk.stride[1] + c0 * b.dk.stride[3],
                     1.f, kvalid, want_k, yk);
     finish_value_row(b, rl, d, vraw, vvalid, active ? beta[m] : 0.f,
-                     dv0 + m * b.dv.stride[1] + c0 * b.dv.stride[3], beta_lane, dbeta, raw_beta,
-                     db0 + m * b.dbeta.stride[1]);
+                     dv0 + m * b.dv.stride[1] + c0 * b.dv.stride[3], v_dot, beta_lane, dbeta,
+                     raw_beta, db0 + m * b.dbeta.stride[1]);
   }
 }
 

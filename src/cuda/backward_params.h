@@ -116,14 +116,10 @@ struct BackwardParams {
   // grads sums d Gamma over the channels: ws.dg then holds a row's whole in channel 0.
   bool scalar_pairs = false;
   // grads finishes the gate's gradient (dg in its dtype, ws.dg's float32 copy for ddt_bias,
-  // ws.dA_log_part) and the outputs stage leaves it (cuda_backward_finish_in_grads): where
-  // every token row is some chunk's (no cu_seqlens) and the gate is a vector, or a scalar one
-  // in the short form.
-  bool gate_in_grads = false;
-  // grads finishes dq, dk, dv and d beta too (in their dtypes; the outputs stage skips the key
-  // rows and the value rows' dv and d beta): where every token row is some chunk's and each
-  // key head has one value head (nothing to sum over heads).
-  bool rows_in_grads = false;
+  // ws.dA_log_part), and the outputs stage leaves it; rows_in_grads: dq, dk, dv and d beta
+  // too (the outputs stage skips the key rows and the value rows' dv and d beta). Where,
+  // cuda_backward_split (cuda/cuda.h).
+  bool gate_in_grads = false, rows_in_grads = false;
   // The `keys` stage's products (cuda_backward_keys_products; tf32 unless bf16_states).
   KeysProducts keys_products = KeysProducts::tf32;
   // grads' first products (d A_qk = dO v_new^T and, with the delta rule, d(beta v) v_new^T

@@ -65,15 +65,16 @@ __device__ void finish_key_grad(const RecurrentParams& p, const RowLanes& rl, co
 }
 
 // A value row's dv and d beta from d (the lane's run of d(beta v), `valid` channels), the raw
-// v run and beta: dv = beta d(beta v), stored at element dv_at of b.dv; with the delta rule
-// d beta gains its product with v summed over the row, goes through beta's sigmoid and is
-// stored by the row's leader (beta_lane) at element dbeta_at of b.dbeta, from `dbeta` (its
-// other terms). Every lane calls it (the lane sums).
+// v run and beta: dv = beta d(beta v), stored at element dv_at of b.dv; where v_dot (d beta
+// wanted, with the delta rule; the same in every lane) d beta gains its product with v summed
+// over the row, goes through beta's sigmoid and is stored by the row's leader (beta_lane) at
+// element dbeta_at of b.dbeta, from `dbeta` (its other terms). Every lane calls it (the lane
+// sums).
 __device__ void finish_value_row(const BackwardParams& b, const RowLanes& rl, float (&d)[8],
                                  const Run8& vraw, int valid, float beta, int64_t dv_at,
-                                 bool beta_lane, float dbeta, float raw_beta, int64_t dbeta_at) {
+                                 bool v_dot, bool beta_lane, float dbeta, float raw_beta,
+                                 int64_t dbeta_at) {
   const RecurrentParams& p = b.p;
-  const bool v_dot = p.delta && b.dbeta.data;  // the same in every lane
   float vals[8] = {};
   if (v_dot && valid > 0) run8_to_float(vraw, p.v.dtype, vals);
   float dot = 0.f;

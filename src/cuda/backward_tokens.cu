@@ -257,8 +257,8 @@ __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, boo
     float d[8];
     st.read(0, d);
     finish_value_row(b, rl, d, vraw, vvalid, beta,
-                     row_offset(b.dv, row, p.T, hv) + c0 * b.dv.stride[3], beta_lane, dbeta,
-                     raw_beta, beta_lane ? row_offset(b.dbeta, row, p.T, hv) : 0);
+                     row_offset(b.dv, row, p.T, hv) + c0 * b.dv.stride[3], v_dot, beta_lane,
+                     dbeta, raw_beta, beta_lane ? row_offset(b.dbeta, row, p.T, hv) : 0);
   }
   if (!gated) return;
   float d[8];

@@ -131,6 +131,15 @@ bool cuda_backward_joint_bf16();
 // outputs stage finishes every gradient: the form before, for comparisons). Any other value
 // throws Error(invalid_argument) naming the variable.
 bool cuda_backward_finish_in_grads();
+// What grads finishes for p (cuda::BackwardParams): nothing with cu_seqlens (a device-side
+// table may leave token rows that only the outputs stage's pass over every row reaches) or
+// with cuda_backward_finish_in_grads false; else the gate's gradient for a vector gate or a
+// scalar one in its short form (cuda_backward_scalar_pairs), and dq, dk, dv and d beta where
+// each key head has one value head.
+struct CudaBackwardSplit {
+  bool gate = false, rows = false;
+};
+CudaBackwardSplit cuda_backward_split(const Problem& p);
 // Segments each sequence of `chunks` chunks is split into by the scans in registers
 // (K <= 128; 1 otherwise), for `scans` (sequence, value head) pairs of V columns:
 // split_scan (cuda/host_params.h: a device-independent model unless forced) under
