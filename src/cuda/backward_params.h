@@ -22,10 +22,10 @@
 // segment's affine map (segment_maps).
 //   keys      per (chunk, value head, 64-key tile), in parallel: the key gradients' products
 //             over V and d Gamma_end, each gradient written once (cuda/backward_keys.cu)
-//   grads     per (chunk, value head), in parallel: everything else (notes (h)), and the
-//             gate's gradient finished (gate_in_grads)
-//   outputs   per token: GVA sums, the transforms' derivatives, the gradients in their dtypes
-//             (the gate's, where grads took it: gate_in_grads)
+//   grads     per (chunk, value head), in parallel: everything else (notes (h)), and where
+//             it can the gradients finished in their dtypes (gate_in_grads, rows_in_grads)
+//   outputs   per token, what grads did not finish: GVA sums, the transforms' derivatives,
+//             the gradients in their dtypes
 //   params    dA_log and ddt_bias, summed over tokens in a fixed order
 // No atomics anywhere: every float is written by one thread in a fixed order, so the
 // gradients are bitwise identical from run to run.
