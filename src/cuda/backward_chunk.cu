@@ -475,12 +475,10 @@ __device__ void load_raw_gates(const ChunkRows& x, int c, bool live, float (&raw
   const int rg = threadIdx.x / kGradSlice;
   const bool want = x.b.gate_in_grads && live;
   const int64_t at = want ? x.token_base(p.g) + c * p.g.stride[3] : 0;
-  const float bias = want ? gate_bias(p, x.hv, c) : 0.f;
 #pragma unroll
   for (int r = 0; r < kDgRun; ++r) {
     const int i = kDgRun * rg + r;
-    raw[r] = want && i < x.len ? load_float(p.g.data, p.g.dtype, at + i * p.g.stride[1]) + bias
-                               : 0.f;
+    raw[r] = want && i < x.len ? raw_gate(p, at + i * p.g.stride[1], x.hv, c) : 0.f;
   }
 }
 
@@ -1110,8 +1108,7 @@ __device__ void finish_scalar_gate(const ChunkRows& x, float* dg_rows) {
     x.k_row(b.ws.dg, m)[0] = d;
     return;
   }
-  const float raw =
-      load_float(p.g.data, p.g.dtype, x.token_base(p.g) + m * p.g.stride[1]) + gate_bias(p, x.hv, 0);
+  const float raw = raw_gate(p, x.token_base(p.g) + m * p.g.stride[1], x.hv, 0);
   const GateGrad gg = gate_grad(p, raw, gate_scale(p, x.hv), d);
   if (b.dg.data)
     store_float(const_cast<void*>(b.dg.data), b.dg.dtype, x.token_base(b.dg) + m * b.dg.stride[1],

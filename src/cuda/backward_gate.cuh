@@ -31,6 +31,13 @@ __device__ __forceinline__ float gate_bias(const RecurrentParams& p, int64_t hv,
              : 0.f;
 }
 
+// The raw gate input at element `off` of g, of value head hv and channel c (0 for a scalar
+// gate), dt_bias added where the gate is activated here.
+__device__ __forceinline__ float raw_gate(const RecurrentParams& p, int64_t off, int64_t hv,
+                                          int c) {
+  return load_float(p.g.data, p.g.dtype, off) + gate_bias(p, hv, c);
+}
+
 __device__ __forceinline__ float activated_gate(const RecurrentParams& p, float x, float a) {
   return p.gate_in_kernel ? activate_gate(p, x, a) : x;
 }
