@@ -291,15 +291,20 @@ bool cuda_backward_joint_bf16() {
   return env_setting("FLASHDELTA_BACKWARD_JOINT", {"auto", "tf32", "bf16"}) == "bf16";
 }
 
-bool cuda_backward_finish_in_grads() {
-  return env_setting("FLASHDELTA_BACKWARD_FINISH", {"auto", "grads", "outputs"}) != "outputs";
+BackwardFinish cuda_backward_finish() {
+  const std::string setting =
+      env_setting("FLASHDELTA_BACKWARD_FINISH", {"auto", "grads", "outputs"});
+  return setting == "grads"     ? BackwardFinish::grads
+         : setting == "outputs" ? BackwardFinish::outputs
+                                : BackwardFinish::automatic;
 }
 
 CudaBackwardSplit cuda_backward_split(const Problem& p) {
-  if (p.cu_seqlens.present() || !cuda_backward_finish_in_grads()) return {};
-  const bool gate = p.gate == GateKind::vector ||
-                    (p.gate == GateKind::scalar && cuda_backward_scalar_pairs(p.gate));
-  return {gate, p.group == 1};
+  const BackwardFinish finish = cuda_backward_finish();
+  if (p.cu_seqlens.present() || finish == BackwardFinish::outputs) return {};
+  const bool scalar_short = p.gate == GateKind::scalar && cuda_backward_scalar_pairs(p.gate);
+  if (finish == BackwardFinish::automatic && !scalar_short) return {};
+  return {p.gate == GateKind::vector || scalar_short, p.group == 1};
 }
 
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {

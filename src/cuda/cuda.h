@@ -125,17 +125,21 @@ cuda::KeysProducts cuda_backward_keys_products();
 // `auto`) or `bf16` (opt-in: within 2% of tf32 on an H100, bench/NOTES.md (ba)). Any other
 // value throws Error(invalid_argument) naming the variable.
 bool cuda_backward_joint_bf16();
-// Whether grads finishes the gradients it can in their dtypes (cuda::BackwardParams::
-// gate_in_grads, rows_in_grads), leaving the outputs stage what needs every chunk or value
-// head done: FLASHDELTA_BACKWARD_FINISH `grads` (unset, empty or `auto`) or `outputs` (the
-// outputs stage finishes every gradient: the form before, for comparisons). Any other value
+// Where grads finishes the gradients it can in their dtypes (cuda::BackwardParams::
+// gate_in_grads, rows_in_grads), leaving the outputs stage the rest: FLASHDELTA_BACKWARD_FINISH
+// `auto` (unset or empty; where measured faster, cuda_backward_split), `grads` (wherever it
+// can) or `outputs` (nowhere: the outputs stage finishes every gradient). Any other value
 // throws Error(invalid_argument) naming the variable.
-bool cuda_backward_finish_in_grads();
-// What grads finishes for p (cuda::BackwardParams): nothing with cu_seqlens (a device-side
-// table may leave token rows that only the outputs stage's pass over every row reaches) or
-// with cuda_backward_finish_in_grads false; else the gate's gradient for a vector gate or a
-// scalar one in its short form (cuda_backward_scalar_pairs), and dq, dk, dv and d beta where
-// each key head has one value head.
+enum class BackwardFinish { automatic, grads, outputs };
+BackwardFinish cuda_backward_finish();
+// What grads finishes for p (cuda::BackwardParams). Nothing with cu_seqlens (a device-side
+// table may leave token rows that only the outputs stage's pass over every row reaches).
+// Where it can (`grads`): the gate's gradient for a vector gate or a scalar one in its short
+// form (cuda_backward_scalar_pairs), and dq, dk, dv and d beta where each key head has one
+// value head. `auto` takes that only for a scalar gate's short form: for Gated DeltaNet it
+// saved 0.35 ms of kernels a B8 step, for KDA it cost 0.5 ms (the vector gate's finishing
+// in every key slice and the rows' tail lengthen grads more than the outputs stage takes;
+// bench/NOTES.md (bw), an H100).
 struct CudaBackwardSplit {
   bool gate = false, rows = false;
 };

@@ -558,16 +558,21 @@ constexpr const char* kFinish = "FLASHDELTA_BACKWARD_FINISH";
 
 // Host only: grads finishes the gradients it can unless the outputs stage is asked to.
 TEST(CudaBackwardFinish, FollowsTheEnvironmentVariable) {
-  for (const char* grads : {static_cast<const char*>(nullptr), "", "auto", "grads"}) {
-    const ScopedEnv setting(kFinish, grads);
-    EXPECT_TRUE(detail::cuda_backward_finish_in_grads());
+  using detail::BackwardFinish;
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
+    const ScopedEnv setting(kFinish, automatic);
+    EXPECT_EQ(detail::cuda_backward_finish(), BackwardFinish::automatic);
+  }
+  {
+    const ScopedEnv grads(kFinish, "grads");
+    EXPECT_EQ(detail::cuda_backward_finish(), BackwardFinish::grads);
   }
   {
     const ScopedEnv outputs(kFinish, "outputs");
-    EXPECT_FALSE(detail::cuda_backward_finish_in_grads());
+    EXPECT_EQ(detail::cuda_backward_finish(), BackwardFinish::outputs);
   }
   for (const char* bad : {"Grads", "stage"})
-    expect_setting_rejected(kFinish, bad, [] { detail::cuda_backward_finish_in_grads(); });
+    expect_setting_rejected(kFinish, bad, [] { detail::cuda_backward_finish(); });
 }
 
 // What grads finishes for a problem (cuda_backward_split).
@@ -576,36 +581,52 @@ detail::CudaBackwardSplit split_of(const CaseConfig& c) {
   return detail::cuda_backward_split(detail::validate_backward(b.args(), b.c.options));
 }
 
-// Host only: grads finishes the gate's gradient (a vector gate, or a scalar one in its short
-// form) and, with one value head per key head, dq, dk, dv and d beta; nothing with cu_seqlens
-// or FLASHDELTA_BACKWARD_FINISH=outputs.
+// Host only: where it can (`grads`), grads finishes the gate's gradient (a vector gate, or a
+// scalar one in its short form) and, with one value head per key head, dq, dk, dv and d beta;
+// `auto` only for a scalar gate's short form; nothing with cu_seqlens or `outputs`.
 TEST(CudaBackwardFinish, SplitsByTheProblem) {
-  const ScopedEnv automatic(kFinish, nullptr);
   const auto expect_split = [](const CaseConfig& c, bool gate, bool rows, const char* what) {
     const detail::CudaBackwardSplit s = split_of(c);
     EXPECT_EQ(s.gate, gate) << what;
     EXPECT_EQ(s.rows, rows) << what;
   };
-  expect_split({}, true, true, "KDA");
-  expect_split({.H = 2, .HV = 4}, true, false, "KDA, GVA");
-  expect_split({.T = 20, .seqlens = {5, 15}}, false, false, "KDA, varlen");
-  expect_split({.mechanism = Mechanism::gated_deltanet}, true, true, "Gated DeltaNet");
-  expect_split({.mechanism = Mechanism::deltanet}, false, true, "DeltaNet (no gate)");
+  const CaseConfig kda{}, kda_gva{.H = 2, .HV = 4}, varlen{.T = 20, .seqlens = {5, 15}};
+  const CaseConfig gdn{.mechanism = Mechanism::gated_deltanet};
+  const CaseConfig gdn_gva{.mechanism = Mechanism::gated_deltanet, .H = 2, .HV = 4};
+  const CaseConfig deltanet{.mechanism = Mechanism::deltanet};
   {
+    const ScopedEnv automatic(kFinish, nullptr);
+    expect_split(kda, false, false, "KDA, auto");
+    expect_split(kda_gva, false, false, "KDA, GVA, auto");
+    expect_split(varlen, false, false, "KDA, varlen, auto");
+    expect_split(gdn, true, true, "Gated DeltaNet, auto");
+    expect_split(gdn_gva, true, false, "Gated DeltaNet, GVA, auto");
+    expect_split(deltanet, false, false, "DeltaNet (no gate), auto");
     const ScopedEnv general(kGatePairs, "general");
-    expect_split({.mechanism = Mechanism::gated_deltanet}, false, true,
-                 "Gated DeltaNet, the general form");
+    expect_split(gdn, false, false, "Gated DeltaNet, the general form, auto");
+  }
+  {
+    const ScopedEnv grads(kFinish, "grads");
+    expect_split(kda, true, true, "KDA, grads");
+    expect_split(kda_gva, true, false, "KDA, GVA, grads");
+    expect_split(varlen, false, false, "KDA, varlen, grads");
+    expect_split(gdn, true, true, "Gated DeltaNet, grads");
+    expect_split(deltanet, false, true, "DeltaNet (no gate), grads");
+    const ScopedEnv general(kGatePairs, "general");
+    expect_split(gdn, false, true, "Gated DeltaNet, the general form, grads");
   }
   const ScopedEnv outputs(kFinish, "outputs");
-  expect_split({}, false, false, "KDA, the outputs stage asked for");
+  expect_split(kda, false, false, "KDA, outputs");
+  expect_split(gdn, false, false, "Gated DeltaNet, outputs");
 }
 
-// grads finishing the gradients (cuda_backward_split) against the outputs stage finishing them
-// all, on the same inputs: both against the reference (grads' split in a NaN-poisoned
-// workspace: it reads no element it did not write), bitwise the same from run to run, and the
-// same to float32 roundings (the same functions on the same workspace; dA_log's per-token
-// sums over the channels go by key slice in grads: not bitwise, which shows that its split
-// ran where grads takes the gate). Cases: every transform fused (A_log, dt_bias, beta's
+// grads finishing every gradient it can (FLASHDELTA_BACKWARD_FINISH=grads: cuda_backward_split)
+// against the outputs stage finishing them all, on the same inputs: both against the
+// reference (grads' split in a NaN-poisoned workspace: it reads no element it did not write;
+// where no outputs stage runs, the poisoned gradients show that grads wrote them), bitwise
+// the same from run to run, and the same to float32 roundings (the same functions on the same
+// workspace; a vector gate's dA_log sums over the channels by key slice in grads: not
+// bitwise, which shows that its split ran). Cases: every transform fused (A_log, dt_bias, beta's
 // sigmoid, the L2 norm), a lower-bounded gate, GVA (the gate alone in grads), key slices
 // past K (K = 40), rows of 32 lanes (K = V = 256, and K = 256 with V = 64), a scalar gate's
 // short form and its general form (the rows in grads, the gate in the outputs stage), linear
@@ -620,8 +641,10 @@ TEST(CudaBackward, GradsFinishLikeTheOutputsStage) {
   const FinishCase cases[] = {
       {{.B = 2, .T = 150, .H = 2, .HV = 2, .K = 128, .V = 128, .dtype = DType::bf16,
         .qk_l2norm = true, .beta_sigmoid = true, .gate_in_kernel = true, .seed = 8400}, nullptr},
+      // (Seed 8401 summed dA_log's terms to 0.4% of their magnitudes: tf32's roundings
+      // then left it a 1.6% relative error, in both splits.)
       {{.T = 200, .H = 1, .HV = 1, .K = 64, .V = 96, .qk_l2norm = true, .gate_in_kernel = true,
-        .lower_bound = -5.0, .seed = 8401}, nullptr},
+        .lower_bound = -5.0, .seed = 8414}, nullptr},
       {{.B = 2, .T = 100, .H = 2, .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16,
         .gate_in_kernel = true, .seed = 8402}, nullptr},
       {{.T = 90, .H = 1, .HV = 1, .K = 40, .V = 48, .qk_l2norm = true, .gate_in_kernel = true,
@@ -648,8 +671,9 @@ TEST(CudaBackward, GradsFinishLikeTheOutputsStage) {
     const BackwardCase b = make_backward_case(c);
     const std::string name = describe(c) + (fc.gate_pairs ? ", the general form" : "");
     const Gradients stage = checked_gradients(kFinish, "outputs", b, name + ", the outputs stage");
-    const ScopedEnv automatic(kFinish, nullptr);
-    const bool gate_in_grads = split_of(c).gate;
+    const ScopedEnv grads(kFinish, "grads");
+    const bool vector_gate_in_grads =
+        split_of(c).gate && detail::validate_backward(b.args(), b.c.options).gate == GateKind::vector;
     expect_gradients_match(b, name + ", finished in grads", DType::f32, true);
     const Gradients first = cuda_gradients(b), second = cuda_gradients(b);
     for (size_t i = 0; i < kNumSlots; ++i) {
@@ -659,7 +683,7 @@ TEST(CudaBackward, GradsFinishLikeTheOutputsStage) {
       const bool A_log = kGradInputs[i].value == &BackwardArgs::A_log;
       EXPECT_LT(rel_error(first.values(i), stage.values(i)), A_log ? 1e-4 : 1e-5)
           << what << " against the outputs stage's";
-      if (A_log && gate_in_grads) {
+      if (A_log && vector_gate_in_grads) {
         EXPECT_NE(first.t[i].bytes, stage.t[i].bytes) << what << ": grads' split did not run";
       }
       if (!alone) continue;
