@@ -641,10 +641,11 @@ TEST(CudaBackward, GradsFinishLikeTheOutputsStage) {
   const FinishCase cases[] = {
       {{.B = 2, .T = 150, .H = 2, .HV = 2, .K = 128, .V = 128, .dtype = DType::bf16,
         .qk_l2norm = true, .beta_sigmoid = true, .gate_in_kernel = true, .seed = 8400}, nullptr},
-      // (Seed 8401 summed dA_log's terms to 0.4% of their magnitudes: tf32's roundings
-      // then left it a 1.6% relative error, in both splits.)
-      {{.T = 200, .H = 1, .HV = 1, .K = 64, .V = 96, .qk_l2norm = true, .gate_in_kernel = true,
-        .lower_bound = -5.0, .seed = 8414}, nullptr},
+      // A lower-bounded gate on the inputs of the head-pass and kept-state tests (a float32
+      // single head, T = 200, was ill-conditioned: its dA_log a 0.4% remainder of its terms,
+      // d beta off by 3.4e-3 with another seed, in both splits alike).
+      {{.T = 700, .H = 4, .HV = 8, .K = 64, .V = 96, .dtype = DType::bf16, .qk_l2norm = true,
+        .gate_in_kernel = true, .lower_bound = -5.0, .seed = 7601}, nullptr},
       {{.B = 2, .T = 100, .H = 2, .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16,
         .gate_in_kernel = true, .seed = 8402}, nullptr},
       {{.T = 90, .H = 1, .HV = 1, .K = 40, .V = 48, .qk_l2norm = true, .gate_in_kernel = true,
