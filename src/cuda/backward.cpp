@@ -304,7 +304,7 @@ CudaBackwardSplit cuda_backward_split(const Problem& p) {
   if (p.cu_seqlens.present() || finish == BackwardFinish::outputs) return {};
   const bool scalar_short = p.gate == GateKind::scalar && cuda_backward_scalar_pairs(p.gate);
   if (finish == BackwardFinish::automatic && !scalar_short) return {};
-  return {p.gate == GateKind::vector || scalar_short, p.group == 1};
+  return {scalar_short, p.group == 1};
 }
 
 int64_t cuda_backward_scan_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {

@@ -413,15 +413,6 @@ constexpr int kTLd = kC + 8, kDwLd = kGradSlice + 8;
 constexpr int kGradSliceLd = kGradSlice + 8;
 using GradSlice = KeySlice<kGradSlice, kGradSliceLd>;
 
-// The slice's d Gamma per row and channel, final once its pairs are added, for the reverse
-// cumulative sum down each channel (Gamma = cumsum(g) inside the chunk): `rows` (zeros past
-// len) and the sums of each group of kRun consecutive rows (reverse_cumsum_slice).
-struct DgColumns {
-  static constexpr int kGroups = kBackwardThreads / kGradSlice, kRun = kC / kGroups;
-  float rows[kC][kGradSlice + 1];
-  float totals[kGroups][kGradSlice + 1];
-};
-
 // The pairwise sums of a key slice: sums of d A_qk k e^.. (p1) and d A_kk k e^.. (p2) over
 // j <= i, and of both column terms over r >= i (q12), per row and channel; with the delta
 // rule, p2 also takes d(beta k e^Gamma) = T^T dw's share (its factors, beta e^Gamma for dk
@@ -436,91 +427,11 @@ struct PairScratch {
     float dw[kC][kDwLd];
     GradTables tables;
     float pkk[kC][kGradSlice + 1];  // scalar gate: the d A_kk row sums, apart from dw's share
-    DgColumns dg;  // the epilogues' reverse sums, after the last read of the tables or pkk
   };
 };
 // mark_failing_blocks writes the tables' steps while the slice's dw is still read.
 static_assert(offsetof(GradTables, steps) >= sizeof(float[kC][kDwLd]),
               "the tables' steps lie past dw");
-static_assert(sizeof(DgColumns) <= sizeof(GradTables), "d Gamma's columns take no more room");
-
-// The reverse cumulative sum of d Gamma over the slice's rows from the chunk-end term
-// dgamma_end (of this thread's channel): thread (rg, cc) has put its rows rg + 16 u in
-// cols.rows, and now takes rows kRun rg + r, r < kRun, into d: their sums from the bottom plus
-// the later groups' totals. The same association every run. Every thread calls it (barriers).
-constexpr int kDgRun = DgColumns::kRun;
-__device__ void reverse_cumsum_slice(float dgamma_end, DgColumns& cols, float (&d)[kDgRun]) {
-  constexpr int kGroups = DgColumns::kGroups;
-  static_assert(kGroups * kGradSlice == kBackwardThreads, "a thread per (group, channel)");
-  const int cc = threadIdx.x % kGradSlice, rg = threadIdx.x / kGradSlice;
-  __syncthreads();
-  float run[kDgRun], total = 0.f;
-#pragma unroll
-  for (int r = kDgRun - 1; r >= 0; --r) run[r] = total += cols.rows[kDgRun * rg + r][cc];
-  cols.totals[rg][cc] = total;
-  __syncthreads();
-  float later = dgamma_end;
-#pragma unroll
-  for (int g = kGroups - 1; g > 0; --g)
-    if (g > rg) later += cols.totals[g][cc];
-#pragma unroll
-  for (int r = 0; r < kDgRun; ++r) d[r] = later + run[r];
-}
-
-// The raw gate inputs (dt_bias added) of rows kDgRun rg + r of channel c, where grads finishes
-// the gate's gradient (BackwardParams::gate_in_grads; 0 elsewhere): loaded before the reverse
-// sum, whose barriers they pass in flight.
-__device__ void load_raw_gates(const ChunkRows& x, int c, bool live, float (&raw)[kDgRun]) {
-  const RecurrentParams& p = x.b.p;
-  const int rg = threadIdx.x / kGradSlice;
-  const bool want = x.b.gate_in_grads && live;
-  const int64_t at = want ? x.token_base(p.g) + c * p.g.stride[3] : 0;
-#pragma unroll
-  for (int r = 0; r < kDgRun; ++r) {
-    const int i = kDgRun * rg + r;
-    raw[r] = want && i < x.len ? raw_gate(p, at + i * p.g.stride[1], x.hv, c) : 0.f;
-  }
-}
-
-// d Gamma of rows kDgRun rg + r of channel c, final (reverse_cumsum_slice): to the
-// workspace's dg for the outputs stage, or, where grads finishes the gate's gradient, through
-// the activation (raw: load_raw_gates) to the raw gate's gradient in its dtype (and its
-// float32 copy in the workspace for ddt_bias's sum), A_log's share summed over the slice's
-// channels into dA_rows (the group's lane cc = 0 adds its rows': no race). Every thread calls
-// it (the lane sums).
-__device__ void store_dg_slice(const ChunkRows& x, int c, bool live, const float (&d)[kDgRun],
-                               const float (&raw)[kDgRun], float* dA_rows) {
-  const BackwardParams& b = x.b;
-  const int rg = threadIdx.x / kGradSlice, cc = threadIdx.x % kGradSlice;
-  if (!b.gate_in_grads) {
-#pragma unroll
-    for (int r = 0; r < kDgRun; ++r) {
-      const int i = kDgRun * rg + r;
-      if (live && i < x.len) x.k_row(b.ws.dg, i)[c] = d[r];
-    }
-    return;
-  }
-  const float a = gate_scale(b.p, x.hv);
-  const int64_t at = live ? x.token_base(b.dg) + c * b.dg.stride[3] : 0;
-  float dA[kDgRun];
-#pragma unroll
-  for (int r = 0; r < kDgRun; ++r) {
-    const int i = kDgRun * rg + r;
-    const bool row = live && i < x.len;
-    const GateGrad gg = gate_grad(b.p, raw[r], a, row ? d[r] : 0.f);
-    dA[r] = row ? gg.A_log : 0.f;
-    if (!row) continue;
-    if (b.dg.data) store_float(const_cast<void*>(b.dg.data), b.dg.dtype, at + i * b.dg.stride[1], gg.raw);
-    if (b.ddt_bias.data) x.k_row(b.ws.dg, i)[c] = gg.raw;
-  }
-  if (!b.dA_log.data) return;  // the same in every thread
-#pragma unroll
-  for (int r = 0; r < kDgRun; ++r) {
-    const float sum = lane_sum<1, kGradSlice / 2>(dA[r]);  // the slice's 16 channels
-    const int i = kDgRun * rg + r;
-    if (cc == 0 && i < x.len) dA_rows[i] += sum;
-  }
-}
 
 // grads' first C x C products in one staged pass over V: out_p = a_p b^T for p = 0, 1 (with
 // the delta rule, d A_qk = dO v_new^T and T^T dv_new v_new^T, whose operands share the right
@@ -624,7 +535,7 @@ struct GradsShared {
   float beta[kC];
   float gamma[kC];    // scalar gate: Gamma per row
   // Per row: the short scalar form's d Gamma summed over the channels (scalar_gate_pairs,
-  // scalar_pair_sums, finish_scalar_gate); the general form's A_log share (store_dg_slice).
+  // scalar_pair_sums, finish_scalar_gate).
   float dg_rows[kC];
   union {
     struct {
@@ -775,11 +686,11 @@ __device__ void scalar_pair_sums(const ChunkRows& x, int c0, const float (*daqk)
 // dk and dg (cuda/backward_blocks.cuh): row sums (their i side) and column sums (j side), on
 // the tensor cores block by block, each product's rows scaled back by their own e^(Gamma -
 // rho) factor in its epilogue; a (block, channel) that fails the diagonal bound adds its
-// diagonal pairs one by one, exactly, in the final epilogue, which also takes d Gamma's
-// reverse sum down the rows (reverse_cumsum_slice): dg leaves final for the slice's channels.
-// Starts with a barrier (the scratch's last use and the dA writes are behind it). With the
-// delta rule, T (pr.tm) must have landed with the first slice (stage_matrix_async before it)
-// and T^T dw's d beta share goes to dbeta's epilogue slots.
+// diagonal pairs one by one, exactly, in the final epilogue (d Gamma's reverse sum down the
+// rows comes after every slice: reverse_cumsum_dg). Starts with a barrier (the scratch's last
+// use and the dA writes are behind it). With the delta rule, T (pr.tm) must have landed with
+// the first slice (stage_matrix_async before it) and T^T dw's d beta share goes to dbeta's
+// epilogue slots.
 // kScalar (a scalar gate): daqk and dakk already carry e^(Gamma_i - Gamma_j)
 // (scalar_gate_pairs), so the sums are plain products over the slice with no tables, and
 // the pairs' share of d Gamma was taken whole there; T^T dw's share and keys' dg (d Gamma_end
@@ -947,13 +858,13 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   }
   __syncthreads();
   const int c = c0 + cc;
-  const bool live = c < K;  // no early return: the reverse sum below has barriers
+  if (c >= K) return;
   // Row i = rg + 16 u lies in block u. A failing block's diagonal pairs one by one, added to
   // this thread's own entries (exponents <= 0 for j <= i: Gamma falls). Rare: not unrolled.
 #pragma unroll 1
   for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
-    if (!live || i >= len || !(pr.fails[u] >> cc & 1u)) continue;
+    if (i >= len || !(pr.fails[u] >> cc & 1u)) continue;
     const int first = u * kBlock, last = min(first + kBlock, len);
     const float gi = s.g[i][cc];
     float p1 = pr.p1[i][cc], p2 = pr.p2[i][cc], q12 = pr.q12[i][cc];
@@ -973,14 +884,11 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
 #pragma unroll
   for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
-    if (i >= len || !live) continue;
+    if (i >= len) continue;
     dq[u] = x.k_row(ws.dq, i)[c];
     dk[u] = x.k_row(ws.dk, i)[c];
     dg[u] = x.k_row(ws.dg, i)[c];
   }
-  const float dgamma_end = live ? ws.dgamma[x.rec * K + c] : 0.f;  // for the reverse sum
-  float raw[kDgRun];
-  load_raw_gates(x, c, live, raw);
   // And their shared factors: read in each row's branch, they waited for the row before.
   float p1[kBlocks], p2[kBlocks], q12[kBlocks], qi[kBlocks], ki[kBlocks];
 #pragma unroll
@@ -989,22 +897,14 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
     p1[u] = pr.p1[i][cc], p2[u] = pr.p2[i][cc], q12[u] = pr.q12[i][cc];
     qi[u] = s.q[i][cc], ki[u] = s.k[i][cc];
   }
-  // d Gamma of the slice's rows goes to shared memory (the tables are dead: the products
-  // are behind the last barrier) for its reverse cumulative sum down the rows.
-  DgColumns& cols = pr.dg;
 #pragma unroll
   for (int u = 0; u < kBlocks; ++u) {
     const int i = rg + u * kRowGroups;
-    const bool row = i < len && live;
-    if (row) {
-      x.k_row(ws.dq, i)[c] = dq[u] + p1[u];
-      x.k_row(ws.dk, i)[c] = dk[u] + (p2[u] + q12[u]);
-    }
-    cols.rows[i][cc] = row ? dg[u] + (qi[u] * p1[u] + ki[u] * p2[u] - ki[u] * q12[u]) : 0.f;
+    if (i >= len) continue;
+    x.k_row(ws.dq, i)[c] = dq[u] + p1[u];
+    x.k_row(ws.dk, i)[c] = dk[u] + (p2[u] + q12[u]);
+    x.k_row(ws.dg, i)[c] = dg[u] + (qi[u] * p1[u] + ki[u] * p2[u] - ki[u] * q12[u]);
   }
-  float d[kDgRun];
-  reverse_cumsum_slice(dgamma_end, cols, d);
-  store_dg_slice(x, c, live, d, raw, dg_rows);
 }
 
 // A scalar gate's pairs, once per chunk instead of per key slice: e^(Gamma_i - Gamma_j) is one
@@ -1169,6 +1069,32 @@ __device__ void finish_rows(const ChunkRows& x, const float (*dbeta_slots)[kEpil
   }
 }
 
+// Gamma = cumsum(g) inside the chunk: g's gradient is the reverse cumulative sum, from the
+// chunk-end term dgamma_end[c] down the rows. Rows are loaded kRun at a time, so the loads do
+// not wait on each other. (A scalar gate's short form sums over the channels first:
+// finish_scalar_gate.)
+__device__ void reverse_cumsum_dg(const ChunkRows& x, const float* dgamma_end) {
+  constexpr int kRun = 16;
+  const BackwardWorkspace& ws = x.b.ws;
+  const int len = x.len, K = static_cast<int>(x.b.p.K);
+  for (int c = threadIdx.x; c < K; c += blockDim.x) {
+    float run = dgamma_end[c];
+    for (int top = kC; top > 0; top -= kRun) {
+      float col[kRun];
+#pragma unroll
+      for (int i = 0; i < kRun; ++i) {
+        const int row = top - kRun + i;
+        col[i] = row < len ? x.k_row(ws.dg, row)[c] : 0.f;
+      }
+#pragma unroll
+      for (int i = kRun - 1; i >= 0; --i) {
+        run += col[i];
+        if (top - kRun + i < len) x.k_row(ws.dg, top - kRun + i)[c] = run;
+      }
+    }
+  }
+}
+
 // kScalar: a scalar gate (GateForm::scalar), whose pairs take the short form
 // (scalar_gate_pairs, add_pair_terms<true>).
 template <bool kScalar, bool kJointBf16>
@@ -1197,8 +1123,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   if (kScalar)  // every channel's Gamma is the same: channel 0's
     for (int i = threadIdx.x; i < kC; i += blockDim.x)
       sh.gamma[i] = i < len ? x.k_rec(ws.gamma, i)[0] : 0.f;
-  else  // the general form sums A_log's share per row there (store_dg_slice)
-    for (int i = threadIdx.x; i < kC; i += blockDim.x) sh.dg_rows[i] = 0.f;
   // d beta[m] = sum over n of beta_m's share of the products' outputs, added in their
   // epilogues (epilogue_slot; T^T dw's in add_pair_terms): nothing is stored for a second
   // pass to sum.
@@ -1207,8 +1131,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
   ProductStage<16>& st = sh.products.stage;
   prefetch_pair_inputs<kScalar>(x, 0);  // the first key slice, needed after the products
   // keys_kernel wrote dq, dk, dg (their products over V) and dw; d Gamma_end waits in the
-  // workspace for each key slice's reverse sum of d Gamma (reverse_cumsum_slice; the scalar
-  // form's sum over the channels first, scalar_pair_sums).
+  // workspace for the reverse sum of d Gamma (reverse_cumsum_dg; the scalar form's sum over
+  // the channels first, scalar_pair_sums).
 
   if (b.p.delta) {
     const Cols T_t{tm, kC};  // T^T
@@ -1265,12 +1189,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) grads_kernel(const Backwa
       ws.dbeta[(x.r0 + m) * b.p.HV + hv] = s;
     }
   }
-  if constexpr (kScalar) {
+  if constexpr (kScalar)
     finish_scalar_gate(x, sh.dg_rows);
-  } else if (b.gate_in_grads && b.dA_log.data) {  // dg_rows: A_log's share per row
-    for (int m = threadIdx.x; m < len; m += blockDim.x)
-      ws.dA_log_part[(x.r0 + m) * b.p.HV + hv] = sh.dg_rows[m];
-  }
+  else
+    reverse_cumsum_dg(x, ws.dgamma + rec * K);
 }
 
 // One block per record; both kernels keep more than the 48 KB of static shared memory.

@@ -1,7 +1,7 @@
 // The gate's derivative in the CUDA backward (cuda/backward_params.h): from the gradient of
 // the log gate g (the one Gamma = cumsum(g) takes) to the raw gate's, through the fused
 // activation (DESIGN.md section 1) and the floor the backward puts under g, with A_log's
-// share. The outputs stage takes it per token; grads per chunk row where it finishes the
+// share. The outputs stage takes it per token; grads per chunk row where it finishes a scalar
 // gate's gradient itself (BackwardParams::gate_in_grads).
 #pragma once
 

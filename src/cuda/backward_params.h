@@ -115,10 +115,10 @@ struct BackwardParams {
   // A scalar gate's records and grads in their short form (cuda_backward_scalar_pairs), whose
   // grads sums d Gamma over the channels: ws.dg then holds a row's whole in channel 0.
   bool scalar_pairs = false;
-  // grads finishes the gate's gradient (dg in its dtype, ws.dg's float32 copy for ddt_bias,
-  // ws.dA_log_part), and the outputs stage leaves it; rows_in_grads: dq, dk, dv and d beta
-  // too (the outputs stage skips the key rows and the value rows' dv and d beta). Where,
-  // cuda_backward_split (cuda/cuda.h).
+  // gate_in_grads: grads finishes a scalar gate's gradient in its short form (dg in its dtype,
+  // ws.dg's float32 copy for ddt_bias, ws.dA_log_part), and the outputs stage leaves it;
+  // rows_in_grads: dq, dk, dv and d beta too (the outputs stage skips the key rows and the
+  // value rows' dv and d beta). Where, cuda_backward_split (cuda/cuda.h).
   bool gate_in_grads = false, rows_in_grads = false;
   // The `keys` stage's products (cuda_backward_keys_products; tf32 unless bf16_states).
   KeysProducts keys_products = KeysProducts::tf32;

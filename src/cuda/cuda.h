@@ -134,12 +134,12 @@ enum class BackwardFinish { automatic, grads, outputs };
 BackwardFinish cuda_backward_finish();
 // What grads finishes for p (cuda::BackwardParams). Nothing with cu_seqlens (a device-side
 // table may leave token rows that only the outputs stage's pass over every row reaches).
-// Where it can (`grads`): the gate's gradient for a vector gate or a scalar one in its short
-// form (cuda_backward_scalar_pairs), and dq, dk, dv and d beta where each key head has one
-// value head. `auto` takes that only for a scalar gate's short form: for Gated DeltaNet it
-// saved 0.35 ms of kernels a B8 step, for KDA it cost 0.5 ms (the vector gate's finishing
-// in every key slice and the rows' tail lengthen grads more than the outputs stage takes;
-// bench/NOTES.md (bw), an H100).
+// Where it can (`grads`): a scalar gate's gradient in its short form
+// (cuda_backward_scalar_pairs; a vector gate's is the outputs stage's, where it cost grads
+// less), and dq, dk, dv and d beta where each key head has one value head. `auto` takes that
+// only for a scalar gate's short form: for Gated DeltaNet it saved 0.35 ms of kernels a B8
+// step; for KDA, finishing the vector gate in every key slice and the rows in a tail
+// lengthened grads by 1.4 ms against the outputs stage's 0.9 (bench/NOTES.md (bw), an H100).
 struct CudaBackwardSplit {
   bool gate = false, rows = false;
 };
