@@ -302,7 +302,7 @@ BackwardFinish cuda_backward_finish() {
 CudaBackwardSplit cuda_backward_split(const Problem& p) {
   const BackwardFinish finish = cuda_backward_finish();
   if (p.cu_seqlens.present() || finish == BackwardFinish::outputs) return {};
-  const bool scalar_short = p.gate == GateKind::scalar && cuda_backward_scalar_pairs(p.gate);
+  const bool scalar_short = cuda_backward_scalar_pairs(p.gate);
   if (finish == BackwardFinish::automatic && !scalar_short) return {};
   return {scalar_short, p.group == 1};
 }

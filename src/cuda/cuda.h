@@ -135,11 +135,12 @@ BackwardFinish cuda_backward_finish();
 // What grads finishes for p (cuda::BackwardParams). Nothing with cu_seqlens (a device-side
 // table may leave token rows that only the outputs stage's pass over every row reaches).
 // Where it can (`grads`): a scalar gate's gradient in its short form
-// (cuda_backward_scalar_pairs; a vector gate's is the outputs stage's, where it cost grads
-// less), and dq, dk, dv and d beta where each key head has one value head. `auto` takes that
-// only for a scalar gate's short form: for Gated DeltaNet it saved 0.35 ms of kernels a B8
-// step; for KDA, finishing the vector gate in every key slice and the rows in a tail
-// lengthened grads by 1.4 ms against the outputs stage's 0.9 (bench/NOTES.md (bw), an H100).
+// (cuda_backward_scalar_pairs; a vector gate's stays the outputs stage's), and dq, dk, dv and
+// d beta where each key head has one value head. `auto` takes that only for a scalar gate's
+// short form: for Gated DeltaNet it saved 0.35 ms of kernels a B8 step on an H100, while for
+// KDA, finishing the vector gate in each key slice (since removed) and the rows in a tail
+// lengthened grads by 1.4 ms against the outputs stage's 0.9 (bench/NOTES.md (bw); the
+// rows alone for KDA are unmeasured).
 struct CudaBackwardSplit {
   bool gate = false, rows = false;
 };
