@@ -139,8 +139,8 @@ BackwardFinish cuda_backward_finish();
 // d beta where each key head has one value head. `auto` takes that only for a scalar gate's
 // short form: for Gated DeltaNet it saved 0.35 ms of kernels a B8 step on an H100, while for
 // KDA, finishing the vector gate in each key slice (since removed) and the rows in a tail
-// lengthened grads by 1.4 ms against the outputs stage's 0.9 (bench/NOTES.md (bw); the
-// rows alone for KDA are unmeasured).
+// lengthened grads by 1.4 ms against the outputs stage's 0.9 (bench/NOTES.md (bw)); the
+// rows alone for KDA measured even (9.765 against 9.731 ms, bench/NOTES.md (bx)).
 struct CudaBackwardSplit {
   bool gate = false, rows = false;
 };
