@@ -22,12 +22,27 @@ fi
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q
      --no-cache-dir)
 
+# torch resolves to ~3 GB of wheels that install to ~5.3 GB (torch 2.15, its CUDA libraries and
+# Triton). One pip call holds every downloaded wheel until the last one is installed, so it
+# needs both at once (CI once failed so with 8 GB free); resolving first and installing one
+# wheel per call needs the installed size and one wheel.
+install_one_at_a_time() {
+  local report=build-py/resolved.json
+  "$venv/bin/python" -m pip install --disable-pip-version-check -q --dry-run --report "$report" "$@"
+  "$venv/bin/python" -c 'import json, sys
+for item in json.load(open(sys.argv[1]))["install"]:
+    print(item["metadata"]["name"] + "==" + item["metadata"]["version"])' "$report" |
+  while read -r requirement; do
+    "${pip[@]}" --no-deps "$requirement" "${@:2}"
+  done
+  "$venv/bin/python" -m pip check
+}
 echo "-- test dependencies"
 "${pip[@]}" --upgrade pip
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
-  "${pip[@]}" torch --index-url "$TORCH_INDEX_URL"
+  install_one_at_a_time torch --index-url "$TORCH_INDEX_URL"
 else
-  "${pip[@]}" torch
+  install_one_at_a_time torch
 fi
 "${pip[@]}" numpy pytest
 # fla-core is flash-linear-attention's ops package (pure Python + Triton); its naive
@@ -39,7 +54,7 @@ else
   echo "-- flash-linear-attention not importable here: its comparison tests are skipped"
 fi
 
-echo "-- pip install ."
+echo "-- pip install . ($(df -h --output=avail . | tail -n 1 | tr -d ' ') free)"
 "${pip[@]}" .
 # From outside the source tree: `import flashdelta` must find the installed package.
 (cd build-py && venv/bin/python -c "import flashdelta; print('flashdelta', \

@@ -4,8 +4,8 @@
 # too), the same suite under AddressSanitizer + UndefinedBehaviorSanitizer, and the
 # libFuzzer targets for a bounded time. FUZZ_SECONDS (default 60) bounds each fuzzer; JOBS
 # defaults to the core count. PRUNE_BUILD_TREES=1 (set by .ci/run) removes the sm_80,
-# sanitizer and fuzzer build trees once their stage has passed, leaving the disk to the
-# Python stage's torch.
+# sanitizer and fuzzer build trees once their stage has passed, and the main one before the
+# Python stage, leaving the disk to its torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${JOBS:-$(nproc)}
@@ -50,7 +50,7 @@ CC=clang CXX=clang++ cmake -S . -B build-fuzz -DFLASHDELTA_FUZZ=ON -DFLASHDELTA_
   -DFLASHDELTA_BUILD_TESTS=OFF -DFLASHDELTA_BUILD_TOOLS=OFF
 cmake --build build-fuzz -j "$jobs"
 fuzz/run_fuzzers.sh build-fuzz "$fuzz_seconds"
-if [ "$prune" = 1 ]; then rm -rf build-fuzz; fi
+if [ "$prune" = 1 ]; then rm -rf build-fuzz build; fi
 disk
 echo "== Python package: pip install . and pytest"
 scripts/test-python.sh
