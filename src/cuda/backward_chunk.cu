@@ -576,7 +576,8 @@ __device__ void stage_matrix_async(const float* src, float (&dst)[kC][kDstLd]) {
 // inputs (q, k, Gamma, dw) or of the gradients it adds to (dq, dk, dg), a slice ahead of the
 // copies and read-modify-writes that wait on them (other blocks wrote them long before).
 // Worth 1% of grads (bench/NOTES.md (z)); the same in records and keys gained nothing.
-// A scalar gate's pairs read no Gamma slice and add nothing to dg (add_pair_terms).
+// A scalar gate's pairs read no Gamma slice (add_pair_terms); its slices read dg for their
+// share of the row's d Gamma (scalar_pair_sums), as the general form's add to it.
 template <bool kScalar>
 __device__ void prefetch_pair_inputs(const ChunkRows& x, int c0) {
   const BackwardWorkspace& ws = x.b.ws;
@@ -587,13 +588,12 @@ __device__ void prefetch_pair_inputs(const ChunkRows& x, int c0) {
   if (!kScalar) prefetch_rows(x.k_rec(ws.gamma, 0) + c0, K, x.len, kGradSlice);
   if (x.b.p.delta) prefetch_rows(x.k_rec(ws.dw, 0) + c0, K, x.len, kGradSlice);
 }
-template <bool kScalar>
 __device__ void prefetch_pair_grads(const ChunkRows& x, int c0) {
   const BackwardWorkspace& ws = x.b.ws;
   const int64_t K = x.b.p.K, VK = x.b.p.HV * K;
   prefetch_rows(x.k_row(ws.dq, 0) + c0, VK, x.len, kGradSlice);
   prefetch_rows(x.k_row(ws.dk, 0) + c0, VK, x.len, kGradSlice);
-  if (!kScalar) prefetch_rows(x.k_row(ws.dg, 0) + c0, VK, x.len, kGradSlice);
+  prefetch_rows(x.k_row(ws.dg, 0) + c0, VK, x.len, kGradSlice);
 }
 
 // add_pair_terms' products and epilogue for a scalar gate, after the slice's dw share:
@@ -707,7 +707,7 @@ __device__ void add_pair_terms(const ChunkRows& x, int c0, const float (*daqk)[k
   static_assert(kRowGroups == kBlock, "a thread's epilogue rows: one per block");
   const bool delta = x.b.p.delta;
   prefetch_pair_inputs<kScalar>(x, c0 + kGradSlice);
-  prefetch_pair_grads<kScalar>(x, c0);
+  prefetch_pair_grads(x, c0);
   __syncthreads();
   const auto head_row = [&](const float* a) { return [&x, a](int i) { return x.key_head(a, i); }; };
   const auto rec_row = [&](const float* a) {

@@ -243,7 +243,7 @@ __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, boo
   Run8 vraw{};
   if (v_dot && vvalid > 0)
     vraw = load_run8(p.v, row_offset(p.v, row, p.T, hv) + c0 * p.v.stride[3], vvalid);
-  const float beta = active ? b.ws.beta[vi] : 0.f;
+  const float beta = active && rows_left ? b.ws.beta[vi] : 0.f;
   float x[8] = {}, dbeta = 0.f, raw_beta = 0.f;
   if (gated) raw_gates(p, row, hv, scalar ? 0 : c0, valid, x);
   if (beta_lane) {
@@ -253,7 +253,7 @@ __device__ void value_grads_row(const BackwardParams& b, const RowLanes& rl, boo
   }
   wait_async<0>();
 
-  {
+  if (rows_left) {
     float d[8];
     st.read(0, d);
     finish_value_row(b, rl, d, vraw, vvalid, beta,
