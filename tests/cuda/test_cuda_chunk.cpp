@@ -331,8 +331,9 @@ struct ChunkStatesRun {
   std::vector<double> o, state, chunks;
 };
 
-ChunkStatesRun run_with_chunk_states(const Case& c, DType chunk_dtype, Schedule schedule) {
-  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+ChunkStatesRun run_with_chunk_states(const Case& c, DType chunk_dtype, Schedule schedule,
+                                     DType out_dtype = DType::f32) {
+  HostTensor o = c.make_output(out_dtype), s = c.make_state();
   HostTensor h = c.make_chunk_states(chunk_dtype);
   o.fill(kPoison);
   s.fill(kPoison);
@@ -386,16 +387,37 @@ TEST(CudaChunkStates, MatchReference) {
     }
 }
 
-// Recording writes the registers out and changes nothing the kernel computes.
+// Recording writes the registers out and changes nothing the kernel computes. Without it
+// the wgmma state kernel's whole-sequence pass issues the next record's copies under the
+// chunk's first products, with it before them (kPrefetchUnderProducts): the same sums either
+// way. Both output paths (float32: runs of 8 through store_run8; dense bfloat16: stmatrix),
+// the token operands (fused transforms, v as given), sequences of one token, one chunk and
+// one token more, and exactly two chunks.
 TEST(CudaChunkStates, OutputsUnchangedByRecording) {
   FLASHDELTA_REQUIRE_GPU();
-  const Case c = make_case({.B = 2, .T = 333, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
-                            .seed = 5700});
-  HostTensor o = c.make_output(DType::f32), s = c.make_state();
-  forward_on_device(c.args(o, &s), c.options, kChunk);
-  const ChunkStatesRun with = run_with_chunk_states(c, DType::f32, kChunk);
-  EXPECT_EQ(with.o, o.to_double());
-  EXPECT_EQ(with.state, s.to_double());
+  const std::vector<std::pair<std::string, CaseConfig>> cases = {
+      {"kda", {.B = 2, .T = 333, .HV = 4, .K = 128, .V = 128, .dtype = DType::bf16,
+               .seed = 5700}},
+      {"kda, fused transforms, lower bound", gate_form_case(Mechanism::kda, 1, 150, 5701)},
+      {"kda, two chunks", {.T = 128, .HV = 2, .K = 128, .V = 128, .dtype = DType::bf16,
+                           .seed = 5702}},
+      {"gated deltanet, K = V = 64, varlen", {.mechanism = Mechanism::gated_deltanet, .T = 267,
+                                              .HV = 4, .K = 64, .V = 64, .dtype = DType::bf16,
+                                              .seqlens = {0, 1, 130, 64, 65, 7}, .seed = 5703}},
+      {"deltanet, K = 40, V = 200", {.mechanism = Mechanism::deltanet, .B = 2, .T = 130, .K = 40,
+                                     .V = 200, .dtype = DType::f32, .seed = 5704}},
+  };
+  for (const auto& [what, cfg] : cases) {
+    const Case c = make_case(cfg);
+    for (const DType out : {DType::f32, DType::bf16}) {
+      const std::string label = what + ", " + dtype_name(out) + " output";
+      HostTensor o = c.make_output(out), s = c.make_state();
+      forward_on_device(c.args(o, &s), c.options, kChunk);
+      const ChunkStatesRun with = run_with_chunk_states(c, DType::f32, kChunk, out);
+      EXPECT_EQ(with.o, o.to_double()) << label;
+      EXPECT_EQ(with.state, s.to_double()) << label;
+    }
+  }
 }
 
 // A forward on the device (the other outputs discarded) whose chunk_states is `view` (shape,
