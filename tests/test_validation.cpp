@@ -127,6 +127,12 @@ TEST(Validation, CuSeqlens) {
     c.cu_seqlens = HostTensor(DType::f32, {3});
     a.cu_seqlens = c.cu_seqlens.view;
   }, {"'cu_seqlens'", "int32 or int64", "float32"});
+  // 2^62 sequences from one broadcast offset: N x HV and the chunk count would wrap int64 in
+  // the kernels' sizes, so N is bounded as B is, before the offsets are read.
+  expect_forward_error(cfg, [](Case&, ForwardArgs& a, Options&) {
+    a.cu_seqlens.shape[0] = (int64_t{1} << 62) + 1;
+    a.cu_seqlens.stride[0] = 0;
+  }, {"'cu_seqlens'", "at most 2^24 sequences", "N = 4611686018427387904"});
 }
 
 TEST(Validation, CuSeqlensNeedsBatchOne) {

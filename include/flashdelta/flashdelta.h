@@ -27,7 +27,7 @@
 //   chunk_states [C, HV, K, V] (k_first) or [C, HV, V, K] (v_first), any float dtype:
 //              optional output, the state before tokens 0, 64, 128, ... of every
 //              sequence (see ForwardArgs::chunk_states)
-// K and V are 1..256; B and HV are at most 2^24. No two elements of an output (o,
+// K and V are 1..256; B, N and HV are at most 2^24. No two elements of an output (o,
 // final_state, chunk_states, the gradients, a decode's state pool) may share an address:
 // with its dimensions of size > 1 in order of |stride|, each stride must pass the elements
 // the smaller ones span (every dense, permuted, padded or negative-stride view does; stride 0

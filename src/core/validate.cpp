@@ -17,6 +17,9 @@ namespace flashdelta::detail {
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
+// Sequences per call, B rows or cu_seqlens' N: with at most 2^24 value heads, N x HV (the
+// scans, states and chunk records the kernels size and index) stays within 2^48.
+constexpr int64_t kMaxSequences = int64_t{1} << 24;
 
 [[noreturn]] void fail(const std::string& msg) { throw Error(ErrorCode::invalid_argument, msg); }
 
@@ -165,8 +168,7 @@ void check_token_inputs(Problem& p, const TensorView& q, const TensorView& k,
   p.B = q.shape[0];
   // The sequence table has one entry per row: bound B so a huge empty batch fails here
   // with a message rather than in an allocation.
-  constexpr int64_t kMaxBatch = int64_t{1} << 24;
-  if (p.B > kMaxBatch)
+  if (p.B > kMaxSequences)
     fail(arg("q") + "expected batch size B <= 2^24, got B = " + std::to_string(p.B));
   p.T = q.shape[1];
   p.H = q.shape[2];
@@ -189,7 +191,7 @@ void check_token_inputs(Problem& p, const TensorView& q, const TensorView& k,
   if (p.HV < 1 || p.HV % p.H != 0)
     fail(arg("v") + "expected HV a positive multiple of H = " + std::to_string(p.H) +
          ", got HV = " + std::to_string(p.HV));
-  constexpr int64_t kMaxHeads = int64_t{1} << 24;  // with B <= 2^24: B x HV fits in 2^48
+  constexpr int64_t kMaxHeads = int64_t{1} << 24;  // see kMaxSequences
   if (p.HV > kMaxHeads)
     fail(arg("v") + "expected at most 2^24 value heads, got HV = " + std::to_string(p.HV));
   if (p.V < 1 || p.V > kMaxHeadDim)
@@ -283,6 +285,9 @@ void check_token_inputs(Problem& p, const TensorView& q, const TensorView& k,
       fail(arg("cu_seqlens") + "requires batch size B = 1 (sequences packed along T), got B = " +
            std::to_string(p.B));
     const int64_t n = cu_seqlens.shape[0] - 1;
+    if (n > kMaxSequences)
+      fail(arg("cu_seqlens") + "expected at most 2^24 sequences (N + 1 offsets), got N = " +
+           std::to_string(n));
     // Device-resident offsets are not read by the host (no synchronisation): the CUDA
     // kernels clamp each sequence to [0, T], so a malformed table cannot reach outside q.
     if (cu_seqlens.device != Device::cpu) {

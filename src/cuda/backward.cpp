@@ -90,9 +90,8 @@ cuda::BackwardParams backward_params(const Problem& p, const BackwardArgs& a) {
   b.state_in_dtype = a.initial_state.dtype;
   b.B = p.B;
   b.H = p.H;
-  b.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;
-  b.max_chunks = p.cu_seqlens.present() ? b.chunks_per_row + p.N : p.B * b.chunks_per_row;
-  // No sequence has more chunks than chunks_per_row (a varlen batch's T is its total).
+  b.chunks_per_row = chunks_per_row(p);
+  b.max_chunks = chunk_count_bound(p);
   const ScanSplit split = split_scan(kSegmentsSetting, p.N * p.HV, p.K, p.V, b.chunks_per_row, kMapsStep);
   b.segments = split.segments;
   b.segment_chunks = split.segment_chunks;
@@ -320,12 +319,14 @@ bool backward_bf16_states(const Problem& p, bool kept) {
 }
 
 int64_t cuda_chunk_backward_workspace_bytes(const Problem& p, bool kept) {
+  check_chunk_records(p, "the CUDA chunk backward");
   return workspace_bytes(p, heads_per_pass(p, kept), kept);
 }
 
 void cuda_chunk_backward(const Problem& p, const BackwardArgs& a) {
   const bool varlen = p.cu_seqlens.present();
   const bool kept = a.chunk_states.present();
+  check_chunk_records(p, "the CUDA chunk backward");
   const int64_t pass_heads = heads_per_pass(p, kept);
   const int64_t bytes = workspace_bytes(p, pass_heads, kept);
   // The caller's workspace is checked before anything else (no GPU is needed to fail here).

@@ -105,14 +105,24 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
                   c.KP <= 128;
   const std::string stages = env_setting(kStateStagesSetting, {"auto", "1", "2"});
   c.state_stages = stages == "1" ? 1 : stages == "2" ? 2 : 0;
-  c.chunks_per_row = (p.T + cuda::kChunk - 1) / cuda::kChunk;
-  // With cu_seqlens each sequence adds at most one partial chunk to T / C whole ones.
-  c.max_chunks = p.cu_seqlens.present() ? c.chunks_per_row + p.N : p.B * c.chunks_per_row;
-  // No sequence has more chunks than chunks_per_row (a varlen batch's T is its total).
+  c.chunks_per_row = chunks_per_row(p);
+  c.max_chunks = chunk_count_bound(p);
   const ScanSplit split = split_scan(kSegmentsSetting, p.N * p.HV, p.K, p.V, c.chunks_per_row, kMapsStep);
   c.segments = split.segments;
   c.segment_chunks = split.segment_chunks;
   return c;
+}
+
+// Throws Error(unsupported) where a kernel would need more than 2^31 - 1 blocks; called before
+// the workspace is sized (check_chunk_records).
+void check_block_counts(const Problem& p, const cuda::ChunkParams& c) {
+  check_chunk_records(p, "the CUDA chunk schedule");
+  const int64_t columns = cuda::chunk_state_columns(c.KP);
+  const int64_t state_blocks = p.N * p.HV * ((p.V + columns - 1) / columns);
+  if (state_blocks > INT_MAX)
+    throw Error(ErrorCode::unsupported,
+                "argument 'q': the CUDA chunk schedule runs at most 2^31 - 1 blocks, got " +
+                    std::to_string(state_blocks) + " state tiles");
 }
 
 }  // namespace
@@ -123,6 +133,7 @@ int64_t cuda_chunk_state_segments(int64_t scans, int64_t K, int64_t V, int64_t c
 
 int64_t cuda_chunk_workspace_bytes(const Problem& p) {
   cuda::ChunkParams c = chunk_params(p, ForwardIO{});
+  check_block_counts(p, c);
   return layout_of(c, p.cu_seqlens.present()).total();
 }
 
@@ -131,6 +142,7 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
   require_f32_state(io.initial_state.t, "initial_state");
   require_f32_state(io.final_state.t, "final_state");
   cuda::ChunkParams c = chunk_params(p, io);
+  check_block_counts(p, c);
   const bool varlen = p.cu_seqlens.present();
   const Carver layout = layout_of(c, varlen);
   const int64_t bytes = layout.total();
@@ -140,13 +152,6 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
   require_sm80("the CUDA chunk schedule");
   if (cuda::chunk_state_one_stage_only(c)) c.state_stages = 1;
   c.sm_count = sm_count();
-  const int64_t columns = cuda::chunk_state_columns(c.KP);
-  const int64_t state_blocks = p.N * p.HV * ((p.V + columns - 1) / columns);
-  if (c.max_chunks * p.HV > INT_MAX || state_blocks > INT_MAX)
-    throw Error(ErrorCode::unsupported,
-                "argument 'q': the CUDA chunk schedule runs at most 2^31 - 1 blocks, got " +
-                    std::to_string(c.max_chunks * p.HV) + " chunk records and " +
-                    std::to_string(state_blocks) + " state tiles");
 
   const StreamWorkspace memory("CUDA chunk schedule", bytes, workspace, workspace_bytes, stream);
   if (bytes > 0) layout.carve(memory.data());

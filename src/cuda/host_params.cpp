@@ -6,9 +6,12 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+
+#include "cuda/chunk_params.h"
 
 namespace flashdelta::detail {
 
@@ -170,6 +173,20 @@ double peak_memory_bandwidth() {
       return 0.0;
     return 2.0 * khz * 1e3 * bits / 8;
   });
+}
+
+int64_t chunks_per_row(const Problem& p) { return (p.T + cuda::kChunk - 1) / cuda::kChunk; }
+
+int64_t chunk_count_bound(const Problem& p) {
+  return p.cu_seqlens.present() ? chunks_per_row(p) + p.N : p.B * chunks_per_row(p);
+}
+
+void check_chunk_records(const Problem& p, const char* what) {
+  const int64_t records = chunk_count_bound(p) * p.HV;
+  if (records > INT_MAX)
+    throw Error(ErrorCode::unsupported,
+                std::string("argument 'q': ") + what + " keeps at most 2^31 - 1 chunk records "
+                "(chunks x value heads), got " + std::to_string(records));
 }
 
 ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, int64_t chunks,

@@ -37,6 +37,17 @@ int sm_count();
 // memory clock times the bus width), 0 without a device; cached per device like sm_count.
 double peak_memory_bandwidth();
 
+// Chunks of C tokens per row of T (a varlen batch's T is its total, and no sequence has more),
+// and an upper bound of the chunks of all sequences: with cu_seqlens each sequence adds at
+// most one partial chunk to T / C whole ones.
+int64_t chunks_per_row(const Problem& p);
+int64_t chunk_count_bound(const Problem& p);
+
+// Throws Error(unsupported) naming q past 2^31 - 1 chunk records (chunks x value heads): the
+// per-record kernels' grids. `what` names the schedule. Called before a workspace is sized,
+// whose products it keeps far inside int64.
+void check_chunk_records(const Problem& p, const char* what);
+
 // How a sequential scan over at most `chunks` chunks per sequence is split (DESIGN.md section
 // 3): `segments` runs of segment_chunks chunks (1: not split).
 struct ScanSplit {

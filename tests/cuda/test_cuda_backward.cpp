@@ -223,6 +223,41 @@ TEST(CudaBackward, VarlenWithEmptyAndOneTokenSequences) {
 // The gradient buffers of the workspace are zeroed only for varlen batches (rows outside
 // every sequence); otherwise every stage must write before it adds. A workspace of NaN
 // from the caller shows any element that is not.
+// Host only: more chunk records (chunks x value heads) than a grid holds, 2^31 - 1. The size
+// query and the call refuse the shape with a message naming q before the workspace is sized
+// (for such shapes its products would pass int64) or any device is touched. The views are
+// never read: the inputs broadcast one token along T, dq lies at an address no other view
+// reaches.
+TEST(CudaBackward, RefusesMoreChunkRecordsThanAGridHolds) {
+  const BackwardCase b = make_backward_case({.T = 64, .K = 64, .V = 64}, false);
+  BackwardArgs a = b.args();
+  constexpr int64_t kT = int64_t{1} << 37;  // 2^31 chunks x 2 value heads
+  for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.d_o}) {
+    t->shape[1] = kT;
+    t->stride[1] = 0;
+  }
+  a.dq = a.q;
+  a.dq.dtype = DType::f32;
+  a.dq.stride = {kT * 2 * 64, 2 * 64, 64, 1};
+  a.dq.data = reinterpret_cast<void*>(uintptr_t{1} << 52);
+  for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.initial_state, &a.d_o, &a.dq})
+    if (t->present()) t->device = Device::cuda;
+  for (const bool query : {true, false}) {
+    try {
+      if (query)
+        (void)backward_workspace_bytes(a, b.c.options, Schedule::chunk);
+      else
+        backward(a, b.c.options, Schedule::chunk);
+      ADD_FAILURE() << (query ? "the size query" : "the call") << " accepted 2^32 records";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+      const std::string msg = e.what();
+      for (const char* needle : {"'q'", "2^31 - 1 chunk records", "got 4294967296"})
+        EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+    }
+  }
+}
+
 TEST(CudaBackward, PoisonedCallerWorkspace) {
   FLASHDELTA_REQUIRE_GPU();
   uint64_t seed = 7150;

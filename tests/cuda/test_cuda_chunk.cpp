@@ -264,6 +264,42 @@ TEST(CudaChunkWorkspace, SizeQueryAndCheckedBeforeAnythingRuns) {
   EXPECT_EQ(s.bytes, s_before);
 }
 
+// Host only: more chunk records (chunks x value heads) than a grid holds, 2^31 - 1. The size
+// query and the call refuse the shape with a message naming q before anything is sized (for
+// such shapes the workspace's products would pass int64) or any device is touched. The views
+// are never read: the inputs broadcast one token along T, the output lies at an address no
+// other view reaches.
+TEST(CudaChunkWorkspace, RefusesMoreChunkRecordsThanAGridHolds) {
+  const Case c = make_case({.T = 64, .K = 64, .V = 64});
+  HostTensor o = c.make_output(DType::f32), s = c.make_state();
+  s.fill(kPoison);
+  const std::vector<unsigned char> s_before = s.bytes;
+  ForwardArgs a = labelled_cuda(c.args(o, &s));
+  constexpr int64_t kT = int64_t{1} << 37;  // 2^31 chunks x 2 value heads
+  for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta}) {
+    t->shape[1] = kT;
+    t->stride[1] = 0;
+  }
+  a.o.shape[1] = kT;
+  a.o.stride[0] = kT * a.o.stride[1];
+  a.o.data = reinterpret_cast<void*>(uintptr_t{1} << 52);
+  for (const bool query : {true, false}) {
+    try {
+      if (query)
+        (void)forward_workspace_bytes(a, c.options, kChunk);
+      else
+        forward(a, c.options, kChunk);
+      ADD_FAILURE() << (query ? "the size query" : "the call") << " accepted 2^32 records";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+      const std::string msg = e.what();
+      for (const char* needle : {"'q'", "2^31 - 1 chunk records", "got 4294967296"})
+        EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+    }
+  }
+  EXPECT_EQ(s.bytes, s_before) << "the final state was written";
+}
+
 // Host only: FLASHDELTA_CHUNK_TOKEN_RUNS takes auto or general,
 // FLASHDELTA_CHUNK_STATE_PRODUCTS auto or mma_sync, FLASHDELTA_CHUNK_STATE_STAGES auto, 1 or
 // 2, FLASHDELTA_CHUNK_INVERSE auto, distance or tf32, FLASHDELTA_CHUNK_AQK auto, bf16 or split,
