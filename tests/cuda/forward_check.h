@@ -2,6 +2,7 @@
 // reference, and compare outputs and final states.
 #pragma once
 
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,21 @@ inline Outputs run_cuda(const Case& c, DType o_dtype, Schedule schedule) {
   s.fill(kPoison);
   forward_on_device(c.args(o, &s), c.options, schedule);
   return {o.to_double(), s.to_double()};
+}
+
+// `call` (labelled `what`) must throw an Error with `code` whose message holds every needle.
+template <class Call>
+void expect_error(Call&& call, const std::string& what, ErrorCode code,
+                  std::initializer_list<const char*> needles) {
+  try {
+    call();
+    ADD_FAILURE() << what << ": no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << what << ": " << e.what();
+    const std::string msg = e.what();
+    for (const char* needle : needles)
+      EXPECT_NE(msg.find(needle), std::string::npos) << what << ": " << msg;
+  }
 }
 
 // The recurrent kernel computes in float32 (float64 inputs are narrowed); the chunk kernels
