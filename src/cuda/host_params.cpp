@@ -199,10 +199,15 @@ ScanSplit split_scan(const char* setting, int64_t scans, int64_t K, int64_t V, i
     best = std::min<int64_t>(std::stoi(value), chunks);
   } else {
     constexpr int64_t kWave = 128, kMinSegmentChunks = 16;
+    // Once a count's blocks pass a wave, its waves grow as its segments' chunks shrink and
+    // each segment adds a carry: the model's pick lies far below 4096, where the search stops
+    // (short where a view makes T huge: 2^40 tokens of one broadcast token, ~2^34 chunks).
+    constexpr int64_t kMostSegments = 4096;
     const int64_t value_tiles = (V + 63) / 64, map_tiles = value_tiles + (K + 63) / 64;
     auto waves = [](int64_t blocks) { return (blocks + kWave - 1) / kWave; };
     double best_steps = static_cast<double>(waves(scans * value_tiles) * chunks);
-    for (int64_t s = 2; s <= chunks / kMinSegmentChunks; ++s) {
+    const int64_t most = std::min(chunks / kMinSegmentChunks, kMostSegments);
+    for (int64_t s = 2; s <= most; ++s) {
       const int64_t per = (chunks + s - 1) / s;
       const double steps = maps_step * static_cast<double>(waves(scans * map_tiles * (s - 1)) * per) +
                            static_cast<double>((s - 1) + waves(scans * value_tiles * s) * per);
