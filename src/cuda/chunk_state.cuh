@@ -467,15 +467,11 @@ __host__ __device__ constexpr uint32_t k_step_bytes(int kk) {
 // its left operand from registers, and each record matrix is read once per block instead of
 // once per warp. v_new^T starts from u^T and takes -S^T w^T (the left operand negated); the
 // first batch (w and qg, both from S^T's fragments) runs while nothing else waits on it.
-// CUDA-core work that the recurrence does not wait on runs while products do: prefetch()
-// (the next record's copies) under the first batch, store(o) (the finished o^T's scaling and
-// stores) under the state update's (the mma.sync path calls them before and after the step).
-template <int KP, bool kEnds, bool kSplit, class Prefetch, class Store>
+template <int KP, bool kEnds, bool kSplit>
 __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
                                                  StateColumns<KP>& S, Acc (&o)[kChunk / 8],
                                                  bool delta, bool map, bool tokens,
-                                                 const bf16* tu, int warp, Prefetch&& prefetch,
-                                                 Store&& store) {
+                                                 const bf16* tu, int warp) {
   Acc vn[kChunk / 8];
   load_u(vn, st, map, warp);  // u^T, or v^T with tu
   // With tu v_new^T starts from v^T tu^T, in the same batch.
@@ -511,7 +507,6 @@ __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
 #pragma unroll
     for (int kk = 0; kk < KP / 16; ++kk) wgmma_m64n64k16<false>(o, a[kk], qg.at(k_step_bytes(kk)));
   wgmma_commit();
-  prefetch();
   wgmma_wait<0>();
   hold_registers(vn);
   hold_registers(o);
@@ -539,11 +534,6 @@ __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
 
   // S^T += v_new^T diag(n_k) kg, kg N-major: key tile j, tokens 16 kk .. as rows.
   scale_for_update(vn, S.acc, st);
-  // o^T's last products have had the scaling's time; waited on here, before the update's
-  // batch, they leave no group pending but the update's while store reads o (a wait for all
-  // but the newest group, then o's reads, would make ptxas serialize every wgmma: NOTES (bt)).
-  wgmma_wait<0>();
-  hold_registers(o);
   wgmma_fence();
   hold_registers(S.acc);
 #pragma unroll
@@ -556,9 +546,9 @@ __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
                             kg.at(j * (kChunk * 64 * 2) + kk * 16 * 128));
   }
   wgmma_commit();
-  if (!kEnds) store(o);
   wgmma_wait<0>();
   hold_registers(S.acc);
+  hold_registers(o);
 }
 
 // inv_q's entries for accumulator tile nt of o^T (its tokens 8 nt + acc_col), or ones where
@@ -710,11 +700,6 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
   constexpr bool kEnds = kPass == StatePass::ends;
   constexpr bool kW = kWgmma && kWgmmaCompiled && KP <= 128;
   static_assert(!kW || G::kThreads == 128, "the block is one warpgroup");
-  // The next record's copies under the chunk's first products (chunk_step_wgmma) where
-  // registers allow: the passes that record chunk states or carry segments hold more, and
-  // there the copies go out before the step (ptxas at K = 64, recording segments: 200 -> 255
-  // registers and 112 bytes of spills; at K = 128 the segments' spills doubled).
-  constexpr bool kPrefetchUnderProducts = kW && kPass == StatePass::whole && !kRecord;
   extern __shared__ __align__(16) unsigned char smem[];
   const unsigned misalign = smem_address(smem) % kSharedAlignSlack;
   static_assert(!(kSplit && kEnds), "the maps have no A_qk term");
@@ -812,32 +797,24 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
     // Chunk i's stage has landed for every thread, and every warp is done with chunk i - 1,
     // whose stage the prefetch of chunk i + 1 then overwrites while chunk i computes.
     __syncthreads();
-    auto prefetch = [&] {
-      if (kStages == 2 && i + 1 < c1) fetch(i + 1);
-    };
-    if (!kPrefetchUnderProducts) prefetch();
+    if (kStages == 2 && i + 1 < c1) fetch(i + 1);
 
     Acc o[G::kTokenTiles];
     const bf16* u_from_v = map ? nullptr : stage_tu(stage(i));  // u = tu v (map: no u)
-    // The chunk's output rows (not for the maps, which have none).
-    auto store = [&](const Acc(&out)[G::kTokenTiles]) {
-      const float* inv_q = tokens ? nullptr : st.inv_q();  // with tokens o^T is scaled already
-      if (kStmatrix && c.dense_output)
-        store_output_dense(p, out, inv_q, sh.o[warp], o_base, i * kChunk, seq.len, jw);
-      else
-        store_output(p, out, inv_q, sh.o[warp], o_base, i * kChunk, seq.len, jw);
-    };
-    if constexpr (kW) {
-      chunk_step_wgmma<KP, kEnds, kSplit>(
-          st, S, o, p.delta, map, tokens, u_from_v, warp,
-          [&] {
-            if (kPrefetchUnderProducts) prefetch();
-          },
-          store);
-    } else {
+    if constexpr (kW)
+      chunk_step_wgmma<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, u_from_v, warp);
+    else
       chunk_step_mma_sync<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, u_from_v, warp);
-      if (!kEnds) store(o);
+
+    if (kEnds) {
+      if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
+      continue;
     }
+    const float* inv_q = tokens ? nullptr : st.inv_q();  // with tokens o^T is scaled already
+    if (kStmatrix && c.dense_output)
+      store_output_dense(p, o, inv_q, sh.o[warp], o_base, i * kChunk, seq.len, jw);
+    else
+      store_output(p, o, inv_q, sh.o[warp], o_base, i * kChunk, seq.len, jw);
     if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
   }
   if (kEnds)  // the segment's end, into its map (columns V .. for the identity's)

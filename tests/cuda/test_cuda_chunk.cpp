@@ -414,10 +414,8 @@ TEST(CudaChunkStates, MatchReference) {
     }
 }
 
-// Recording writes the registers out and changes nothing the kernel computes. Without it
-// the wgmma state kernel's whole-sequence pass issues the next record's copies under the
-// chunk's first products, with it before them (kPrefetchUnderProducts): the same sums either
-// way. Both output paths (float32: runs of 8 through store_run8; dense bfloat16: stmatrix),
+// Recording writes the registers out and changes nothing the kernel computes: the same
+// sums with and without it, bit for bit. Both output paths (float32: runs of 8 through store_run8; dense bfloat16: stmatrix),
 // the token operands (fused transforms, v as given), sequences of one token, one chunk and
 // one token more, and exactly two chunks.
 TEST(CudaChunkStates, OutputsUnchangedByRecording) {
