@@ -220,9 +220,6 @@ TEST(CudaBackward, VarlenWithEmptyAndOneTokenSequences) {
   }
 }
 
-// The gradient buffers of the workspace are zeroed only for varlen batches (rows outside
-// every sequence); otherwise every stage must write before it adds. A workspace of NaN
-// from the caller shows any element that is not.
 // Host only: more chunk records (chunks x value heads) than a grid holds, 2^31 - 1. The size
 // query and the call refuse the shape with a message naming q before the workspace is sized
 // (for such shapes its products would pass int64) or any device is touched. The views are
@@ -249,6 +246,9 @@ TEST(CudaBackward, RefusesMoreChunkRecordsThanAGridHolds) {
                ErrorCode::unsupported, needles);
 }
 
+// The gradient buffers of the workspace are zeroed only for varlen batches (rows outside
+// every sequence); otherwise every stage must write before it adds. A workspace of NaN
+// from the caller shows any element that is not.
 TEST(CudaBackward, PoisonedCallerWorkspace) {
   FLASHDELTA_REQUIRE_GPU();
   uint64_t seed = 7150;

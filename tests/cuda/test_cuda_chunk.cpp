@@ -414,10 +414,10 @@ TEST(CudaChunkStates, MatchReference) {
     }
 }
 
-// Recording writes the registers out and changes nothing the kernel computes: the same
-// sums with and without it, bit for bit. Both output paths (float32: runs of 8 through store_run8; dense bfloat16: stmatrix),
-// the token operands (fused transforms, v as given), sequences of one token, one chunk and
-// one token more, and exactly two chunks.
+// Recording writes the registers out and changes nothing the kernel computes: the same sums
+// with and without it, bit for bit. Both output paths (float32: runs of 8 through
+// store_run8; dense bfloat16: stmatrix), the token operands (fused transforms, v as given),
+// sequences of one token, one chunk and one token more, and exactly two chunks.
 TEST(CudaChunkStates, OutputsUnchangedByRecording) {
   FLASHDELTA_REQUIRE_GPU();
   const std::vector<std::pair<std::string, CaseConfig>> cases = {
