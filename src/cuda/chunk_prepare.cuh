@@ -68,6 +68,11 @@ static_assert(kThreads / kSlice == 4, "one thread per (row block, channel) of a 
 constexpr int kValueTile = 64;  // value columns of u per pass
 constexpr int kValueLd = kValueTile + 8;
 constexpr int kChunkLd = kChunk + 8;  // the slices' T in bfloat16
+// A_kk's float32 rows are 68 floats apart (4 banks): the inverse's tf32 operand loads (8 rows
+// x 4 columns a warp) fall in 32 distinct banks, and finish_a's 8-byte stores (a half-warp's
+// 4 rows x 4 column pairs) in 2 passes of 2; rows 65 apart had put 4 lanes on one bank in both
+// (ncu (bq): ~7 M of the kernel's 10.2 M excess shared wavefronts).
+constexpr int kALd = kChunk + 4;
 static_assert(kThreads / 32 * kSubChunk == kChunk, "one warp per row block");
 
 // Rows of column factors per key slice: row block I factors columns 0 .. 16 (I + 1) - 1
@@ -98,7 +103,7 @@ struct PrepareShared {
   // copies (tb, tu) are written, and beta v (vb) or v's tiles (vt) take the place of T in
   // float32.
   struct Solve {
-    alignas(16) float a[kChunk][kChunk + 1];  // A_kk (strictly lower)
+    alignas(16) float a[kChunk][kALd];  // A_kk (strictly lower)
     alignas(16) float t[kChunk][kChunk + 4];  // T = (I + A_kk)^-1 (lower, unit diagonal)
     InverseScratch inverse;
     // The slices' tu; the key tiles' launch ends before it (prepare_shared_bytes).
@@ -146,9 +151,9 @@ constexpr int prepare_shared_bytes(bool key_tiles) {
 static_assert(sizeof(PrepareShared<64>::Solve) <= sizeof(PrepareShared<64>::Slice) &&
                   sizeof(PrepareShared<256>::QTile) <= offsetof(PrepareShared<256>::Solve, tu),
               "the slices size the union; the key tiles' q fits in the solve's place");
-static_assert(2 * sizeof(bf16) * kChunk * 64 <= sizeof(float) * kChunk * (kChunk + 1) &&
-                  sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * (kChunk + 1) &&
-                  sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * (kChunk + 1),
+static_assert(2 * sizeof(bf16) * kChunk * 64 <= sizeof(float) * kChunk * kALd &&
+                  sizeof(bf16) * kChunk * kChunkLd <= sizeof(float) * kChunk * kALd &&
+                  sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * kALd,
               "T in bfloat16 and beta v fit in the places of A_kk and T in float32");
 // Three blocks per SM at KP <= 128 (the kernel is latency-bound: more warps hide more); the
 // cap of 168 registers spills a few values with the vector gate (ptxas at KP = 128, dense:
@@ -734,8 +739,7 @@ __device__ void finish_a(const RecurrentParams& p, bool rows_n_q, PrepareShared<
         store_pair(rec.aqk + record_index(t, j0), vq[0], vq[1]);
         if constexpr (kSplit)
           store_pair(rec.aqk_lo + record_index(t, j0), low_part(vq[0]), low_part(vq[1]));
-        sh.u.v.a[t][j0] = vk[0];
-        sh.u.v.a[t][j0 + 1] = vk[1];
+        *reinterpret_cast<float2*>(&sh.u.v.a[t][j0]) = make_float2(vk[0], vk[1]);
       }
   }
 }
@@ -750,10 +754,10 @@ __device__ void solve(const ChunkParams& c, PrepareShared<KP>& sh) {
   auto& v = sh.u.v;
   const int tid = threadIdx.x;
   if (c.inverse_by_columns)
-    invert_unit_lower_by_columns<kThreads, !kOneProduct>(&v.a[0][0], kChunk + 1, &v.t[0][0],
+    invert_unit_lower_by_columns<kThreads, !kOneProduct>(&v.a[0][0], kALd, &v.t[0][0],
                                                          kChunk + 4, v.inverse);
   else
-    invert_unit_lower<kThreads>(&v.a[0][0], kChunk + 1, &v.t[0][0], kChunk + 4, v.inverse);
+    invert_unit_lower<kThreads>(&v.a[0][0], kALd, &v.t[0][0], kChunk + 4, v.inverse);
   // A_kk is dead: T in bfloat16 takes its place, four entries a thread and pass.
   bf16 *tb = sh.tb(), *tu = sh.template tu<KeyTiles>();
   const float* cols = KeyTiles ? sh.w_cols : sh.inv_k;
