@@ -57,14 +57,12 @@ constexpr float kMinGateLog2 = -64.f;
 // A per-step log2 gate floored at kMinGateLog2 (NaN stays NaN: bad input is not hidden).
 __device__ __forceinline__ float floor_gate(float g) { return g < kMinGateLog2 ? kMinGateLog2 : g; }
 constexpr int kSliceLd = kSlice + 8;
-// The float32 rows of a slice (q, k, Gamma) are 36 floats apart: a quarter-warp's 16-byte
-// stores and loads in stage_slice and write_slice_factors (two tokens, four runs of 8
-// channels each) then fall in distinct banks, where rows of 32 floats put both tokens' runs
-// in the same four banks (two wavefronts for one).
+// The float32 rows of a slice (q, k, Gamma: written only for split_aqk's row_low and where a
+// channel does not factorise) are 36 floats apart: fill_slice's half-warps, on rows 4 apart,
+// then store their 8-byte pairs on different banks.
 constexpr int kStageLd = kSlice + 4;
-// Token-major passes over a slice: kGroups threads per token, 8 channels each.
-constexpr int kGroups = kSlice / 8, kTokensPerPass = kThreads / kGroups, kPasses = kChunk / kTokensPerPass;
-static_assert(kThreads / kSlice == 4, "one thread per (row block, channel) of a slice");
+static_assert(kSlice == 32 && kSubChunk == 2 * 8,
+              "a half-warp's 16 lanes take the slice's channel pairs, each lane 8 of its block's rows");
 constexpr int kValueTile = 64;  // value columns of u per pass
 constexpr int kValueLd = kValueTile + 8;
 constexpr int kChunkLd = kChunk + 8;  // the slices' T in bfloat16
@@ -96,7 +94,7 @@ struct PrepareShared {
     // corrects; without, kbar's 64 rows of k (accumulate_products).
     alignas(16) bf16 kbar_lo[4][kSubChunk][kSliceLd];
     alignas(16) float ref[4][kSlice];  // vector gate: reference point of each row block and channel
-    float total[4][kSlice];  // ... and the sum of its gates (stage_slice's scan)
+    alignas(8) float total[4][kSlice];  // ... and the sum of its gates (fill_slice's scan)
     bool exact[4][kSlice];  // ... and whether its diagonal block factorises within range
   };
   // After the slices (step 3 and the record). Once the inverse is complete, T's two bfloat16
@@ -218,114 +216,141 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
   }
 }
 
-// The raw runs of key channels [c0, c0 + kSlice) of q, k and the vector gate that a thread
-// loads (kGroups threads per token, 8 channels each; TokenRuns<Dense>): fetched a slice
-// ahead, so that their latency passes behind the previous slice's products.
-struct SliceRuns {
-  Run8 q[kPasses], k[kPasses], g[kPasses];
+// The slices' thread map: warp I takes row block I, and a lane the channel pair cp = 2 (lane %
+// 16), cp + 1 of the slice on eight of the block's rows, slice_row(u, lane / 16) for u = 0 .. 7:
+// two segments of four rows each (the in-warp scan's), h = lane / 16 taking rows 4 h .. 4 h + 3
+// and 8 + 4 h .. 11 + 4 h. A lane keeps its 16 values in registers from the load to the
+// factors; rows 4 apart put the half-warps' 4-byte stores into the bfloat16 tables (rows of
+// kSliceLd, wsrc) on different banks.
+constexpr int kSliceRows = kSubChunk / 2;
+__device__ __forceinline__ int slice_row(int u, int h) { return u % 4 + 8 * (u / 4) + 4 * h; }
+
+// Dense inputs: the raw bfloat16 pairs of q, k and the vector gate that a lane takes from a
+// slice (zero past the chunk's last token and past K), fetched a slice ahead so that their
+// latency passes behind the previous slice's products. Other inputs are read where they are
+// converted (read_slice).
+struct SlicePairs {
+  uint32_t q[kSliceRows], k[kSliceRows], g[kSliceRows];
 };
 
+// Where the lane's first row of q, k and the vector gate starts at its pair of the first slice
+// (dense inputs), computed once a chunk: a slice only adds its first channel.
+struct SliceSource {
+  const unsigned short *q, *k, *g;
+};
+
+template <GateForm G>
+__device__ SliceSource slice_source(const RecurrentParams& p, const ChunkRef& ref, int64_t hv) {
+  const int lane = threadIdx.x % 32, t0 = kSubChunk * (threadIdx.x / 32) + 4 * (lane / 16);
+  const int cp = 2 * (lane % 16);
+  auto rows = [&](const TokenTensor& x, int64_t head) {
+    return static_cast<const unsigned short*>(x.data) + token_offset(x, ref.seq, head) +
+           (ref.t + t0) * x.stride[1] + cp;
+  };
+  return {rows(p.q, hv / p.group), rows(p.k, hv / p.group),
+          G == GateForm::vector ? rows(p.g, hv) : nullptr};
+}
+
 template <GateForm G, bool Dense>
-__device__ SliceRuns fetch_slice(const RecurrentParams& p, const ChunkRef& ref, int64_t hv,
-                                 int c0) {
-  const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
-  const int64_t key = c0 + c8, h = hv / p.group;
-  const int valid_k = clamp_run(p.K - key);
-  const int64_t oq = token_offset(p.q, ref.seq, h) + ref.t * p.q.stride[1] + key * p.q.stride[3];
-  const int64_t ok = token_offset(p.k, ref.seq, h) + ref.t * p.k.stride[1] + key * p.k.stride[3];
-  const int64_t og = token_offset(p.g, ref.seq, hv) + ref.t * p.g.stride[1] + key * p.g.stride[3];
-  using Runs = TokenRuns<Dense>;
-  SliceRuns r;
+__device__ SlicePairs fetch_pairs(const RecurrentParams& p, const ChunkRef& ref,
+                                  const SliceSource& src, int c0) {
+  SlicePairs r{};
+  if constexpr (Dense) {
+    const int lane = threadIdx.x % 32, t0 = kSubChunk * (threadIdx.x / 32) + 4 * (lane / 16);
+    if (c0 + 2 * (lane % 16) >= p.K) return r;  // dense: K is a multiple of 8 (whole pairs)
+    bool live[kSliceRows];
 #pragma unroll
-  for (int x = 0; x < kPasses; ++x) {
-    const int t = tid / kGroups + x * kTokensPerPass;
-    const int valid = t < ref.len ? valid_k : 0;
-    r.q[x] = Runs::load(p.q, oq + t * p.q.stride[1], valid);
-    r.k[x] = Runs::load(p.k, ok + t * p.k.stride[1], valid);
-    if (G == GateForm::vector) r.g[x] = Runs::load(p.g, og + t * p.g.stride[1], valid);
+    for (int u = 0; u < kSliceRows; ++u) live[u] = t0 + slice_row(u, 0) < ref.len;
+    // Rows u and u + 4 lie 8 token rows apart: two pointers stepping down one row at a time.
+    auto rows = [&](const unsigned short* x, int64_t stride, uint32_t (&w)[kSliceRows]) {
+      const unsigned short *lo = x + c0, *hi = lo + 8 * stride;
+#pragma unroll
+      for (int m = 0; m < kSliceRows / 2; ++m, lo += stride, hi += stride) {
+        if (live[m]) w[m] = *reinterpret_cast<const uint32_t*>(lo);
+        if (live[m + 4]) w[m + 4] = *reinterpret_cast<const uint32_t*>(hi);
+      }
+    };
+    rows(src.q, p.q.stride[1], r.q);
+    rows(src.k, p.k.stride[1], r.k);
+    if constexpr (G == GateForm::vector) rows(src.g, p.g.stride[1], r.g);
   }
   return r;
 }
 
-// Key channels [c0, c0 + kSlice) of q, k (as given) and the vector gate's Gamma from the
-// slice's runs into shared memory, and each row block's reference points. Adds the
-// thread's squares of q and k to sq and sk, per pass: a thread has the same tokens in every
-// slice.
-template <GateForm G, int KP, bool Dense>
-__device__ void stage_slice(const RecurrentParams& p, PrepareShared<KP>& sh, const ChunkRef& ref,
-                           const SliceRuns& runs, float a_gate, int c0, float (&sq)[kPasses],
-                           float (&sk)[kPasses]) {
-  auto& s = sh.u.s;
-  const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
-  const int valid_k = clamp_run(p.K - (c0 + c8));
-  using Runs = TokenRuns<Dense>;
-  const Run8 (&rq)[kPasses] = runs.q, (&rk)[kPasses] = runs.k, (&rg)[kPasses] = runs.g;
-  // dt_bias of the thread's 8 channels, the same in every pass (reads before stores:
-  // cuda/device_io.cuh).
-  float4 b0 = {}, b1 = {};
-  if (G == GateForm::vector && p.gate_in_kernel) {
-    b0 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8]);
-    b1 = *reinterpret_cast<const float4*>(&sh.bias[c0 + c8 + 4]);
-  }
-#pragma unroll
-  for (int x = 0; x < kPasses; ++x) {
-    const int t = tid / kGroups + x * kTokensPerPass;
-    float q[8], k[8], g[8] = {};
-    Runs::to_float(rq[x], p.q, q);
-    Runs::to_float(rk[x], p.k, k);
-    if constexpr (G == GateForm::vector) {
-      Runs::to_float(rg[x], p.g, g);
-      if (p.gate_in_kernel) {
-        g[0] += b0.x, g[1] += b0.y, g[2] += b0.z, g[3] += b0.w;
-        g[4] += b1.x, g[5] += b1.y, g[6] += b1.z, g[7] += b1.w;
-        activate_gates(p, g, a_gate);
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) g[e] = e < valid_k && t < ref.len ? floor_gate(g[e] * kLog2e) : 0.f;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; e += 4) {
-      *reinterpret_cast<float4*>(&s.q[t][c8 + e]) = make_float4(q[e], q[e + 1], q[e + 2], q[e + 3]);
-      *reinterpret_cast<float4*>(&s.k[t][c8 + e]) = make_float4(k[e], k[e + 1], k[e + 2], k[e + 3]);
-      *reinterpret_cast<float4*>(&s.gamma[t][c8 + e]) = make_float4(g[e], g[e + 1], g[e + 2], g[e + 3]);
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) sq[x] += q[e] * q[e], sk[x] += k[e] * k[e];
-  }
-  __syncthreads();
-  if constexpr (G == GateForm::vector) {
-    // Cumulative sums down each channel: every thread scans one segment of tokens (a row
-    // block) in registers, then adds the totals of the segments before it (s.total).
-    constexpr int kSegments = kThreads / kSlice, kLen = kChunk / kSegments;
-    static_assert(kSegments == kChunk / kSubChunk, "a segment is a row block");
-    const int ch = tid % kSlice, seg = tid / kSlice, t0 = seg * kLen;
-    float run[kLen], total = 0.f;
-#pragma unroll
-    for (int x = 0; x < kLen; ++x) run[x] = total += s.gamma[t0 + x][ch];
-    s.total[seg][ch] = total;
-    __syncthreads();
-    float before = 0.f;
-    for (int x = 0; x < seg; ++x) before += s.total[x][ch];
-#pragma unroll
-    for (int x = 0; x < kLen; ++x) s.gamma[t0 + x][ch] = run[x] + before;
-    // The reference point of row block I = seg for channel ch (see the file comment): the
-    // middle of the block, or the start of the block where the channel decays too fast.
-    // Gamma before the block and after it are `before` (the float the previous segment's
-    // thread stores last: addition commutes) and `total + before` (this thread's last
-    // store): no barrier and no read back.
-    const float start = before, end = total + before;
-    const bool exact = start - end <= 2.f * kMaxFactorLog2;
-    s.ref[seg][ch] = exact ? 0.5f * (start + end) : start;
-    s.exact[seg][ch] = exact;
-  }
-  __syncthreads();
+// A bfloat16 pair (the first in the low half) as float32.
+__device__ __forceinline__ float2 bf16_pair_to_float2(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
-template <GateForm G, int KP>
-__device__ __forceinline__ float gamma_at(const PrepareShared<KP>& sh, int t, int ch) {
-  if constexpr (G == GateForm::vector) return sh.u.s.gamma[t][ch];
-  else if constexpr (G == GateForm::scalar) return sh.gs[t];
-  else return 0.f;
+// Channels key and key + 1 of a token row at element offset off (valid: how many lie before
+// K; zeros past), any dtype and channel stride.
+__device__ __forceinline__ float2 load_pair(const TokenTensor& x, int64_t off, int valid) {
+  return make_float2(valid > 0 ? load_float(x.data, x.dtype, off) : 0.f,
+                     valid > 1 ? load_float(x.data, x.dtype, off + x.stride[3]) : 0.f);
+}
+
+// The lane's slice values q, k and the gate as float32 (pairs: dense inputs, already loaded;
+// else loaded here), zeros past the chunk's last token and past K.
+template <GateForm G, bool Dense>
+__device__ void read_slice(const RecurrentParams& p, const ChunkRef& ref, int64_t hv, int c0,
+                           const SlicePairs& pairs, float2 (&q)[kSliceRows],
+                           float2 (&k)[kSliceRows], float2 (&g)[kSliceRows]) {
+  if constexpr (Dense) {
+#pragma unroll
+    for (int u = 0; u < kSliceRows; ++u) {
+      q[u] = bf16_pair_to_float2(pairs.q[u]);
+      k[u] = bf16_pair_to_float2(pairs.k[u]);
+      g[u] = G == GateForm::vector ? bf16_pair_to_float2(pairs.g[u]) : make_float2(0.f, 0.f);
+    }
+  } else {
+    const int lane = threadIdx.x % 32, t0 = kSubChunk * (threadIdx.x / 32) + 4 * (lane / 16);
+    const int64_t key = c0 + 2 * (lane % 16), h = hv / p.group;
+    const int valid = key >= p.K ? 0 : key + 1 >= p.K ? 1 : 2;
+    // Each tensor's offset of the lane's first row, then a row at a time (rows u and u + 4
+    // 8 apart).
+    auto rows = [&](const TokenTensor& x, int64_t head, float2 (&out)[kSliceRows]) {
+      int64_t lo = token_offset(x, ref.seq, head) + (ref.t + t0) * x.stride[1] + key * x.stride[3];
+      int64_t hi = lo + 8 * x.stride[1];
+#pragma unroll
+      for (int m = 0; m < kSliceRows / 2; ++m, lo += x.stride[1], hi += x.stride[1]) {
+        out[m] = load_pair(x, lo, t0 + slice_row(m, 0) < ref.len ? valid : 0);
+        out[m + 4] = load_pair(x, hi, t0 + slice_row(m + 4, 0) < ref.len ? valid : 0);
+      }
+    };
+    rows(p.q, h, q);
+    rows(p.k, h, k);
+    if constexpr (G == GateForm::vector) rows(p.g, hv, g);
+    else
+      for (float2& x : g) x = make_float2(0.f, 0.f);
+  }
+}
+
+// Sums over the 16 lanes of a half-warp of each of their eight values v[u], scattered: a lane
+// is left with the sum for u = 4 b3 + 2 b2 + b1 (bits of lane % 16: norm_row), and so is its
+// neighbour lane ^ 1 (8 shuffles, where a sum per u would take 32).
+__device__ __forceinline__ int norm_row(int lane) {
+  return 4 * ((lane >> 3) & 1) + 2 * ((lane >> 2) & 1) + ((lane >> 1) & 1);
+}
+__device__ __forceinline__ float half_warp_sums(const float (&v)[kSliceRows]) {
+  const int lane = threadIdx.x % 32;
+  const bool b3 = lane & 8, b2 = lane & 4, b1 = lane & 2;
+  float x4[4], x2[2];
+#pragma unroll
+  for (int m = 0; m < 4; ++m)
+    x4[m] = (b3 ? v[4 + m] : v[m]) + __shfl_xor_sync(0xffffffffu, b3 ? v[m] : v[4 + m], 8);
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+    x2[m] = (b2 ? x4[2 + m] : x4[m]) + __shfl_xor_sync(0xffffffffu, b2 ? x4[m] : x4[2 + m], 4);
+  const float x1 = (b1 ? x2[1] : x2[0]) + __shfl_xor_sync(0xffffffffu, b1 ? x2[0] : x2[1], 2);
+  return x1 + __shfl_xor_sync(0xffffffffu, x1, 1);
+}
+
+__device__ __forceinline__ float2 shfl_xor2(float2 x, int mask) {
+  return make_float2(__shfl_xor_sync(0xffffffffu, x.x, mask), __shfl_xor_sync(0xffffffffu, x.y, mask));
+}
+__device__ __forceinline__ float2 add2(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
+__device__ __forceinline__ float2 exp2_pair(float2 x) {
+  return make_float2(exp2_approx(x.x), exp2_approx(x.y));
 }
 
 // Packs eight floats into bfloat16 and stores them with one 16-byte store. Into a record
@@ -343,32 +368,188 @@ __device__ __forceinline__ void store_bf16x8_global(bf16* dst, const float (&v)[
   __stwb(reinterpret_cast<uint4*>(dst), pack_bf16x8(v));  // st.global.wb: the default policy
 }
 
-// The slice's columns of qg, kg and decay (to the record) and, for the delta rule, of
-// beta k 2^Gamma (shared, the operand of w); 8 channels of one token per thread and pass.
-template <GateForm G, int KP>
-__device__ void write_slice_factors(const RecurrentParams& p, PrepareShared<KP>& sh,
-                                    const Record& rec, const ChunkRef& ref, int c0) {
-  const auto& s = sh.u.s;
-  const int tid = threadIdx.x, c8 = 8 * (tid % kGroups);
-  if (tid < kSlice) rec.decay[c0 + tid] = exp2_approx(gamma_at<G>(sh, ref.len - 1, tid));
-  float gend[8];
+__device__ __forceinline__ float2 sub2(float2 a, float2 b) { return make_float2(a.x - b.x, a.y - b.y); }
+__device__ __forceinline__ float2 mul2(float2 a, float2 b) { return make_float2(a.x * b.x, a.y * b.y); }
+
+// One key slice, channels [c0, c0 + kSlice), held in the lane's registers (slice_row) from the
+// load to the factors:
+//  1. q, k and the gate as float32, the gate activated where asked, in log2, floored, and zero
+//     past the chunk and past K;
+//  2. the L2 norms' sums of squares, added to nq and nk for the lane's norm_row;
+//  3. Gamma (vector gate) by a scan of the block's rows within the warp, the row blocks' sums to
+//     s.total and a block barrier; every lane then derives every block's reference point (see
+//     the file comment), exactness and Gamma_end from those sums by the same arithmetic, so
+//     that the row and column factors of a block meet at equal bits;
+//  4. the factors: row factors xq, xk; the column factors of the lane's tokens for its own row
+//     block (the diagonal) and each later one (kbar_base), a later block's from the diagonal
+//     one by the channel's step 2^(r_J - r_(J-1)) where the warp's channels all factorise;
+//     qg, kg and decay to the record; beta k 2^Gamma (wsrc, the operand of w); with split_aqk,
+//     or where a channel of the block does not factorise, the float32 values that the
+//     products' row_low and pairwise terms read.
+// The caller's barrier publishes the tables to slice_products.
+template <GateForm G, bool kSplit, bool Dense, int KP>
+__device__ void fill_slice(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
+                           const ChunkRef& ref, int64_t hv, const SlicePairs& pairs, float a_gate,
+                           int c0, float& nq, float& nk) {
+  constexpr bool kVector = G == GateForm::vector;
+  auto& s = sh.u.s;
+  const int I = threadIdx.x / 32, lane = threadIdx.x % 32, h = lane / 16, cp = 2 * (lane % 16);
+  const int r0 = kSubChunk * I;
+  const int64_t key = c0 + cp;
+  float2 q[kSliceRows], k[kSliceRows], g[kSliceRows];
+  read_slice<G, Dense>(p, ref, hv, c0, pairs, q, k, g);
+  if constexpr (kVector) {
+    const int valid = key >= p.K ? 0 : key + 1 >= p.K ? 1 : 2;
+    float x[2 * kSliceRows];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) gend[e] = gamma_at<G>(sh, ref.len - 1, c8 + e);
+    for (int u = 0; u < kSliceRows; ++u) x[2 * u] = g[u].x, x[2 * u + 1] = g[u].y;
+    if (p.gate_in_kernel) {
+      const float2 b = *reinterpret_cast<const float2*>(&sh.bias[key]);  // zeros past K
 #pragma unroll
-  for (int x = 0; x < kPasses; ++x) {
-    const int t = tid / kGroups + x * kTokensPerPass;
-    float qg[8], kg[8], wk[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float gam = gamma_at<G>(sh, t, c8 + e), kv = s.k[t][c8 + e];
-      const float up = exp2_approx(gam);
-      qg[e] = p.scale * s.q[t][c8 + e] * up;
-      kg[e] = kv * exp2_approx(gend[e] - gam);
-      wk[e] = sh.beta[t] * kv * up;
+      for (int u = 0; u < kSliceRows; ++u) x[2 * u] += b.x, x[2 * u + 1] += b.y;
+      activate_gates(p, x, a_gate);
     }
-    store_bf16x8_global(rec.qg + record_index(t, c0 + c8), qg);
-    store_bf16x8_global(rec.kg + record_index(t, c0 + c8), kg);
-    if (p.delta) store_bf16x8(&sh.wsrc[t][c0 + c8], wk);
+#pragma unroll
+    for (int u = 0; u < kSliceRows; ++u) {
+      const bool live = r0 + slice_row(u, h) < ref.len;
+      g[u] = make_float2(live && valid > 0 ? floor_gate(x[2 * u] * kLog2e) : 0.f,
+                         live && valid > 1 ? floor_gate(x[2 * u + 1] * kLog2e) : 0.f);
+    }
+  }
+  if (p.qk_l2norm) {
+    float sq[kSliceRows], sk[kSliceRows];
+#pragma unroll
+    for (int u = 0; u < kSliceRows; ++u) {
+      sq[u] = q[u].x * q[u].x + q[u].y * q[u].y;
+      sk[u] = k[u].x * k[u].x + k[u].y * k[u].y;
+    }
+    nq += half_warp_sums(sq);
+    nk += half_warp_sums(sk);
+  }
+  if constexpr (kVector) {
+    // Inclusive sums down each segment of four rows, then the segments before it: the four
+    // segments' sums in block order, added in that order by both halves.
+    float2 lo = make_float2(0.f, 0.f), hi = lo;
+#pragma unroll
+    for (int u = 0; u < kSliceRows / 2; ++u) g[u] = lo = add2(lo, g[u]);
+#pragma unroll
+    for (int u = kSliceRows / 2; u < kSliceRows; ++u) g[u] = hi = add2(hi, g[u]);
+    const float2 other_lo = shfl_xor2(lo, 16), other_hi = shfl_xor2(hi, 16);
+    const float2 s0 = h ? other_lo : lo, s1 = h ? lo : other_lo, s2 = h ? other_hi : hi,
+                 s3 = h ? hi : other_hi;
+    const float2 s01 = add2(s0, s1), s012 = add2(s01, s2);
+    const float2 before_lo = h ? s0 : make_float2(0.f, 0.f), before_hi = h ? s012 : s01;
+#pragma unroll
+    for (int u = 0; u < kSliceRows; ++u) g[u] = add2(g[u], u < kSliceRows / 2 ? before_lo : before_hi);
+    if (h == 0) *reinterpret_cast<float2*>(&s.total[I][cp]) = add2(s012, s3);
+  }
+  __syncthreads();  // s.total; the scalar gate's Gamma (load_token_scalars' scan)
+
+  // Per row: beta, the scalar gate's Gamma (read before any store: cuda/device_io.cuh).
+  float beta[kSliceRows], gs[kSliceRows] = {};
+#pragma unroll
+  for (int u = 0; u < kSliceRows; ++u) {
+    const int t = r0 + slice_row(u, h);
+    beta[u] = sh.beta[t];
+    if constexpr (G == GateForm::scalar) gs[u] = sh.gs[t];
+  }
+  const float gs_end = G == GateForm::scalar ? sh.gs[ref.len - 1] : 0.f;
+  // Every block's reference point and exactness for the lane's pair, the lane's own block's
+  // and the next one's picked out (static indices: no local memory), and the steps between
+  // consecutive later blocks.
+  float2 gend = make_float2(0.f, 0.f), ref_i = gend, ref_next = gend, step_next = gend, step[4];
+  bool exact_i[2] = {true, true};
+  if constexpr (kVector) {
+    float2 start_i = gend, prev = gend;
+#pragma unroll
+    for (int J = 0; J < 4; ++J) {
+      const float2 start = gend, end = add2(start, *reinterpret_cast<const float2*>(&s.total[J][cp]));
+      const bool exact0 = start.x - end.x <= 2.f * kMaxFactorLog2;
+      const bool exact1 = start.y - end.y <= 2.f * kMaxFactorLog2;
+      const float2 r = make_float2(exact0 ? 0.5f * (start.x + end.x) : start.x,
+                                   exact1 ? 0.5f * (start.y + end.y) : start.y);
+      step[J] = J > 0 && J > I ? exp2_pair(sub2(r, prev)) : make_float2(1.f, 1.f);
+      if (J == I) start_i = start, ref_i = r, exact_i[0] = exact0, exact_i[1] = exact1;
+      if (J == I + 1) ref_next = r;
+      prev = r;
+      gend = end;
+    }
+    step_next = exp2_pair(sub2(ref_next, ref_i));
+#pragma unroll
+    for (int u = 0; u < kSliceRows; ++u) g[u] = add2(g[u], start_i);
+    if (h == 0) s.exact[I][cp] = exact_i[0], s.exact[I][cp + 1] = exact_i[1];
+    if (kSplit && h == 0) *reinterpret_cast<float2*>(&s.ref[I][cp]) = ref_i;
+  }
+  if (I == 0 && h == 0) {  // the decay over the chunk (1 past K)
+    const float2 d = kVector ? exp2_pair(gend) : make_float2(exp2_approx(gs_end), exp2_approx(gs_end));
+    rec.decay[key] = d.x;
+    rec.decay[key + 1] = d.y;
+  }
+  // The warp's later column factors from the diagonal ones where its channels all factorise
+  // (the diagonal factor then lies within 2^kMaxFactorLog2, and a step is at least 2^-120).
+  const bool by_steps = kVector && __all_sync(0xffffffffu, exact_i[0] && exact_i[1]);
+  // float32 values for slice_products: split_aqk's row_low and the pairwise diagonal terms of
+  // channels that do not factorise (rare: a decay of more than 2 kMaxFactorLog2 over a block).
+  const bool tables = kSplit || (kVector && !by_steps);
+  auto store = [](bf16* dst, float2 x) { store_pair(dst, x.x, x.y); };
+  // The lane's rows in a record matrix (record_index): rows u and u + 4, 8 rows apart, share a
+  // swizzle and lie 8 x 64 elements apart.
+  int rec_row[kSliceRows / 2];
+#pragma unroll
+  for (int m = 0; m < kSliceRows / 2; ++m)
+    rec_row[m] = static_cast<int>(record_index(r0 + slice_row(m, h), key));
+#pragma unroll
+  for (int u = 0; u < kSliceRows; ++u) {
+    const int i = slice_row(u, h), t = r0 + i;
+    float2 qg, kg, wk;
+    if constexpr (kVector) {
+      const float2 gam = g[u], e = exp2_pair(sub2(gam, ref_i)), up = exp2_pair(gam);
+      store(&s.xq[I][i][cp], mul2(q[u], e));
+      store(&s.xk[I][i][cp], mul2(k[u], e));
+      // The diagonal block's column factors, 0 for a channel that does not factorise (its
+      // terms are summed pairwise instead).
+      const float2 d = mul2(k[u], exp2_pair(sub2(ref_i, gam)));
+      const float2 diag = make_float2(exact_i[0] ? d.x : 0.f, exact_i[1] ? d.y : 0.f);
+      store(&s.kbar[kbar_base(I) + t][cp], diag);
+      if constexpr (kSplit)
+        store_pair(&s.kbar_lo[I][i][cp], low_part(diag.x), low_part(diag.y));
+      if (I + 1 < 4) {
+        float2 x = by_steps ? mul2(d, step_next)
+                            : mul2(k[u], exp2_pair(sub2(ref_next, gam)));
+#pragma unroll
+        for (int J = 1; J < 4; ++J) {
+          if (J <= I) continue;
+          if (J > I + 1) x = mul2(x, step[J]);
+          store(&s.kbar[kbar_base(J) + t][cp], x);
+        }
+      }
+      qg = make_float2(p.scale * q[u].x * up.x, p.scale * q[u].y * up.y);
+      kg = mul2(k[u], exp2_pair(sub2(gend, gam)));
+      wk = make_float2(beta[u] * k[u].x * up.x, beta[u] * k[u].y * up.y);
+    } else {
+      // Without a vector gate the row factors are q and k as given, and every row block's
+      // column factors k (kbar's row t, which A_kk's rows read too).
+      store(&s.xq[I][i][cp], q[u]);
+      store(&s.kbar[t][cp], k[u]);
+      if constexpr (kSplit)
+        store_pair(&s.kbar_lo[0][0][0] + t * kSliceLd + cp, low_part(k[u].x), low_part(k[u].y));
+      const float up = G == GateForm::scalar ? exp2_approx(gs[u]) : 1.f;
+      const float down = G == GateForm::scalar ? exp2_approx(gs_end - gs[u]) : 1.f;
+      qg = make_float2(p.scale * q[u].x * up, p.scale * q[u].y * up);
+      kg = make_float2(k[u].x * down, k[u].y * down);
+      wk = make_float2(beta[u] * k[u].x * up, beta[u] * k[u].y * up);
+    }
+    const int at = rec_row[u % 4] + 8 * 64 * (u / 4);
+    store(rec.qg + at, qg);
+    store(rec.kg + at, kg);
+    if (p.delta) store(&sh.wsrc[t][key], wk);
+    if (tables) {
+      *reinterpret_cast<float2*>(&s.q[t][cp]) = q[u];
+      if constexpr (kVector) {
+        *reinterpret_cast<float2*>(&s.k[t][cp]) = k[u];
+        *reinterpret_cast<float2*>(&s.gamma[t][cp]) = g[u];
+      }
+    }
   }
 }
 
@@ -419,114 +600,14 @@ __device__ __forceinline__ void accumulate_products(const bf16* xq, const bf16* 
   }
 }
 
-// A over one key slice: the factors of every row block (column factors shared out evenly
-// over the warps), then warp I's products for row block I into acc_q / acc_k, column tiles
-// 0 .. 2I+1 (tile pairs np <= I); see the file comment for the factorisation.
+// Warp I's products for row block I over one key slice from fill_slice's tables, into acc_q /
+// acc_k, column tiles 0 .. 2I+1 (tile pairs np <= I); see the file comment for the
+// factorisation.
 template <GateForm G, bool kSplit, int KP>
-__device__ void accumulate_slice(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&acc_k)[8]) {
+__device__ void slice_products(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&acc_k)[8]) {
   auto& s = sh.u.s;
   const int I = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = kSubChunk * I;
   const bool exact = G != GateForm::vector || s.exact[I][lane];  // lane = key channel here
-  // The factors: a lane takes a pair of channels (cp, cp + 1) and half of the rows or tokens
-  // (h), so that each float32 read and bfloat16 store moves the pair at once. The half-warps
-  // take rows 4 apart (320 bytes of xq or kbar: the other 16 banks), not adjacent ones (80
-  // bytes: 4 banks in common).
-  const int cp = 2 * (lane % 16), h = lane / 16;
-  auto pair = [&](const float* row) { return *reinterpret_cast<const float2*>(row + cp); };
-  auto store = [&](bf16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = pack_bf16(lo, hi); };
-  // split_aqk: the low parts of a diagonal-block column factor pair of token j (block B;
-  // without a vector gate the row is j: every token's factor is k_j).
-  auto store_low = [&](int B, int j, float x0, float x1) {
-    if constexpr (kSplit) store(&s.kbar_lo[B][j - kSubChunk * B][cp], low_part(x0), low_part(x1));
-  };
-  // Every fill below reads its float32 inputs for a batch of rows before it stores any
-  // factor (reads before stores: cuda/device_io.cuh).
-  {
-    const float2 r = G == GateForm::vector ? pair(s.ref[I]) : make_float2(0.f, 0.f);
-    constexpr int kRows = kSubChunk / 2;  // a lane's rows: i = u % 4 + 8 (u / 4) + 4 h
-    float2 g[kRows], q[kRows], k[kRows];
-#pragma unroll
-    for (int u = 0; u < kRows; ++u) {
-      const int i = u % 4 + 8 * (u / 4) + 4 * h;
-      q[u] = pair(s.q[r0 + i]);
-      if constexpr (G == GateForm::vector) {
-        g[u] = pair(s.gamma[r0 + i]);
-        k[u] = pair(s.k[r0 + i]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kRows; ++u) {
-      const int i = u % 4 + 8 * (u / 4) + 4 * h;
-      float2 e = make_float2(1.f, 1.f);
-      if constexpr (G == GateForm::vector)
-        e = make_float2(exp2_approx(g[u].x - r.x), exp2_approx(g[u].y - r.y));
-      store(&s.xq[I][i][cp], q[u].x * e.x, q[u].y * e.y);
-      if constexpr (G == GateForm::vector) store(&s.xk[I][i][cp], k[u].x * e.x, k[u].y * e.y);
-    }
-  }
-  // Column factors k_j 2^(r_J - Gamma_j) of tokens j = I + 4 m (every warp takes 4 tokens of
-  // each block: 40 rows each) for the row blocks J from j's own block B on: the diagonal
-  // block's and block B + 1's by one exp2 each, each later one from the one before by the
-  // channel's step 2^(r_J - r_(J-1)) <= 1 (the exponents only fall, so an underflow to 0
-  // is the right limit).
-  constexpr int kBlocks = kChunk / kSubChunk;
-  static_assert(kSubChunk == 16, "a warp's tokens m = 2 u and 2 u + 1 lie in one block, u / 2");
-  // Each block's reference points and exactness for the lane's pair, read once.
-  float2 ref[kBlocks], step[kBlocks];
-  bool exact_pair[kBlocks][2];
-#pragma unroll
-  for (int J = 0; J < kBlocks; ++J) {
-    ref[J] = make_float2(0.f, 0.f);
-    step[J] = make_float2(1.f, 1.f);
-    exact_pair[J][0] = exact_pair[J][1] = true;
-    if constexpr (G == GateForm::vector) {
-      ref[J] = pair(s.ref[J]);
-      exact_pair[J][0] = s.exact[J][cp];
-      exact_pair[J][1] = s.exact[J][cp + 1];
-      if (J > 0)
-        step[J] = make_float2(exp2_approx(ref[J].x - ref[J - 1].x),
-                              exp2_approx(ref[J].y - ref[J - 1].y));
-    }
-  }
-  // The fill in batches of kBatch tokens (two blocks), each batch's inputs read first.
-  constexpr int kTokens = kChunk / 8, kBatch = 4;
-#pragma unroll
-  for (int u0 = 0; u0 < kTokens; u0 += kBatch) {
-    float2 kj[kBatch], gj[kBatch];
-#pragma unroll
-    for (int x = 0; x < kBatch; ++x) {
-      const int j = I + 4 * (2 * (u0 + x) + h);
-      kj[x] = pair(s.k[j]);
-      if constexpr (G == GateForm::vector) gj[x] = pair(s.gamma[j]);
-    }
-#pragma unroll
-    for (int x = 0; x < kBatch; ++x) {
-      const int u = u0 + x, B = u / 2, j = I + 4 * (2 * u + h);
-      if constexpr (G == GateForm::vector) {
-        const float2 rb = ref[B];
-        const float d0 = exact_pair[B][0] ? kj[x].x * exp2_approx(rb.x - gj[x].x) : 0.f;
-        const float d1 = exact_pair[B][1] ? kj[x].y * exp2_approx(rb.y - gj[x].y) : 0.f;
-        store(&s.kbar[kbar_base(B) + j][cp], d0, d1);
-        store_low(B, j, d0, d1);
-        if (B + 1 < kBlocks) {
-          const float2 rn = ref[B + 1];
-          float x0 = kj[x].x * exp2_approx(rn.x - gj[x].x),
-                x1 = kj[x].y * exp2_approx(rn.y - gj[x].y);
-          store(&s.kbar[kbar_base(B + 1) + j][cp], x0, x1);
-#pragma unroll
-          for (int J = B + 2; J < kBlocks; ++J) {
-            x0 *= step[J].x;
-            x1 *= step[J].y;
-            store(&s.kbar[kbar_base(J) + j][cp], x0, x1);
-          }
-        }
-      } else {
-        store(&s.kbar[j][cp], kj[x].x, kj[x].y);
-        store_low(B, j, kj[x].x, kj[x].y);
-      }
-    }
-  }
-  __syncthreads();
   // Without a vector gate every row block's column factors are k itself, and A_kk's row
   // factors too: one table of the chunk's 64 rows of k serves them all.
   const bf16* kbar = G == GateForm::vector ? &s.kbar[kbar_base(I)][0] : &s.kbar[0][0];
@@ -665,24 +746,18 @@ __device__ void write_tile_factors(const RecurrentParams& p, bool qk_from_tokens
 }
 
 // The inverse lengths of q and k, 1 / sqrt(sum of squares + eps) with the L2 norm and 1
-// without (0 past the chunk's last token), from the sums stage_slice gathered (two shuffles per
-// pass: a token's kGroups threads are adjacent lanes), to the record and k's to shared
-// memory, which the caller's barrier publishes.
+// without (0 past the chunk's last token), from the sums fill_slice gathered (a lane and its
+// neighbour hold its norm_row's), to the record and k's to shared memory, which the caller's
+// barrier publishes.
 template <int KP>
 __device__ void finish_norms(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
-                             const ChunkRef& ref, const float (&sq)[kPasses],
-                             const float (&sk)[kPasses]) {
-  const int tid = threadIdx.x;
-#pragma unroll
-  for (int x = 0; x < kPasses; ++x) {
-    const int t = tid / kGroups + x * kTokensPerPass;
-    const float q2 = lane_sum<1, kGroups / 2>(sq[x]), k2 = lane_sum<1, kGroups / 2>(sk[x]);
-    if (tid % kGroups == 0) {
-      const bool norm = p.qk_l2norm, live = t < ref.len;
-      rec.inv_q[t] = !live ? 0.f : norm ? rsqrtf(q2 + kL2NormEps) : 1.f;
-      sh.inv_k[t] = rec.inv_k[t] = !live ? 0.f : norm ? rsqrtf(k2 + kL2NormEps) : 1.f;
-    }
-  }
+                             const ChunkRef& ref, float nq, float nk) {
+  const int lane = threadIdx.x % 32;
+  if (lane % 2) return;
+  const int t = kSubChunk * (threadIdx.x / 32) + slice_row(norm_row(lane), lane / 16);
+  const bool norm = p.qk_l2norm, live = t < ref.len;
+  rec.inv_q[t] = !live ? 0.f : norm ? rsqrtf(nq + kL2NormEps) : 1.f;
+  sh.inv_k[t] = rec.inv_k[t] = !live ? 0.f : norm ? rsqrtf(nk + kL2NormEps) : 1.f;
 }
 
 // Row block I of A_qk to the record and of A_kk to shared memory (zeros above the diagonal),
@@ -952,8 +1027,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
                         static_cast<int>(p.V));
   const int tid = threadIdx.x;
   // The first key slice's loads before the token scalars' (the slices' path).
-  SliceRuns runs;
-  if constexpr (!kKeyTiles) runs = fetch_slice<G, Dense>(p, ref, hv, 0);
+  SlicePairs pairs;
+  if constexpr (!kKeyTiles) pairs = fetch_pairs<G, Dense>(p, ref, slice_source<G>(p, ref, hv), 0);
   load_token_scalars<G>(p, sh, ref, hv, a_gate);
 
   Acc acc_q[8], acc_k[8];
@@ -966,15 +1041,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
                             acc_k);
     __syncthreads();  // finish_a overwrites the q tile and reads the norms
   } else {
-    float sq[kPasses] = {}, sk[kPasses] = {};  // the L2 norms' sums (unused without the norm)
+    float nq = 0.f, nk = 0.f;  // the L2 norms' sums (fill_slice; unused without the norm)
     for (int c0 = 0; c0 < KP; c0 += kSlice) {
-      stage_slice<G, KP, Dense>(p, sh, ref, runs, a_gate, c0, sq, sk);
-      write_slice_factors<G>(p, sh, rec, ref, c0);
-      if (c0 + kSlice < KP) runs = fetch_slice<G, Dense>(p, ref, hv, c0 + kSlice);
-      accumulate_slice<G, kSplit>(sh, acc_q, acc_k);
-      if (c0 + kSlice == KP) finish_norms(p, sh, rec, ref, sq, sk);  // the sums are complete
-      __syncthreads();  // the next slice overwrites the slice buffers; finish_a reads the norms
+      fill_slice<G, kSplit, Dense>(p, sh, rec, ref, hv, pairs, a_gate, c0, nq, nk);
+      if (c0 + kSlice < KP)
+        pairs = fetch_pairs<G, Dense>(p, ref, slice_source<G>(p, ref, hv), c0 + kSlice);
+      __syncthreads();  // the slice's factors
+      slice_products<G, kSplit>(sh, acc_q, acc_k);
     }
+    finish_norms(p, sh, rec, ref, nq, nk);
+    __syncthreads();  // finish_a overwrites the slice buffers and reads the norms
   }
   finish_a<G, kSplit>(p, kKeyTiles && c.qk_from_tokens, sh, rec, acc_q, acc_k);
   // With v_from_tokens (dense inputs only) the record takes tu instead of u, and no v.
