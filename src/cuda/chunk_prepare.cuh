@@ -16,8 +16,8 @@
 // its differences precise).
 // Scalar gates factor out of the key sum, and take 2^(Gamma_i - Gamma_j) per entry.
 //
-// q and k enter as given. With the L2 norm each thread sums the squares of its tokens'
-// channels over the slices, and the inverse lengths n_q, n_k enter only where a scale is
+// q and k enter as given. With the L2 norm the slices gather each token's sum of squares (a
+// half-warp's lanes hold its channel pairs: fill_slice), and the inverse lengths n_q, n_k enter only where a scale is
 // exact: A_qk's columns, A_kk's rows and columns, T's columns for w, and in the state kernel
 // the output's and v_new's rows (cuda/chunk_params.h). No pass over q and k precedes the
 // slices, and no value is rounded to bfloat16 twice.
@@ -614,7 +614,7 @@ __device__ void slice_products(PrepareShared<KP>& sh, Acc (&acc_q)[8], Acc (&acc
   const bf16* xk = G == GateForm::vector ? &s.xk[I][0][0] : &s.kbar[r0][0];
   // split_aqk: the low parts of warp I's row factors, recomputed in float32 where the A
   // fragment's registers hold them (register r: rows g + 8 (r % 2), channels + 8 (r / 2);
-  // cuda/mma.cuh) as the fill above computed them.
+  // cuda/mma.cuh) as fill_slice computed them.
   auto row_low = [&](int k0, const uint32_t (&aq)[4], uint32_t (&aq_lo)[4]) {
     const int g = lane / 4, c2 = 2 * (lane % 4);
     auto row_factor = [&](int t, int ch) {
