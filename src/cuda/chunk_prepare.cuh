@@ -17,10 +17,10 @@
 // Scalar gates factor out of the key sum, and take 2^(Gamma_i - Gamma_j) per entry.
 //
 // q and k enter as given. With the L2 norm the slices gather each token's sum of squares (a
-// half-warp's lanes hold its channel pairs: fill_slice), and the inverse lengths n_q, n_k enter only where a scale is
-// exact: A_qk's columns, A_kk's rows and columns, T's columns for w, and in the state kernel
-// the output's and v_new's rows (cuda/chunk_params.h). No pass over q and k precedes the
-// slices, and no value is rounded to bfloat16 twice.
+// half-warp's lanes hold its channel pairs: fill_slice), and the inverse lengths n_q, n_k
+// enter only where a scale is exact: A_qk's columns, A_kk's rows and columns, T's columns for
+// w, and in the state kernel the output's and v_new's rows (cuda/chunk_params.h). No pass
+// over q and k precedes the slices, and no value is rounded to bfloat16 twice.
 //
 // Keys are processed in slices of kSlice channels so the block fits three times per SM.
 // Without a vector gate and with dense bfloat16 inputs, A's operands are the bfloat16 rows
@@ -62,7 +62,7 @@ constexpr int kSliceLd = kSlice + 8;
 // then store their 8-byte pairs on different banks.
 constexpr int kStageLd = kSlice + 4;
 static_assert(kSlice == 32 && kSubChunk == 2 * 8,
-              "a half-warp's 16 lanes take the slice's channel pairs, each lane 8 of its block's rows");
+              "a half-warp's lanes take the slice's channel pairs, a lane 8 of its block's rows");
 constexpr int kValueTile = 64;  // value columns of u per pass
 constexpr int kValueLd = kValueTile + 8;
 constexpr int kChunkLd = kChunk + 8;  // the slices' T in bfloat16
@@ -346,9 +346,12 @@ __device__ __forceinline__ float half_warp_sums(const float (&v)[kSliceRows]) {
 }
 
 __device__ __forceinline__ float2 shfl_xor2(float2 x, int mask) {
-  return make_float2(__shfl_xor_sync(0xffffffffu, x.x, mask), __shfl_xor_sync(0xffffffffu, x.y, mask));
+  return make_float2(__shfl_xor_sync(0xffffffffu, x.x, mask),
+                     __shfl_xor_sync(0xffffffffu, x.y, mask));
 }
-__device__ __forceinline__ float2 add2(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
+__device__ __forceinline__ float2 add2(float2 a, float2 b) {
+  return make_float2(a.x + b.x, a.y + b.y);
+}
 __device__ __forceinline__ float2 exp2_pair(float2 x) {
   return make_float2(exp2_approx(x.x), exp2_approx(x.y));
 }
@@ -368,8 +371,12 @@ __device__ __forceinline__ void store_bf16x8_global(bf16* dst, const float (&v)[
   __stwb(reinterpret_cast<uint4*>(dst), pack_bf16x8(v));  // st.global.wb: the default policy
 }
 
-__device__ __forceinline__ float2 sub2(float2 a, float2 b) { return make_float2(a.x - b.x, a.y - b.y); }
-__device__ __forceinline__ float2 mul2(float2 a, float2 b) { return make_float2(a.x * b.x, a.y * b.y); }
+__device__ __forceinline__ float2 sub2(float2 a, float2 b) {
+  return make_float2(a.x - b.x, a.y - b.y);
+}
+__device__ __forceinline__ float2 mul2(float2 a, float2 b) {
+  return make_float2(a.x * b.x, a.y * b.y);
+}
 
 // One key slice, channels [c0, c0 + kSlice), held in the lane's registers (slice_row) from the
 // load to the factors:
@@ -440,7 +447,8 @@ __device__ void fill_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
     const float2 s01 = add2(s0, s1), s012 = add2(s01, s2);
     const float2 before_lo = h ? s0 : make_float2(0.f, 0.f), before_hi = h ? s012 : s01;
 #pragma unroll
-    for (int u = 0; u < kSliceRows; ++u) g[u] = add2(g[u], u < kSliceRows / 2 ? before_lo : before_hi);
+    for (int u = 0; u < kSliceRows; ++u)
+      g[u] = add2(g[u], u < kSliceRows / 2 ? before_lo : before_hi);
     if (h == 0) *reinterpret_cast<float2*>(&s.total[I][cp]) = add2(s012, s3);
   }
   __syncthreads();  // s.total; the scalar gate's Gamma (load_token_scalars' scan)
@@ -463,7 +471,8 @@ __device__ void fill_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
     float2 start_i = gend, prev = gend;
 #pragma unroll
     for (int J = 0; J < 4; ++J) {
-      const float2 start = gend, end = add2(start, *reinterpret_cast<const float2*>(&s.total[J][cp]));
+      const float2 start = gend;
+      const float2 end = add2(start, *reinterpret_cast<const float2*>(&s.total[J][cp]));
       const bool exact0 = start.x - end.x <= 2.f * kMaxFactorLog2;
       const bool exact1 = start.y - end.y <= 2.f * kMaxFactorLog2;
       const float2 r = make_float2(exact0 ? 0.5f * (start.x + end.x) : start.x,
@@ -481,7 +490,8 @@ __device__ void fill_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
     if (kSplit && h == 0) *reinterpret_cast<float2*>(&s.ref[I][cp]) = ref_i;
   }
   if (I == 0 && h == 0) {  // the decay over the chunk (1 past K)
-    const float2 d = kVector ? exp2_pair(gend) : make_float2(exp2_approx(gs_end), exp2_approx(gs_end));
+    const float2 d =
+        kVector ? exp2_pair(gend) : make_float2(exp2_approx(gs_end), exp2_approx(gs_end));
     rec.decay[key] = d.x;
     rec.decay[key + 1] = d.y;
   }
