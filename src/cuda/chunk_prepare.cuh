@@ -154,8 +154,8 @@ static_assert(2 * sizeof(bf16) * kChunk * 64 <= sizeof(float) * kChunk * kALd &&
                   sizeof(bf16) * kChunk * kValueLd <= sizeof(float) * kChunk * kALd,
               "T in bfloat16 and beta v fit in the places of A_kk and T in float32");
 // Three blocks per SM at KP <= 128 (the kernel is latency-bound: more warps hide more); the
-// cap of 168 registers spills a few values with the vector gate (ptxas at KP = 128, dense:
-// 24 bytes, 4 reloads a slice). Shared memory allows 3 at KP <= 128 only (76 KB a block at
+// cap of 168 registers holds each of the slices' kernels without spills (ptxas at KP = 64, 128,
+// with fill_slice's register map). Shared memory allows 3 at KP <= 128 only (76 KB a block at
 // KP = 128), and with the key tiles 4 (55 KB; their 128 registers spill nothing).
 constexpr int kMinBlocks(int KP, bool key_tiles) {
   return KP > 128 ? 2 : key_tiles ? 4 : 3;
@@ -234,7 +234,8 @@ struct SlicePairs {
 };
 
 // Where the lane's first row of q, k and the vector gate starts at its pair of the first slice
-// (dense inputs), computed once a chunk: a slice only adds its first channel.
+// (dense inputs); a slice adds its first channel. Computed again for each slice's fetch: held
+// across the slice loop, the three pointers pushed ptxas into spills.
 struct SliceSource {
   const unsigned short *q, *k, *g;
 };
@@ -345,12 +346,19 @@ __device__ __forceinline__ float half_warp_sums(const float (&v)[kSliceRows]) {
   return x1 + __shfl_xor_sync(0xffffffffu, x1, 1);
 }
 
+// float2 arithmetic for the slices' channel pairs.
 __device__ __forceinline__ float2 shfl_xor2(float2 x, int mask) {
   return make_float2(__shfl_xor_sync(0xffffffffu, x.x, mask),
                      __shfl_xor_sync(0xffffffffu, x.y, mask));
 }
 __device__ __forceinline__ float2 add2(float2 a, float2 b) {
   return make_float2(a.x + b.x, a.y + b.y);
+}
+__device__ __forceinline__ float2 sub2(float2 a, float2 b) {
+  return make_float2(a.x - b.x, a.y - b.y);
+}
+__device__ __forceinline__ float2 mul2(float2 a, float2 b) {
+  return make_float2(a.x * b.x, a.y * b.y);
 }
 __device__ __forceinline__ float2 exp2_pair(float2 x) {
   return make_float2(exp2_approx(x.x), exp2_approx(x.y));
@@ -369,13 +377,6 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
 }
 __device__ __forceinline__ void store_bf16x8_global(bf16* dst, const float (&v)[8]) {
   __stwb(reinterpret_cast<uint4*>(dst), pack_bf16x8(v));  // st.global.wb: the default policy
-}
-
-__device__ __forceinline__ float2 sub2(float2 a, float2 b) {
-  return make_float2(a.x - b.x, a.y - b.y);
-}
-__device__ __forceinline__ float2 mul2(float2 a, float2 b) {
-  return make_float2(a.x * b.x, a.y * b.y);
 }
 
 // One key slice, channels [c0, c0 + kSlice), held in the lane's registers (slice_row) from the
