@@ -280,7 +280,9 @@ __device__ SlicePairs fetch_pairs(const RecurrentParams& p, const ChunkRef& ref,
 
 // A bfloat16 pair (the first in the low half) as float32.
 __device__ __forceinline__ float2 bf16_pair_to_float2(uint32_t w) {
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  float x[2];
+  bf16_pairs_to_float<2>(&w, x);
+  return make_float2(x[0], x[1]);
 }
 
 // Channels key and key + 1 of a token row at element offset off (valid: how many lie before
