@@ -224,6 +224,10 @@ __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& 
 // kSliceLd, wsrc) on different banks.
 constexpr int kSliceRows = kSubChunk / 2;
 __device__ __forceinline__ int slice_row(int u, int h) { return u % 4 + 8 * (u / 4) + 4 * h; }
+// How many of the channel pair key, key + 1 lie before K (0, 1 or 2).
+__device__ __forceinline__ int pair_valid(int64_t key, int64_t K) {
+  return key >= K ? 0 : key + 1 >= K ? 1 : 2;
+}
 
 // Dense inputs: the raw bfloat16 pairs of q, k and the vector gate that a lane takes from a
 // slice (zero past the chunk's last token and past K), fetched a slice ahead so that their
@@ -308,7 +312,7 @@ __device__ void read_slice(const RecurrentParams& p, const ChunkRef& ref, int64_
   } else {
     const int lane = threadIdx.x % 32, t0 = kSubChunk * (threadIdx.x / 32) + 4 * (lane / 16);
     const int64_t key = c0 + 2 * (lane % 16), h = hv / p.group;
-    const int valid = key >= p.K ? 0 : key + 1 >= p.K ? 1 : 2;
+    const int valid = pair_valid(key, p.K);
     // Each tensor's offset of the lane's first row, then a row at a time (rows u and u + 4
     // 8 apart).
     auto rows = [&](const TokenTensor& x, int64_t head, float2 (&out)[kSliceRows]) {
@@ -409,7 +413,7 @@ __device__ void fill_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
   float2 q[kSliceRows], k[kSliceRows], g[kSliceRows];
   read_slice<G, Dense>(p, ref, hv, c0, pairs, q, k, g);
   if constexpr (kVector) {
-    const int valid = key >= p.K ? 0 : key + 1 >= p.K ? 1 : 2;
+    const int valid = pair_valid(key, p.K);
     float x[2 * kSliceRows];
 #pragma unroll
     for (int u = 0; u < kSliceRows; ++u) x[2 * u] = g[u].x, x[2 * u + 1] = g[u].y;
