@@ -108,10 +108,13 @@ def chunked(x, precision):
                 right = k[:upto] * np.exp(ref - G[:upto])
                 Akk[blk, :upto] = rnd("Akk_op", k[blk] * np.exp(G[blk] - ref)) @ rnd("Akk_op", right).T
                 # A_qk's row and column operands; "Aqk_row", "Aqk_col_off" (columns of the
-                # blocks before) and "Aqk_col_diag" (the diagonal block's) override "Aqk_op".
+                # blocks before) and "Aqk_col_diag" (the diagonal block's) override "Aqk_op",
+                # and "Aqk_row_off" the row operand against the blocks before.
                 part = lambda name, v: precision[name](v) if name in precision else rnd("Aqk_op", v)
-                xr = part("Aqk_row", q[blk] * np.exp(G[blk] - ref))
-                Aqk[blk, :i0] = xr @ part("Aqk_col_off", right[:i0]).T
+                rows_exact = q[blk] * np.exp(G[blk] - ref)
+                xr = part("Aqk_row", rows_exact)
+                xr_off = precision["Aqk_row_off"](rows_exact) if "Aqk_row_off" in precision else xr
+                Aqk[blk, :i0] = xr_off @ part("Aqk_col_off", right[:i0]).T
                 Aqk[blk, i0:upto] = xr @ part("Aqk_col_diag", right[i0:upto]).T
             Akk, Aqk = np.tril(Akk, -1) * b[:, None], np.tril(Aqk)
             Tinv = (blocked_inverse(Akk, precision["T_prod"]) if "T_prod" in precision
@@ -124,7 +127,13 @@ def chunked(x, precision):
                 u = rnd("u", T_op @ rnd("vbeta_op", b[:, None] * v))
             S_op = rnd("S", S)
             v_new = rnd("vnew", u - w @ S_op)
-            o[rows, h] = rnd("qg", q * np.exp(G)) @ S_op + rnd("Aqk", Aqk) @ v_new
+            Aqk_op = rnd("Aqk", Aqk)
+            if "Aqk_diag" in precision:  # the diagonal 16 x 16 blocks stored so, the rest as "Aqk"
+                diag = np.zeros_like(Aqk)
+                for i0 in range(0, C, BLOCK):
+                    diag[i0:i0 + BLOCK, i0:i0 + BLOCK] = 1
+                Aqk_op = precision["Aqk_diag"](Aqk) * diag + Aqk_op * (1 - diag)
+            o[rows, h] = rnd("qg", q * np.exp(G)) @ S_op + Aqk_op @ v_new
             S = np.exp(G[-1])[:, None] * S + rnd("kg", k * np.exp(G[-1] - G)).T @ v_new
     return o
 
@@ -175,6 +184,10 @@ def main():
     print(f"  {'  diagonal column low parts only':44s} {err(but(**pair, Aqk_row=bf16, Aqk_col_off=bf16)):.2e}")
     print(f"  {'  diagonal form, A_qk stored single':44s} "
           f"{err(but(Aqk_op=split_bf16, Aqk_col_off=bf16)):.2e}")
+    diagonal = dict(Aqk_op=split_bf16, Aqk_row_off=bf16, Aqk_col_off=bf16)
+    print(f"  {'  pairs on the diagonal tiles only':44s} {err(but(**diagonal, Aqk=split_bf16)):.2e}")
+    print(f"  {'  ... and the A_qk pair on its diagonal blocks':44s} "
+          f"{err(but(**diagonal, Aqk_diag=split_bf16)):.2e}")
     print(f"  {'T by column blocks, one tf32 product a step':44s} {err(but(T_prod=tf32)):.2e}")
     print(f"  {'T by column blocks, one bf16 product a step':44s} {err(but(T_prod=bf16)):.2e}")
     print(f"  {'only T_op, T in one tf32 product a step':44s} "
