@@ -38,6 +38,13 @@ def tf32(x):
     return round_mantissa(x, 13)
 
 
+def f16(x):
+    """float16 (11-bit significand, subnormals below 2^-14; the kernels scale v_new's rows so
+    their largest magnitude lies in [2^14, 2^15): no overflow, and this model's data stay
+    in the normal range without that scale)."""
+    return np.asarray(x, dtype=np.float16).astype(np.float64)
+
+
 def split_bf16(x):
     """hi + lo bfloat16 pair (three mma products: hi*hi + hi*lo + lo*hi)."""
     hi = bf16(x)
@@ -188,6 +195,19 @@ def main():
     print(f"  {'  pairs on the diagonal tiles only':44s} {err(but(**diagonal, Aqk=split_bf16)):.2e}")
     print(f"  {'  ... and the A_qk pair on its diagonal blocks':44s} "
           f"{err(but(**diagonal, Aqk_diag=split_bf16)):.2e}")
+    # The records as the kernels keep them by default for dense bfloat16 inputs
+    # (ChunkParams::v_from_tokens): u = (T diag(beta)) v with v as given and u unrounded.
+    given = dict(fold_beta=True, vbeta_op=None, u=None)
+    print("  with v read as given (the default records for dense bfloat16 inputs):")
+    print(f"  {'  A_qk single bfloat16 (default)':44s} {err(but(**given)):.2e}")
+    print(f"  {'  A_qk and v_new in float16 (aqk_f16)':44s} "
+          f"{err(but(**given, Aqk=f16, vnew=f16)):.2e}")
+    print(f"  {'  the pair (split)':44s} {err(but(**given, **pair)):.2e}")
+    print(f"  {'  the pair with v_new in float16':44s} {err(but(**given, **pair, vnew=f16)):.2e}")
+    print(f"  {'  aqk_f16 and T diag(beta) in float16':44s} "
+          f"{err(but(**given, Aqk=f16, vnew=f16, T_op=f16)):.2e}")
+    print(f"  {'  ... and the pairs on the diagonal tiles':44s} "
+          f"{err(but(**given, Aqk=f16, vnew=f16, T_op=f16, **diagonal)):.2e}")
     print(f"  {'T by column blocks, one tf32 product a step':44s} {err(but(T_prod=tf32)):.2e}")
     print(f"  {'T by column blocks, one bf16 product a step':44s} {err(but(T_prod=bf16)):.2e}")
     print(f"  {'only T_op, T in one tf32 product a step':44s} "
