@@ -34,19 +34,19 @@ constexpr int chunk_record_floats(int KP) { return KP + 2 * kChunk; }
 //     T = (I + A_kk)^-1,  A_kk[i, j] = beta_i n_k,i n_k,j k_i . k_j 2^(Gamma_i - Gamma_j), j < i
 // and the state kernel takes
 //     v_new = u - w S,   o = diag(n_q) (qg S + A_qk v_new),   S' = diag(decay) S + kg^T n_k v_new
-// (n_k v_new: v_new's rows scaled).
+// (n_k v_new: v_new's rows scaled), where the record's n_q holds the attention scale too.
 // With ChunkParams::qk_from_tokens there are no qg and kg: the state kernel reads q and k as
 // given, and the record's run and A_qk carry the scalar gate's factors instead (see there).
 // With ChunkParams::v_from_tokens there is no u: tu instead, and the state kernel reads v.
 struct ChunkWorkspace {
-  uint16_t* qg = nullptr;   // [KP / 64][C, 64] bf16: scale q 2^Gamma (reads the chunk-start state)
+  uint16_t* qg = nullptr;   // [KP / 64][C, 64] bf16: q 2^Gamma (reads the chunk-start state)
   uint16_t* kg = nullptr;   // [KP / 64][C, 64] bf16: k 2^(Gamma_end - Gamma) (writes the end state)
   uint16_t* w = nullptr;    // [KP / 64][C, 64] bf16: T diag(n_k) (beta k 2^Gamma), delta rule only
   uint16_t* u = nullptr;    // [VP / 64][C, 64] bf16: T (beta v) (delta) or v (linear)
-  uint16_t* aqk = nullptr;  // [C, C]  bf16: scale q_i . k_j n_k,j 2^(Gamma_i - Gamma_j), j <= i
+  uint16_t* aqk = nullptr;  // [C, C]  bf16: q_i . k_j n_k,j 2^(Gamma_i - Gamma_j), j <= i
   uint16_t* tu = nullptr;   // [C, C]  bf16: T diag(beta), v_from_tokens with the delta rule
-  // [chunk_record_floats(KP)]: [KP] 2^Gamma_end, then [C] n_q and [C] n_k (zero past the
-  // chunk's last token).
+  // [chunk_record_floats(KP)]: [KP] 2^Gamma_end, then [C] scale n_q and [C] n_k (zero past
+  // the chunk's last token).
   float* decay = nullptr;
   int64_t* chunk_start = nullptr;  // [N + 1] first chunk of each sequence (cu_seqlens only)
   // Per (sequence, value head, segment) of split sequences, K x (V + K) float32, K-first: the
@@ -112,7 +112,7 @@ struct ChunkParams {
   // sequence's end and past K), and the factors move to per-token scales it applies,
   //     inv_q = n_q scale 2^Gamma       on the columns of o^T = S^T q^T (before + v_new^T A^T),
   //     inv_k = n_k 2^(Gamma_end - Gamma)  on the columns of v_new^T before the state update,
-  // with A_qk's rows scaled by n_q in the record and o stored as it comes. 32 KB less written
+  // with A_qk's rows scaled by n_q scale in the record and o stored as it comes. 32 KB less written
   // and kept per record at K = 128.
   bool qk_from_tokens = false;
   // With dense bfloat16 v (dense_tokens) the record leaves u = T diag(beta) v out too: it keeps

@@ -185,11 +185,16 @@ template <GateForm G, int KP>
 __device__ void load_token_scalars(const RecurrentParams& p, PrepareShared<KP>& sh,
                                    const ChunkRef& ref, int64_t hv, float a_gate) {
   const int tid = threadIdx.x;
-  if (G == GateForm::vector && p.gate_in_kernel)
+  if (G == GateForm::vector && p.gate_in_kernel) {
+    // With the lower bound, the sigmoid's argument in log2 units: -a log2(e) dt_bias
+    // (activate_gates_log2).
+    const float scale = p.has_lower_bound ? -a_gate * kLog2e : 1.f;
     for (int e = tid; e < KP; e += kThreads)
-      sh.bias[e] = p.dt_bias && e < p.K ? load_float(p.dt_bias, p.dt_bias_dtype,
-                                                    hv * p.dt_bias_head_stride + e * p.dt_bias_key_stride)
+      sh.bias[e] = p.dt_bias && e < p.K ? scale * load_float(p.dt_bias, p.dt_bias_dtype,
+                                                             hv * p.dt_bias_head_stride +
+                                                                 e * p.dt_bias_key_stride)
                                         : 0.f;
+  }
   if (tid < kChunk) {
     const int t = tid;
     const bool live = t < ref.len;
@@ -385,6 +390,28 @@ __device__ __forceinline__ void store_bf16x8_global(bf16* dst, const float (&v)[
   __stwb(reinterpret_cast<uint4*>(dst), pack_bf16x8(v));  // st.global.wb: the default policy
 }
 
+// The vector gate activated in the kernel (activate_gates), in log2 units, for pairs of raw
+// values x (even: the pair's first channel) with bias b = the pair's sh.bias. With the lower
+// bound, lower_bound sigmoid(a (x + dt_bias)) log2(e) with the constants folded: b holds
+// -a log2(e) dt_bias, so 2^(-a log2(e) (x + dt_bias)) takes one fma and one exp2, and
+// lower_bound log2(e) one multiply: 6 instructions a value where the unfolded form took 8 (SASS
+// at K = 128); the log2 gate differs from it by a few ulp. Else -a log2(e) softplus(x + dt_bias).
+template <int N>
+__device__ __forceinline__ void activate_gates_log2(const RecurrentParams& p, float (&x)[N],
+                                                    float2 b, float a) {
+  static_assert(N % 2 == 0, "channel pairs");
+  if (p.has_lower_bound) {
+    const float s = -a * kLog2e, top = p.lower_bound * kLog2e;
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+      x[e] = top * __fdividef(1.f, 1.f + exp2_approx(fmaf(s, x[e], e % 2 ? b.y : b.x)));
+  } else {
+    const float s = -a * kLog2e;
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] = s * softplusf(x[e] + (e % 2 ? b.y : b.x));
+  }
+}
+
 // One key slice, channels [c0, c0 + kSlice), held in the lane's registers (slice_row) from the
 // load to the factors:
 //  1. q, k and the gate as float32, the gate activated where asked, in log2, floored, and zero
@@ -419,15 +446,14 @@ __device__ void fill_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
     for (int u = 0; u < kSliceRows; ++u) x[2 * u] = g[u].x, x[2 * u + 1] = g[u].y;
     if (p.gate_in_kernel) {
       const float2 b = *reinterpret_cast<const float2*>(&sh.bias[key]);  // zeros past K
-#pragma unroll
-      for (int u = 0; u < kSliceRows; ++u) x[2 * u] += b.x, x[2 * u + 1] += b.y;
-      activate_gates(p, x, a_gate);
+      activate_gates_log2(p, x, b, a_gate);
     }
+    const float unit = p.gate_in_kernel ? 1.f : kLog2e;  // given gates are in natural log
 #pragma unroll
     for (int u = 0; u < kSliceRows; ++u) {
       const bool live = r0 + slice_row(u, h) < ref.len;
-      g[u] = make_float2(live && valid > 0 ? floor_gate(x[2 * u] * kLog2e) : 0.f,
-                         live && valid > 1 ? floor_gate(x[2 * u + 1] * kLog2e) : 0.f);
+      g[u] = make_float2(live && valid > 0 ? floor_gate(x[2 * u] * unit) : 0.f,
+                         live && valid > 1 ? floor_gate(x[2 * u + 1] * unit) : 0.f);
     }
   }
   if (p.qk_l2norm) {
@@ -540,7 +566,7 @@ __device__ void fill_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
           store(&s.kbar[kbar_base(J) + t][cp], x);
         }
       }
-      qg = make_float2(p.scale * q[u].x * up.x, p.scale * q[u].y * up.y);
+      qg = mul2(q[u], up);
       kg = mul2(k[u], exp2_pair(sub2(gend, gam)));
       wk = make_float2(beta[u] * k[u].x * up.x, beta[u] * k[u].y * up.y);
     } else {
@@ -552,7 +578,7 @@ __device__ void fill_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
         store_pair(&s.kbar_lo[0][0][0] + t * kSliceLd + cp, low_part(k[u].x), low_part(k[u].y));
       const float up = G == GateForm::scalar ? exp2_approx(gs[u]) : 1.f;
       const float down = G == GateForm::scalar ? exp2_approx(gs_end - gs[u]) : 1.f;
-      qg = make_float2(p.scale * q[u].x * up, p.scale * q[u].y * up);
+      qg = make_float2(q[u].x * up, q[u].y * up);
       kg = make_float2(k[u].x * down, k[u].y * down);
       wk = make_float2(beta[u] * k[u].x * up, beta[u] * k[u].y * up);
     }
@@ -732,7 +758,7 @@ __device__ void write_tile_factors(const RecurrentParams& p, bool qk_from_tokens
     for (int e = 0; e < 8; ++e) {
       sq += q[e] * q[e];
       sk += k[e] * k[e];
-      qg[e] = p.scale * q[e] * up;
+      qg[e] = q[e] * up;
       kg[e] = k[e] * down;
     }
     if (!qk_from_tokens) {
@@ -745,7 +771,7 @@ __device__ void write_tile_factors(const RecurrentParams& p, bool qk_from_tokens
       const bool norm = p.qk_l2norm, live = t < ref.len;
       const float nk = !live ? 0.f : norm ? rsqrtf(sk + kL2NormEps) : 1.f;
       const float nq = !live ? 0.f : norm ? rsqrtf(sq + kL2NormEps) : 1.f;
-      rec.inv_q[t] = qk_from_tokens ? nq * p.scale * up : nq;
+      rec.inv_q[t] = qk_from_tokens ? nq * p.scale * up : nq * p.scale;
       rec.inv_k[t] = qk_from_tokens ? nk * down : nk;
       token_inv_k[x] = nk;
       token_inv_q[x] = nq;
@@ -765,7 +791,8 @@ __device__ void write_tile_factors(const RecurrentParams& p, bool qk_from_tokens
 // The inverse lengths of q and k, 1 / sqrt(sum of squares + eps) with the L2 norm and 1
 // without (0 past the chunk's last token), from the sums fill_slice gathered (a lane and its
 // neighbour hold its norm_row's), to the record and k's to shared memory, which the caller's
-// barrier publishes.
+// barrier publishes. The record's n_q takes the attention scale (cuda/chunk_params.h): qg and
+// A_qk leave it out, a multiply a value less in fill_slice.
 template <int KP>
 __device__ void finish_norms(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
                              const ChunkRef& ref, float nq, float nk) {
@@ -773,14 +800,14 @@ __device__ void finish_norms(const RecurrentParams& p, PrepareShared<KP>& sh, co
   if (lane % 2) return;
   const int t = kSubChunk * (threadIdx.x / 32) + slice_row(norm_row(lane), lane / 16);
   const bool norm = p.qk_l2norm, live = t < ref.len;
-  rec.inv_q[t] = !live ? 0.f : norm ? rsqrtf(nq + kL2NormEps) : 1.f;
+  rec.inv_q[t] = !live ? 0.f : p.scale * (norm ? rsqrtf(nq + kL2NormEps) : 1.f);
   sh.inv_k[t] = rec.inv_k[t] = !live ? 0.f : norm ? rsqrtf(nk + kL2NormEps) : 1.f;
 }
 
 // Row block I of A_qk to the record and of A_kk to shared memory (zeros above the diagonal),
-// with the inverse key lengths on A_qk's columns and A_kk's rows and columns; n_q on A_qk's
-// rows where the key tiles' qk_from_tokens asks (else it is left to the state kernel's
-// output rows).
+// with the inverse key lengths on A_qk's columns and A_kk's rows and columns; n_q and the
+// attention scale on A_qk's rows where the key tiles' qk_from_tokens asks (else the record's
+// n_q carries both to the state kernel's output rows).
 template <GateForm G, bool kSplit, int KP>
 __device__ void finish_a(const RecurrentParams& p, bool rows_n_q, PrepareShared<KP>& sh,
                          const Record& rec, const Acc (&acc_q)[8], const Acc (&acc_k)[8]) {
@@ -793,7 +820,7 @@ __device__ void finish_a(const RecurrentParams& p, bool rows_n_q, PrepareShared<
   for (int r = 0; r < 2; ++r) {
     const int t = r0 + acc_row(2 * r);
     row_k[r] = sh.beta[t] * sh.inv_k[t];
-    row_q[r] = rows_n_q ? p.scale * sh.inv_q[t] : p.scale;
+    row_q[r] = rows_n_q ? p.scale * sh.inv_q[t] : 1.f;
     if constexpr (G == GateForm::scalar) gs_row[r] = sh.gs[t];
   }
   constexpr int kTiles = 4;
