@@ -551,7 +551,9 @@ __device__ void fill_slice(const RecurrentParams& p, PrepareShared<KP>& sh, cons
       store(&s.xk[I][i][cp], mul2(k[u], e));
       // The diagonal block's column factors, 0 for a channel that does not factorise (its
       // terms are summed pairwise instead).
-      const float2 d = mul2(k[u], exp2_pair(sub2(ref_i, gam)));
+      // 2^(r - Gamma) as 1 / 2^(Gamma - r): one MUFU either way, a subtraction less (|Gamma - r|
+      // <= kMaxFactorLog2 where the channel factorises, and an inexact channel's diag is 0).
+      const float2 d = mul2(k[u], make_float2(rcp_approx(e.x), rcp_approx(e.y)));
       const float2 diag = make_float2(exact_i[0] ? d.x : 0.f, exact_i[1] ? d.y : 0.f);
       store(&s.kbar[kbar_base(I) + t][cp], diag);
       if constexpr (kSplit)

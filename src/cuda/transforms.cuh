@@ -22,6 +22,14 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// 1 / x by the hardware's approximation alone (rcp.approx.ftz: ~1 ulp, subnormal x taken as
+// 0, so 1 / 0 = inf): the chunk kernels' reciprocals of factors within 2^+-60.
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // The fast exponential and division (a few ulp; the inputs are bf16-level data): the gate's
 // sigmoid runs once per key channel and token. It is __fdividef(1, 1 + __expf(-x)) bit for
 // bit: __expf is 2^(-x log2e) by the same instruction, and the denormal results that its
