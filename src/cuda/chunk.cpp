@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -38,6 +39,10 @@ constexpr const char* kInverseSetting = "FLASHDELTA_CHUNK_INVERSE";
 // issue 5's first row 4.1e-3 -> 3.0e-3 against fp64, at +15% of the KDA forward (H100,
 // bench/NOTES.md (bk)). `auto` and `bf16` keep single bfloat16.
 constexpr const char* kAqkSetting = "FLASHDELTA_CHUNK_AQK";
+// `f16` keeps A_qk in float16 and takes A_qk v_new on float16 operands where its range is
+// bounded (ChunkParams::aqk_f16, aqk_f16_applies) and K <= 128; `auto` and `bf16` keep
+// bfloat16 (opt-in until measured on a GPU).
+constexpr const char* kAqkDtypeSetting = "FLASHDELTA_CHUNK_AQK_DTYPE";
 // `auto` (or `operands`) leaves every operand the state kernel can read as given out of the
 // records (ChunkParams::qk_from_tokens and v_from_tokens); `qk` keeps u in them, `full` also
 // qg and kg: for tests and A/B timing.
@@ -72,6 +77,16 @@ Carver layout_of(cuda::ChunkParams& c, bool varlen) {
   return r;
 }
 
+// Whether A_qk fits float16 (ChunkParams::aqk_f16): with q and k L2-normalised and every log
+// gate <= 0 (no gate, or one activated in the kernel: a precomputed gate may be anything)
+// |A_qk| <= |scale| once its rows carry n_q and the scale. Scales beyond 2^12 could overflow
+// float16, and below 2^-8 A_qk's entries would fall in its subnormals.
+bool aqk_f16_applies(const cuda::RecurrentParams& r) {
+  const float s = std::fabs(r.scale);
+  return r.qk_l2norm && (r.gate == cuda::GateForm::none || r.gate_in_kernel) &&
+         s >= 0x1p-8f && s <= 0x1p12f;
+}
+
 // The kernels' arguments for a problem, without the workspace pointers.
 cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
   cuda::ChunkParams c;
@@ -97,6 +112,8 @@ cuda::ChunkParams chunk_params(const Problem& p, const ForwardIO& io) {
   c.inverse_by_columns = inverse != "distance";
   c.inverse_one_product = inverse == "tf32";
   c.split_aqk = env_setting(kAqkSetting, {"auto", "bf16", "split"}) == "split";
+  c.aqk_f16 = env_setting(kAqkDtypeSetting, {"auto", "bf16", "f16"}) == "f16" &&
+              aqk_f16_applies(r) && c.KP <= 128;  // not instantiated at K = 256
   if (c.inverse_one_product && c.split_aqk)
     throw Error(ErrorCode::invalid_argument,
                 std::string("environment variable ") + kInverseSetting + ": 'tf32' is not built "

@@ -44,6 +44,7 @@ struct ChunkWorkspace {
   uint16_t* w = nullptr;    // [KP / 64][C, 64] bf16: T diag(n_k) (beta k 2^Gamma), delta rule only
   uint16_t* u = nullptr;    // [VP / 64][C, 64] bf16: T (beta v) (delta) or v (linear)
   uint16_t* aqk = nullptr;  // [C, C]  bf16: q_i . k_j n_k,j 2^(Gamma_i - Gamma_j), j <= i
+                            // (aqk_f16: float16, rows times scale n_q,i)
   uint16_t* tu = nullptr;   // [C, C]  bf16: T diag(beta), v_from_tokens with the delta rule
   // [chunk_record_floats(KP)]: [KP] 2^Gamma_end, then [C] scale n_q and [C] n_k (zero past
   // the chunk's last token).
@@ -124,6 +125,20 @@ struct ChunkParams {
   // FLASHDELTA_CHUNK_RECORDS: `auto` takes both where they apply, `qk` the first alone, `full`
   // neither (qg, kg and u in the records).
   bool v_from_tokens = false;
+  // A_qk in the record as float16 (aqk and, with split_aqk, aqk_lo) and the state kernel's
+  // A_qk v_new on float16 operands: three more mantissa bits for two of the output's five
+  // bfloat16-sized roundings (bench/NOTES.md (cc): 4.1e-3 -> ~3.3e-3 against fp64 in the
+  // rounding model, split_aqk's 3.0e-3 -> ~2.4e-3). Its range is made safe twice:
+  // - A_qk's rows take n_q and the attention scale in the prepare kernel (the state kernel
+  //   applies the record's n_q to S^T q^T's columns before A_qk's term instead of to o), so
+  //   with q and k L2-normalised and every log gate <= 0 (none, or activated in the kernel)
+  //   |A_qk| <= |scale|, which the host bounds;
+  // - each row of v_new^T (a value column of the tile) goes to float16 times a power of two
+  //   that puts its largest magnitude in [2^14, 2^15), found per chunk by a quad reduction;
+  //   o^T's row takes the same factor before the product and its inverse after, so the result
+  //   is that of unscaled operands to float32 rounding, whatever v's magnitude.
+  // Both state products (wgmma, mma.sync) have it, as kernels of their own, at K <= 128.
+  bool aqk_f16 = false;
 };
 
 // Whether the records keep T diag(beta) (ChunkParams::v_from_tokens with the delta rule): the

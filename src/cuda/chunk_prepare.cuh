@@ -115,7 +115,7 @@ struct PrepareShared {
   alignas(16) float beta[kChunk];
   float gs[kChunk];  // scalar gate: Gamma after each token
   alignas(16) float inv_k[kChunk];  // 1 / |k| per token (finish_norms)
-  float inv_q[kChunk];  // key tiles with qk_from_tokens: 1 / |q|, A_qk's row scale (finish_a)
+  float inv_q[kChunk];  // 1 / |q| per token: A_qk's row scale where finish_a takes it
   alignas(16) float w_cols[kChunk];  // key tiles: T's column scale for w, n_k beta 2^Gamma
   // The key tiles' launch ends at the solve's tu (prepare_shared_bytes): what follows, the
   // slices' part of the union and the vector gate's arrays, they never touch.
@@ -172,6 +172,18 @@ __device__ __forceinline__ void store_pair(bf16* dst, float a, float b) {
 // x - bfloat16(x): the low part of x as a bfloat16 pair hi + lo (split_aqk).
 __device__ __forceinline__ float low_part(float x) {
   return x - __bfloat162float(__float2bfloat16_rn(x));
+}
+
+// Two entries of A_qk to the record as bfloat16, or float16 (ChunkParams::aqk_f16); `low`: the
+// low parts x - 16-bit(x) of the pair's second member instead (split_aqk).
+__device__ __forceinline__ void store_aqk_pair(bf16* dst, float a, float b, bool f16, bool low) {
+  if (!f16) {
+    if (low) a = low_part(a), b = low_part(b);
+    store_pair(dst, a, b);
+    return;
+  }
+  if (low) a -= __half2float(__float2half_rn(a)), b -= __half2float(__float2half_rn(b));
+  *reinterpret_cast<uint32_t*>(dst) = pack_f16(a, b);
 }
 
 // The low parts x - hi of an operand register hi (a bfloat16 pair, the first in the low half)
@@ -802,17 +814,20 @@ __device__ void finish_norms(const RecurrentParams& p, PrepareShared<KP>& sh, co
   if (lane % 2) return;
   const int t = kSubChunk * (threadIdx.x / 32) + slice_row(norm_row(lane), lane / 16);
   const bool norm = p.qk_l2norm, live = t < ref.len;
-  rec.inv_q[t] = !live ? 0.f : p.scale * (norm ? rsqrtf(nq + kL2NormEps) : 1.f);
+  sh.inv_q[t] = !live ? 0.f : norm ? rsqrtf(nq + kL2NormEps) : 1.f;
+  rec.inv_q[t] = p.scale * sh.inv_q[t];
   sh.inv_k[t] = rec.inv_k[t] = !live ? 0.f : norm ? rsqrtf(nk + kL2NormEps) : 1.f;
 }
 
 // Row block I of A_qk to the record and of A_kk to shared memory (zeros above the diagonal),
 // with the inverse key lengths on A_qk's columns and A_kk's rows and columns; n_q and the
-// attention scale on A_qk's rows where the key tiles' qk_from_tokens asks (else the record's
-// n_q carries both to the state kernel's output rows).
+// attention scale on A_qk's rows where the key tiles' qk_from_tokens or aqk_f16 asks (else
+// the record's n_q carries both to the state kernel's output rows); A_qk as float16 with
+// aqk_f16.
 template <GateForm G, bool kSplit, int KP>
-__device__ void finish_a(const RecurrentParams& p, bool rows_n_q, PrepareShared<KP>& sh,
-                         const Record& rec, const Acc (&acc_q)[8], const Acc (&acc_k)[8]) {
+__device__ void finish_a(const RecurrentParams& p, bool rows_n_q, bool aqk_f16,
+                         PrepareShared<KP>& sh, const Record& rec, const Acc (&acc_q)[8],
+                         const Acc (&acc_k)[8]) {
   const int I = threadIdx.x / 32, r0 = kSubChunk * I;
   // The per-token scalars of the thread's rows (e / 2) and of its columns (nt, x), four column
   // tiles at a time, read before the stores into A_kk's rows (reads before stores:
@@ -857,9 +872,9 @@ __device__ void finish_a(const RecurrentParams& p, bool rows_n_q, PrepareShared<
           vk[x] = j < t ? row_k[e / 2] * fk * col[n][x] : 0.f;
         }
         const int j0 = 8 * nt + acc_col(e);
-        store_pair(rec.aqk + record_index(t, j0), vq[0], vq[1]);
+        store_aqk_pair(rec.aqk + record_index(t, j0), vq[0], vq[1], aqk_f16, false);
         if constexpr (kSplit)
-          store_pair(rec.aqk_lo + record_index(t, j0), low_part(vq[0]), low_part(vq[1]));
+          store_aqk_pair(rec.aqk_lo + record_index(t, j0), vq[0], vq[1], aqk_f16, true);
         *reinterpret_cast<float2*>(&sh.u.v.a[t][j0]) = make_float2(vk[0], vk[1]);
       }
   }
@@ -1098,7 +1113,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks(KP, Dense && G != GateFor
     finish_norms(p, sh, rec, ref, nq, nk);
     __syncthreads();  // finish_a overwrites the slice buffers and reads the norms
   }
-  finish_a<G, kSplit>(p, kKeyTiles && c.qk_from_tokens, sh, rec, acc_q, acc_k);
+  finish_a<G, kSplit>(p, (kKeyTiles && c.qk_from_tokens) || c.aqk_f16, c.aqk_f16, sh, rec,
+                      acc_q, acc_k);
   // With v_from_tokens (dense inputs only) the record takes tu instead of u, and no v.
   const bool values = !Dense || !c.v_from_tokens;
   if (p.delta) {

@@ -230,16 +230,72 @@ __device__ __forceinline__ void a_from_acc(uint32_t (&a)[4], const Acc (&acc)[N]
   a[3] = pack_bf16(acc[2 * kk + 1].d[2], acc[2 * kk + 1].d[3]);
 }
 
+// ChunkParams::aqk_f16: the same fragment as float16 with rows acc_row(0) and acc_row(2) of
+// the warp's 16 times row[0] and row[1].
+template <int N>
+__device__ __forceinline__ void a_from_acc_f16(uint32_t (&a)[4], const Acc (&acc)[N], int kk,
+                                               const float (&row)[2]) {
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const Acc& t = acc[2 * kk + x / 2];
+    const int e = 2 * (x % 2);
+    a[x] = pack_f16(t.d[e] * row[x % 2], t.d[e + 1] * row[x % 2]);
+  }
+}
+
+// ChunkParams::aqk_f16: for the thread's two rows of a 16 x C product held as n8 accumulator
+// tiles (a row's C values lie with the four lanes of a quad), the power of two that puts the
+// row's largest magnitude in [2^14, 2^15), float16's top binade but one, and its inverse:
+// the scale 2^(141 - E) for a largest magnitude of exponent field E, kept within 2^+-64 so
+// that the output rows it also scales stay finite (NaN is passed over, and passes through).
+__device__ __forceinline__ void f16_row_scales(const Acc (&x)[kChunk / 8], float (&row)[2],
+                                               float (&inv)[2]) {
+  float m[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < kChunk / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) m[e / 2] = fmaxf(m[e / 2], fabsf(x[nt].d[e]));
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 1));
+    m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
+    const int field = static_cast<int>(__float_as_uint(m[r]) >> 23);  // m >= 0: no sign bit
+    const int e = min(max(268 - field, 127 - 64), 127 + 64);
+    row[r] = __uint_as_float(static_cast<uint32_t>(e) << 23);
+    inv[r] = __uint_as_float(static_cast<uint32_t>(254 - e) << 23);
+  }
+}
+
+// The rows of a 16 x C product held as n8 accumulator tiles times row[0] and row[1], and with
+// `scale` (null: none) its columns (tokens) times scale[token].
+__device__ __forceinline__ void scale_rows_and_token_columns(Acc (&x)[kChunk / 8],
+                                                             const float (&row)[2],
+                                                             const float* scale) {
+#pragma unroll
+  for (int nt = 0; nt < kChunk / 8; ++nt) {
+    const float2 n = scale ? *reinterpret_cast<const float2*>(&scale[8 * nt + acc_col(0)])
+                           : make_float2(1.f, 1.f);
+    x[nt].d[0] *= n.x * row[0], x[nt].d[1] *= n.y * row[0];
+    x[nt].d[2] *= n.x * row[1], x[nt].d[3] *= n.y * row[1];
+  }
+}
+
 // This warp's acc[16 x N] += left[16 x K] . B on mma.sync, B from a record matrix x in shared
 // memory: x^T for an [n][k] matrix (kNK), x itself for a [k][n] one. kLower skips the blocks
-// of B above its block diagonal (n block < k block), which A_qk^T leaves zero.
-template <int K, int N, bool kNK, bool kLower = false>
+// of B above its block diagonal (n block < k block), which A_qk^T leaves zero. With kF16 both
+// operands are float16, left's rows times row0 and row1 (a_from_acc_f16).
+template <int K, int N, bool kNK, bool kLower = false, bool kF16 = false>
 __device__ __forceinline__ void warp_product(Acc (&acc)[N / 8], const Acc (&left)[K / 8],
-                                             const bf16* x) {
+                                             const bf16* x, float row0 = 1.f, float row1 = 1.f) {
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
     uint32_t a[4];
-    a_from_acc(a, left, kk);
+    if constexpr (kF16) {
+      const float row[2] = {row0, row1};
+      a_from_acc_f16(a, left, kk, row);
+    } else {
+      a_from_acc(a, left, kk);
+    }
 #pragma unroll
     for (int np = kLower ? kk : 0; np < N / 16; ++np) {
       uint32_t b[4];
@@ -247,8 +303,8 @@ __device__ __forceinline__ void warp_product(Acc (&acc)[N / 8], const Acc (&left
         load_record_b_pair_nk(b, x, 16 * np, 16 * kk);
       else
         load_record_b_pair_kn(b, x, 16 * np, 16 * kk);
-      mma_bf16(acc[2 * np], a, b[0], b[1]);
-      mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      mma_16bit<kF16>(acc[2 * np], a, b[0], b[1]);
+      mma_16bit<kF16>(acc[2 * np + 1], a, b[2], b[3]);
     }
   }
 }
@@ -423,9 +479,10 @@ __device__ __forceinline__ void scale_for_update(Acc (&vn)[kChunk / 8], Acc (&s)
 //     v_new^T = u^T - S^T w^T,   o^T = S^T qg^T + v_new^T A_qk^T (unless kEnds),
 //     S^T = S^T diag(decay) + v_new^T diag(n_k) kg.
 // With q and k as given (tokens: ChunkParams::qk_from_tokens) S^T q^T's columns take inv_q
-// before A_qk's term. With tu (v_from_tokens, the delta rule; null otherwise) the stage holds
-// v's tile in u's place and u^T = v^T tu^T comes first.
-template <int KP, bool kEnds, bool kSplit>
+// before A_qk's term, as with kF16 (see chunk_step_wgmma). With tu (v_from_tokens, the
+// delta rule; null otherwise) the stage holds v's tile in u's place and u^T = v^T tu^T comes
+// first.
+template <int KP, bool kEnds, bool kSplit, bool kF16>
 __device__ __forceinline__ void chunk_step_mma_sync(const StageOf<KP, kSplit>& st,
                                                     StateColumns<KP>& S, Acc (&o)[kChunk / 8],
                                                     bool delta, bool map, bool tokens,
@@ -446,7 +503,16 @@ __device__ __forceinline__ void chunk_step_mma_sync(const StageOf<KP, kSplit>& s
 
   // A_qk is zero right of the diagonal, so token block kk of v_new only reaches output
   // tokens from 16 kk on.
-  if (!kEnds) {
+  if (!kEnds && kF16) {  // as in chunk_step_wgmma
+    warp_product<KP, kChunk, true>(o, S.acc, st.qg);
+    float row[2], row_inv[2];
+    f16_row_scales(vn, row, row_inv);
+    scale_rows_and_token_columns(o, row, st.inv_q());
+    warp_product<kChunk, kChunk, true, true, true>(o, vn, st.a, row[0], row[1]);
+    if constexpr (kSplit)
+      warp_product<kChunk, kChunk, true, true, true>(o, vn, st.a_lo, row[0], row[1]);
+    scale_rows_and_token_columns(o, row_inv, nullptr);
+  } else if (!kEnds) {
     warp_product<KP, kChunk, true>(o, S.acc, st.qg);
     if (tokens) scale_token_columns(o, st.inv_q());
     warp_product<kChunk, kChunk, true, true>(o, vn, st.a);
@@ -467,7 +533,10 @@ __host__ __device__ constexpr uint32_t k_step_bytes(int kk) {
 // its left operand from registers, and each record matrix is read once per block instead of
 // once per warp. v_new^T starts from u^T and takes -S^T w^T (the left operand negated); the
 // first batch (w and qg, both from S^T's fragments) runs while nothing else waits on it.
-template <int KP, bool kEnds, bool kSplit>
+// With kF16 (ChunkParams::aqk_f16) A_qk is float16 and so is v_new^T in its product, each
+// row scaled by f16_row_scales; o^T's rows take the same factors before the product (and
+// its columns n_q, which A_qk's rows carry already) and their inverses after it.
+template <int KP, bool kEnds, bool kSplit, bool kF16>
 __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
                                                  StateColumns<KP>& S, Acc (&o)[kChunk / 8],
                                                  bool delta, bool map, bool tokens,
@@ -511,7 +580,21 @@ __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
   hold_registers(vn);
   hold_registers(o);
 
-  if (!kEnds) {  // o^T += v_new^T A_qk^T (the zero blocks above A_qk's diagonal included)
+  float row[2], row_inv[2];
+  if (!kEnds && kF16) {  // the same product on float16 operands, v_new^T's rows scaled
+    f16_row_scales(vn, row, row_inv);
+    scale_rows_and_token_columns(o, row, st.inv_q());
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      uint32_t b[4];
+      a_from_acc_f16(b, vn, kk, row);
+      wgmma_m64n64k16<false, 1, true>(o, b, aqk.at(k_step_bytes(kk)));
+      if constexpr (kSplit)
+        wgmma_m64n64k16<false, 1, true>(o, b, SwizzledOperand(st.a_lo).at(k_step_bytes(kk)));
+    }
+    wgmma_commit();
+  } else if (!kEnds) {  // o^T += v_new^T A_qk^T (the zero blocks above A_qk's diagonal included)
     if (tokens) scale_token_columns(o, st.inv_q());
     wgmma_fence();
 #pragma unroll
@@ -549,6 +632,7 @@ __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
   wgmma_wait<0>();
   hold_registers(S.acc);
   hold_registers(o);
+  if (!kEnds && kF16) scale_rows_and_token_columns(o, row_inv, nullptr);
 }
 
 // inv_q's entries for accumulator tile nt of o^T (its tokens 8 nt + acc_col), or ones where
@@ -692,8 +776,10 @@ enum class StatePass { whole, ends, segments };
 // identity's K columns as tiles after V's.
 // kWgmma: the chunk's products on wgmma where this pass compiles it (sm_90a, KP <= 128),
 // else on mma.sync. kStages: see StateShared. kSplit: A_qk as a bfloat16 pair
-// (ChunkParams::split_aqk; never with kEnds, which has no outputs).
-template <int KP, bool kRecord, StatePass kPass, bool kWgmma, int kStages, bool kSplit>
+// (ChunkParams::split_aqk; never with kEnds, which has no outputs). kF16: A_qk and its product
+// in float16 (ChunkParams::aqk_f16; never with kEnds).
+template <int KP, bool kRecord, StatePass kPass, bool kWgmma, int kStages, bool kSplit,
+          bool kF16>
 __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kStages>)
     chunk_state_kernel(const ChunkParams c) {
   using G = StateGeometry<KP>;
@@ -702,7 +788,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
   static_assert(!kW || G::kThreads == 128, "the block is one warpgroup");
   extern __shared__ __align__(16) unsigned char smem[];
   const unsigned misalign = smem_address(smem) % kSharedAlignSlack;
-  static_assert(!(kSplit && kEnds), "the maps have no A_qk term");
+  static_assert(!((kSplit || kF16) && kEnds), "the maps have no A_qk term");
   auto& sh = *reinterpret_cast<StateShared<KP, kStages, kSplit>*>(
       smem + (misalign ? kSharedAlignSlack - misalign : 0));
   const RecurrentParams& p = c.p;
@@ -802,15 +888,17 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
     Acc o[G::kTokenTiles];
     const bf16* u_from_v = map ? nullptr : stage_tu(stage(i));  // u = tu v (map: no u)
     if constexpr (kW)
-      chunk_step_wgmma<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, u_from_v, warp);
+      chunk_step_wgmma<KP, kEnds, kSplit, kF16>(st, S, o, p.delta, map, tokens, u_from_v, warp);
     else
-      chunk_step_mma_sync<KP, kEnds, kSplit>(st, S, o, p.delta, map, tokens, u_from_v, warp);
+      chunk_step_mma_sync<KP, kEnds, kSplit, kF16>(st, S, o, p.delta, map, tokens, u_from_v,
+                                                   warp);
 
     if (kEnds) {
       if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
       continue;
     }
-    const float* inv_q = tokens ? nullptr : st.inv_q();  // with tokens o^T is scaled already
+    // With tokens or kF16 o^T's columns are scaled already (chunk_step_wgmma).
+    const float* inv_q = tokens || kF16 ? nullptr : st.inv_q();
     if (kStmatrix && c.dense_output)
       store_output_dense(p, o, inv_q, sh.o[warp], o_base, i * kChunk, seq.len, jw);
     else
@@ -830,7 +918,8 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
 // fixed the stages: then every block is resident at once, two per SM. Beyond that both forms
 // run in waves, and each block's own prefetch pays more (bench/NOTES.md (ai): varlen's 768
 // blocks 0.288 ms with two stages, 0.314 with one).
-template <int KP, bool kRecord, StatePass kPass, bool kWgmma, bool kSplit = false>
+template <int KP, bool kRecord, StatePass kPass, bool kWgmma, bool kSplit = false,
+          bool kF16 = false>
 void launch_state_kernel(const ChunkParams& c, int64_t tiles, cudaStream_t stream) {
   using G = StateGeometry<KP>;
   const int64_t blocks = c.p.N * c.p.HV * c.segments * tiles;
@@ -844,15 +933,15 @@ void launch_state_kernel(const ChunkParams& c, int64_t tiles, cudaStream_t strea
     const bool one = c.state_stages == 1 ||
                      (c.state_stages == 0 && blocks > c.sm_count && blocks <= 2 * c.sm_count);
     if (one)
-      return launch(chunk_state_kernel<KP, kRecord, kPass, true, 1, kSplit>,
+      return launch(chunk_state_kernel<KP, kRecord, kPass, true, 1, kSplit, kF16>,
                     state_shared_bytes<KP, 1, kSplit>(tu));
   }
   constexpr int kStages = kDefaultStages<KP>;
-  launch(chunk_state_kernel<KP, kRecord, kPass, kWgmma, kStages, kSplit>,
+  launch(chunk_state_kernel<KP, kRecord, kPass, kWgmma, kStages, kSplit, kF16>,
          state_shared_bytes<KP, kStages, kSplit>(tu));
 }
 
-template <int KP, bool kWgmma, bool kSplit>
+template <int KP, bool kWgmma, bool kSplit, bool kF16>
 void launch_state_products(const ChunkParams& c, cudaStream_t stream) {
   constexpr int64_t BV = StateGeometry<KP>::BV;
   const int64_t value_tiles = (c.p.V + BV - 1) / BV;
@@ -863,21 +952,31 @@ void launch_state_products(const ChunkParams& c, cudaStream_t stream) {
       launch_state_kernel<KP, false, kEnds, kWgmma>(c, value_tiles + (c.p.K + BV - 1) / BV,
                                                     stream);
       return record
-                 ? launch_state_kernel<KP, true, kSegments, kWgmma, kSplit>(c, value_tiles, stream)
-                 : launch_state_kernel<KP, false, kSegments, kWgmma, kSplit>(c, value_tiles,
-                                                                              stream);
+                 ? launch_state_kernel<KP, true, kSegments, kWgmma, kSplit, kF16>(c, value_tiles,
+                                                                                  stream)
+                 : launch_state_kernel<KP, false, kSegments, kWgmma, kSplit, kF16>(c, value_tiles,
+                                                                                   stream);
     }
   }
   constexpr StatePass kWhole = StatePass::whole;
-  record ? launch_state_kernel<KP, true, kWhole, kWgmma, kSplit>(c, value_tiles, stream)
-         : launch_state_kernel<KP, false, kWhole, kWgmma, kSplit>(c, value_tiles, stream);
+  record ? launch_state_kernel<KP, true, kWhole, kWgmma, kSplit, kF16>(c, value_tiles, stream)
+         : launch_state_kernel<KP, false, kWhole, kWgmma, kSplit, kF16>(c, value_tiles, stream);
 }
 
-template <int KP, bool kSplit>
+template <int KP, bool kSplit, bool kF16>
 void launch_state(const ChunkParams& c, cudaStream_t stream) {
   if constexpr (KP <= 128)
-    if (c.state_wgmma) return launch_state_products<KP, true, kSplit>(c, stream);
-  launch_state_products<KP, false, kSplit>(c, stream);
+    if (c.state_wgmma) return launch_state_products<KP, true, kSplit, kF16>(c, stream);
+  launch_state_products<KP, false, kSplit, kF16>(c, stream);
+}
+
+// The A_qk forms, float16 (ChunkParams::aqk_f16) only where the host allows it (KP <= 128:
+// K = 256 would double its width's instantiations for an opt-in).
+template <int KP, bool kSplit>
+void launch_state_aqk(const ChunkParams& c, cudaStream_t stream) {
+  if constexpr (KP <= 128)
+    if (c.aqk_f16) return launch_state<KP, kSplit, true>(c, stream);
+  launch_state<KP, kSplit, false>(c, stream);
 }
 
 // Whether the current GPU's shared memory per block allows the state kernel only one record
@@ -910,7 +1009,7 @@ bool one_stage_only(const ChunkParams& c) {
 template <int KP>
 void launch_state_width(const ChunkParams& c, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  c.split_aqk ? launch_state<KP, true>(c, s) : launch_state<KP, false>(c, s);
+  c.split_aqk ? launch_state_aqk<KP, true>(c, s) : launch_state_aqk<KP, false>(c, s);
 }
 
 template <int KP>

@@ -212,11 +212,15 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// Two floats as a pair of a 16-bit dtype (bfloat16, else float16) in one register.
-__device__ __forceinline__ uint32_t pack_16bit(DType t, float lo, float hi) {
-  if (t == DType::bf16) return pack_bf16(lo, hi);
+// Two floats as a float16 pair in one register (lo in the low half).
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Two floats as a pair of a 16-bit dtype (bfloat16, else float16) in one register.
+__device__ __forceinline__ uint32_t pack_16bit(DType t, float lo, float hi) {
+  return t == DType::bf16 ? pack_bf16(lo, hi) : pack_f16(lo, hi);
 }
 
 // Eight floats by value: passed to a call in registers, where an array's address would put

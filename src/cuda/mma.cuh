@@ -29,17 +29,28 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void mma_bf16(Acc& acc, const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
+// acc += a b on mma.sync m16n8k16 with bfloat16 operands, or float16 ones with kF16.
+template <bool kF16 = false>
+__device__ __forceinline__ void mma_16bit(Acc& acc, const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(acc.d[0]), "+f"(acc.d[1]), "+f"(acc.d[2]), "+f"(acc.d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#define FLASHDELTA_MMA_M16N8K16(types)                                                      \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." types                                \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                \
+               : "+f"(acc.d[0]), "+f"(acc.d[1]), "+f"(acc.d[2]), "+f"(acc.d[3])             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+  if constexpr (kF16)
+    FLASHDELTA_MMA_M16N8K16("f16.f16");
+  else
+    FLASHDELTA_MMA_M16N8K16("bf16.bf16");
+#undef FLASHDELTA_MMA_M16N8K16
 #else
   __trap();
 #endif
+}
+__device__ __forceinline__ void mma_bf16(Acc& acc, const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  mma_16bit<false>(acc, a, b0, b1);
 }
 
 // float32 rounded to nearest tf32 (10-bit mantissa): the tf32 mma reads only the top 19 bits

@@ -1,6 +1,6 @@
 // Warpgroup tensor-core products on Hopper (sm_90a): wgmma.mma_async m64n64k16 with bfloat16
-// operands and float32 accumulators, the left operand from registers and the right one from
-// shared memory through a matrix descriptor. The right operands are record tiles
+// (or float16) operands and float32 accumulators, the left operand from registers and the
+// right one from shared memory through a matrix descriptor. The right operands are record tiles
 // (cuda/chunk_records.cuh): 64 rows of 128 bytes with the 128-byte swizzle, 1024-byte aligned.
 //
 // Register layouts (PTX ISA, "Register fragments and shared memory matrix layouts" of
@@ -77,35 +77,49 @@ __device__ __forceinline__ void hold_registers(Acc (&acc)[N]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[j].d[e])::"memory");
 }
 
+// The 32 accumulator operands of an m64n64 product, d[0].d[0] .. d[7].d[3] as %0 .. %31.
+#define FLASHDELTA_WGMMA_N64_ACCUMULATORS(d)                                               \
+  "+f"(d[0].d[0]), "+f"(d[0].d[1]), "+f"(d[0].d[2]), "+f"(d[0].d[3]), "+f"(d[1].d[0]),     \
+      "+f"(d[1].d[1]), "+f"(d[1].d[2]), "+f"(d[1].d[3]), "+f"(d[2].d[0]), "+f"(d[2].d[1]), \
+      "+f"(d[2].d[2]), "+f"(d[2].d[3]), "+f"(d[3].d[0]), "+f"(d[3].d[1]), "+f"(d[3].d[2]), \
+      "+f"(d[3].d[3]), "+f"(d[4].d[0]), "+f"(d[4].d[1]), "+f"(d[4].d[2]), "+f"(d[4].d[3]), \
+      "+f"(d[5].d[0]), "+f"(d[5].d[1]), "+f"(d[5].d[2]), "+f"(d[5].d[3]), "+f"(d[6].d[0]), \
+      "+f"(d[6].d[1]), "+f"(d[6].d[2]), "+f"(d[6].d[3]), "+f"(d[7].d[0]), "+f"(d[7].d[1]), \
+      "+f"(d[7].d[2]), "+f"(d[7].d[3])
+#define FLASHDELTA_WGMMA_M64N64K16(types)                                                  \
+  "{\n"                                                                                    \
+  ".reg .pred accumulate;\n"                                                               \
+  "setp.ne.b32 accumulate, 1, 0;\n"                                                        \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32." types " "                                 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "      \
+  "{%32, %33, %34, %35}, %36, accumulate, %37, 1, %38;\n"                                  \
+  "}\n"
+
 // d[64 x 64] += sign a[64 x 16] . B[16 x 64], B = X^T for a K-major tile X (kNMajor false:
 // X's rows are the 64 columns n, its 16 k contiguous) or B itself N-major (kNMajor true:
-// rows are k, the 64 n contiguous). kSign is +1 or -1 (the left operand negated).
-template <bool kNMajor, int kSign = 1>
+// rows are k, the 64 n contiguous). kSign is +1 or -1 (the left operand negated). Both
+// operands bfloat16, or with kF16 both float16 (the A_qk product of ChunkParams::aqk_f16).
+template <bool kNMajor, int kSign = 1, bool kF16 = false>
 __device__ __forceinline__ void wgmma_m64n64k16(Acc (&d)[8], const uint32_t (&a)[4], uint64_t b) {
   static_assert(kSign == 1 || kSign == -1);
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n"
-      ".reg .pred accumulate;\n"
-      "setp.ne.b32 accumulate, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, accumulate, %37, 1, %38;\n"
-      "}\n"
-      : "+f"(d[0].d[0]), "+f"(d[0].d[1]), "+f"(d[0].d[2]), "+f"(d[0].d[3]),
-        "+f"(d[1].d[0]), "+f"(d[1].d[1]), "+f"(d[1].d[2]), "+f"(d[1].d[3]),
-        "+f"(d[2].d[0]), "+f"(d[2].d[1]), "+f"(d[2].d[2]), "+f"(d[2].d[3]),
-        "+f"(d[3].d[0]), "+f"(d[3].d[1]), "+f"(d[3].d[2]), "+f"(d[3].d[3]),
-        "+f"(d[4].d[0]), "+f"(d[4].d[1]), "+f"(d[4].d[2]), "+f"(d[4].d[3]),
-        "+f"(d[5].d[0]), "+f"(d[5].d[1]), "+f"(d[5].d[2]), "+f"(d[5].d[3]),
-        "+f"(d[6].d[0]), "+f"(d[6].d[1]), "+f"(d[6].d[2]), "+f"(d[6].d[3]),
-        "+f"(d[7].d[0]), "+f"(d[7].d[1]), "+f"(d[7].d[2]), "+f"(d[7].d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kSign), "n"(kNMajor ? 1 : 0));
+  if constexpr (kF16)
+    asm volatile(FLASHDELTA_WGMMA_M64N64K16("f16.f16")
+                 : FLASHDELTA_WGMMA_N64_ACCUMULATORS(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kSign),
+                   "n"(kNMajor ? 1 : 0));
+  else
+    asm volatile(FLASHDELTA_WGMMA_M64N64K16("bf16.bf16")
+                 : FLASHDELTA_WGMMA_N64_ACCUMULATORS(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kSign),
+                   "n"(kNMajor ? 1 : 0));
 #else
   (void)d, (void)a, (void)b;
   __trap();
 #endif
 }
+#undef FLASHDELTA_WGMMA_M64N64K16
+#undef FLASHDELTA_WGMMA_N64_ACCUMULATORS
 
 }  // namespace flashdelta::detail::cuda
