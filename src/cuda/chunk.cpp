@@ -79,8 +79,9 @@ Carver layout_of(cuda::ChunkParams& c, bool varlen) {
 
 // Whether A_qk fits float16 (ChunkParams::aqk_f16): with q and k L2-normalised and every log
 // gate <= 0 (no gate, or one activated in the kernel: a precomputed gate may be anything)
-// |A_qk| <= |scale| once its rows carry n_q and the scale. Scales beyond 2^12 could overflow
-// float16, and below 2^-8 A_qk's entries would fall in its subnormals.
+// |A_qk| <= |scale| (1 + ~2^-7 for the norms' eps) once its rows carry n_q and the scale.
+// float16 holds that up to |scale| ~ 2^16; 2^12 leaves a margin, and below 2^-8 A_qk's entries
+// would fall in its subnormals.
 bool aqk_f16_applies(const cuda::RecurrentParams& r) {
   const float s = std::fabs(r.scale);
   return r.qk_l2norm && (r.gate == cuda::GateForm::none || r.gate_in_kernel) &&

@@ -126,9 +126,10 @@ struct ChunkParams {
   // neither (qg, kg and u in the records).
   bool v_from_tokens = false;
   // A_qk in the record as float16 (aqk and, with split_aqk, aqk_lo) and the state kernel's
-  // A_qk v_new on float16 operands: three more mantissa bits for two of the output's five
-  // bfloat16-sized roundings (bench/NOTES.md (cc): 4.1e-3 -> ~3.3e-3 against fp64 in the
-  // rounding model, split_aqk's 3.0e-3 -> ~2.4e-3). Its range is made safe twice:
+  // A_qk v_new on float16 operands: three more mantissa bits for two of the output's four
+  // bfloat16-sized roundings (bench/NOTES.md (cc), the rounding model of the first row's
+  // inputs before o's own rounding: 3.66e-3 -> 2.83e-3; with split_aqk 2.34e-3 -> 1.67e-3).
+  // Its range is made safe twice:
   // - A_qk's rows take n_q and the attention scale in the prepare kernel (the state kernel
   //   applies the record's n_q to S^T q^T's columns before A_qk's term instead of to o), so
   //   with q and k L2-normalised and every log gate <= 0 (none, or activated in the kernel)
@@ -136,7 +137,7 @@ struct ChunkParams {
   // - each row of v_new^T (a value column of the tile) goes to float16 times a power of two
   //   that puts its largest magnitude in [2^14, 2^15), found per chunk by a quad reduction;
   //   o^T's row takes the same factor before the product and its inverse after, so the result
-  //   is that of unscaled operands to float32 rounding, whatever v's magnitude.
+  //   is that of unscaled operands to float32 rounding for any finite v_new (f16_row_scales).
   // Both state products (wgmma, mma.sync) have it, as kernels of their own, at K <= 128.
   bool aqk_f16 = false;
 };

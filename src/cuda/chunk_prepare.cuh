@@ -804,9 +804,10 @@ __device__ void write_tile_factors(const RecurrentParams& p, bool qk_from_tokens
 
 // The inverse lengths of q and k, 1 / sqrt(sum of squares + eps) with the L2 norm and 1
 // without (0 past the chunk's last token), from the sums fill_slice gathered (a lane and its
-// neighbour hold its norm_row's), to the record and k's to shared memory, which the caller's
-// barrier publishes. The record's n_q takes the attention scale (cuda/chunk_params.h): qg and
-// A_qk leave it out, a multiply a value less in fill_slice.
+// neighbour hold its norm_row's), to the record and to shared memory (finish_a's row and
+// column scales), which the caller's barrier publishes. The record's n_q takes the attention
+// scale (cuda/chunk_params.h): qg leaves it out, a multiply a value less in fill_slice, and so
+// does A_qk unless aqk_f16 puts both on its rows (finish_a).
 template <int KP>
 __device__ void finish_norms(const RecurrentParams& p, PrepareShared<KP>& sh, const Record& rec,
                              const ChunkRef& ref, float nq, float nk) {

@@ -1,7 +1,7 @@
 // Steps 4-5 of the chunkwise forward (DESIGN.md section 3): one block per (sequence, value
 // head, tile of BV value columns) walks its chunks in order and per chunk computes
 //     v_new = u - w S                       (delta rule; linear: v_new = u = v)
-//     o     = diag(n_q) (qg S + A_qk v_new)
+//     o     = diag(n_q) (qg S + A_qk v_new)       (aqk_f16: n_q in A_qk's rows already)
 //     S     = diag(decay) S + kg^T diag(n_k) v_new
 // from the chunk's prepared record (cuda/chunk_params.h: qg and kg from q and k before the L2
 // norm, whose inverse lengths n_q, n_k scale rows here), which is copied into shared memory
@@ -17,7 +17,8 @@
 // (v_new^T's columns scaled by n_k between the last two, o^T's by n_q on the way out)
 // with the record's matrices as right operands from shared memory. The state itself
 // accumulates in float32; every tensor-core operand is bfloat16 (A_qk, with split_aqk, a
-// bfloat16 pair hi + lo taken as two products: its rounding is the output's largest error).
+// bfloat16 pair hi + lo taken as two products: its rounding is the output's largest error),
+// but with aqk_f16 A_qk and v_new^T in their product, float16 (kF16, chunk_step_wgmma).
 // On sm_90a with KP <= 128 the block's 4 warps are one warpgroup and each k-step of these
 // products is one wgmma over the block's 64 columns (chunk_step_wgmma: the record read once
 // per block, not once per warp); elsewhere, or with FLASHDELTA_CHUNK_STATE_PRODUCTS=mma_sync,
@@ -246,8 +247,11 @@ __device__ __forceinline__ void a_from_acc_f16(uint32_t (&a)[4], const Acc (&acc
 // ChunkParams::aqk_f16: for the thread's two rows of a 16 x C product held as n8 accumulator
 // tiles (a row's C values lie with the four lanes of a quad), the power of two that puts the
 // row's largest magnitude in [2^14, 2^15), float16's top binade but one, and its inverse:
-// the scale 2^(141 - E) for a largest magnitude of exponent field E, kept within 2^+-64 so
-// that the output rows it also scales stay finite (NaN is passed over, and passes through).
+// 2^(141 - E) for a largest magnitude of exponent field E (at least 2^-114, for E = 255: an
+// infinite row stays infinite), at most 2^64 so that the output rows it also scales stay
+// finite where v_new's row is tiny beside them (below 2^-50: its float16 values then lie
+// under 2^14, still normal down to 2^-78); 1 for a zero row. NaN is passed over, and passes
+// through.
 __device__ __forceinline__ void f16_row_scales(const Acc (&x)[kChunk / 8], float (&row)[2],
                                                float (&inv)[2]) {
   float m[2] = {0.f, 0.f};
@@ -260,7 +264,7 @@ __device__ __forceinline__ void f16_row_scales(const Acc (&x)[kChunk / 8], float
     m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 1));
     m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
     const int field = static_cast<int>(__float_as_uint(m[r]) >> 23);  // m >= 0: no sign bit
-    const int e = min(max(268 - field, 127 - 64), 127 + 64);
+    const int e = field == 0 ? 127 : min(268 - field, 127 + 64);
     row[r] = __uint_as_float(static_cast<uint32_t>(e) << 23);
     inv[r] = __uint_as_float(static_cast<uint32_t>(254 - e) << 23);
   }
@@ -636,7 +640,7 @@ __device__ __forceinline__ void chunk_step_wgmma(const StageOf<KP, kSplit>& st,
 }
 
 // inv_q's entries for accumulator tile nt of o^T (its tokens 8 nt + acc_col), or ones where
-// o^T is scaled already (inv_q null: ChunkParams::qk_from_tokens).
+// o^T is scaled already (inv_q null: ChunkParams::qk_from_tokens, or kF16).
 __device__ __forceinline__ float2 token_scale(const float* inv_q, int nt) {
   return inv_q ? *reinterpret_cast<const float2*>(&inv_q[8 * nt + acc_col(0)])
                : make_float2(1.f, 1.f);
@@ -897,7 +901,7 @@ __global__ void __launch_bounds__(StateGeometry<KP>::kThreads, kMinBlocks<KP, kS
       if (kStages == 1) __syncthreads();  // the next chunk rewrites the only stage
       continue;
     }
-    // With tokens or kF16 o^T's columns are scaled already (chunk_step_wgmma).
+    // With tokens or kF16 o^T's columns are scaled already (either chunk step).
     const float* inv_q = tokens || kF16 ? nullptr : st.inv_q();
     if (kStmatrix && c.dense_output)
       store_output_dense(p, o, inv_q, sh.o[warp], o_base, i * kChunk, seq.len, jw);

@@ -912,12 +912,20 @@ TEST(CudaChunk, F16AqkBringsTheOutputCloser) {
       EXPECT_LE(e_f16, 0.85 * e_bf16) << label;
     }
   }
+  CaseConfig large_scale = gate_form_case(Mechanism::kda, 1, 150, 6103);
+  large_scale.scale = 0x1p13;
+  CaseConfig small_scale = gate_form_case(Mechanism::kda, 2, 150, 6104);
+  small_scale.scale = 0x1p-9;
   const std::vector<std::pair<std::string, CaseConfig>> unbounded = {
       {"kda, precomputed gate", {.T = 150, .HV = 2, .K = 128, .V = 64, .dtype = DType::bf16,
                                  .qk_l2norm = true, .seed = 6101}},
       {"kda, gate in the kernel, no L2 norm",
        {.T = 150, .HV = 2, .K = 128, .V = 64, .dtype = DType::bf16, .gate_in_kernel = true,
         .lower_bound = -5.0, .seed = 6102}},
+      {"kda, scale 2^13", large_scale},
+      {"kda, scale 2^-9", small_scale},
+      {"deltanet, K = 256", {.mechanism = Mechanism::deltanet, .T = 130, .K = 256, .V = 120,
+                             .dtype = DType::bf16, .qk_l2norm = true, .seed = 6105}},
   };
   for (const auto& [what, cfg] : unbounded) {
     const Case u = make_case(cfg);
@@ -933,6 +941,57 @@ TEST(CudaChunk, F16AqkBringsTheOutputCloser) {
     }
     EXPECT_EQ(o1.bytes, o2.bytes) << what;
     EXPECT_EQ(s1.bytes, s2.bytes) << what;
+  }
+}
+
+// The float16 form wherever it applies beside the first test's case: K = 64 with varlen
+// (empty, one-token and partial chunks) in both state layouts, the key tiles (a scalar gate
+// activated in the kernel, and no gate: A_qk's rows from the tokens' n_q), GVA. Each within
+// the reference's tolerance, no worse than bfloat16 (2% for the other roundings' noise), and
+// not bitwise bfloat16's (the form ran); both state products.
+TEST(CudaChunk, F16AqkMatchesTheReferenceWhereItApplies) {
+  FLASHDELTA_REQUIRE_GPU();
+  CaseConfig k64 = gate_form_case(Mechanism::kda, 1, 267, 6120);
+  k64.B = 1;
+  k64.K = k64.V = 64;
+  k64.seqlens = {0, 1, 130, 64, 65, 7};
+  CaseConfig k64_vf = gate_form_case(Mechanism::kda, 0, 200, 6121);
+  k64_vf.K = k64_vf.V = 64;
+  CaseConfig gdn = gate_form_case(Mechanism::gated_deltanet, 1, 300, 6122);
+  gdn.H = 1;
+  const CaseConfig deltanet{.mechanism = Mechanism::deltanet, .B = 2, .T = 150, .H = 2,
+                            .HV = 4, .K = 128, .V = 96, .dtype = DType::bf16,
+                            .qk_l2norm = true, .beta_sigmoid = true, .seed = 6123};
+  const std::vector<std::pair<std::string, CaseConfig>> cases = {
+      {"kda, K = 64, varlen", k64},
+      {"kda, K = 64, V-first, no lower bound", k64_vf},
+      {"gated deltanet, gate in the kernel, GVA (key tiles)", gdn},
+      {"deltanet, no gate, V = 96 (key tiles)", deltanet},
+  };
+  for (const auto& [what, cfg] : cases) {
+    const Case c = make_case(cfg);
+    const Outputs ref = run_reference(c);
+    for (const char* products : {static_cast<const char*>(nullptr), "mma_sync"}) {
+      const ScopedEnv state_products(kStateProducts, products);
+      const std::string label = what + (products ? ", mma.sync" : "");
+      Outputs f16, bf16;
+      {
+        const ScopedEnv set(kAqkDtype, "f16");
+        f16 = run_cuda(c, DType::f32, kChunk);
+      }
+      {
+        const ScopedEnv set(kAqkDtype, "bf16");
+        bf16 = run_cuda(c, DType::f32, kChunk);
+      }
+      const double e_f16 = rel_error(f16.o, ref.o), e_bf16 = rel_error(bf16.o, ref.o);
+      std::printf("  %s: output error %.3e with float16 A_qk, %.3e with bfloat16\n",
+                  label.c_str(), e_f16, e_bf16);
+      const double tol = cuda_tolerance(cfg.dtype, kChunk);
+      EXPECT_LT(e_f16, tol) << label;
+      EXPECT_LT(rel_error(f16.state, ref.state), tol) << label << ": final state";
+      EXPECT_LE(e_f16, 1.02 * e_bf16) << label;
+      EXPECT_NE(f16.o, bf16.o) << label << ": the float16 form did not run";
+    }
   }
 }
 
