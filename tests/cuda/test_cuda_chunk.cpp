@@ -873,6 +873,31 @@ TEST(CudaChunk, SplitAqkBringsTheOutputCloser) {
   }
 }
 
+// One case with A_qk in float16 and in bfloat16 (FLASHDELTA_CHUNK_AQK_DTYPE), float32 output:
+// both within the reference's tolerance (the float16 run's final state too) and the float16
+// run's output error at most `most` of the bfloat16 run's; the two runs' outputs returned.
+std::pair<Outputs, Outputs> expect_f16_aqk_closer(const Case& c, const Outputs& ref,
+                                                  const std::string& label, double most) {
+  Outputs f16, bf16;
+  {
+    const ScopedEnv set(kAqkDtype, "f16");
+    f16 = run_cuda(c, DType::f32, kChunk);
+  }
+  {
+    const ScopedEnv set(kAqkDtype, "bf16");
+    bf16 = run_cuda(c, DType::f32, kChunk);
+  }
+  const double e_f16 = rel_error(f16.o, ref.o), e_bf16 = rel_error(bf16.o, ref.o);
+  std::printf("  %s: output error %.3e with float16 A_qk, %.3e with bfloat16\n", label.c_str(),
+              e_f16, e_bf16);
+  const double tol = cuda_tolerance(c.cfg.dtype, kChunk);
+  EXPECT_LT(e_f16, tol) << label;
+  EXPECT_LT(e_bf16, tol) << label;
+  EXPECT_LT(rel_error(f16.state, ref.state), tol) << label << ": final state";
+  EXPECT_LE(e_f16, most * e_bf16) << label;
+  return {f16, bf16};
+}
+
 // A_qk in float16 and A_qk v_new on float16 operands (FLASHDELTA_CHUNK_AQK_DTYPE=f16,
 // ChunkParams::aqk_f16) against bfloat16, single and as the pair (FLASHDELTA_CHUNK_AQK=split):
 // three more mantissa bits for two of the output's bfloat16-sized roundings. In the rounding
@@ -894,22 +919,7 @@ TEST(CudaChunk, F16AqkBringsTheOutputCloser) {
       const ScopedEnv aqk(kAqk, pair);
       const std::string label =
           std::string(pair) + (products ? ", mma.sync" : ", default products");
-      Outputs f16, bf16;
-      {
-        const ScopedEnv set(kAqkDtype, "f16");
-        f16 = run_cuda(c, DType::f32, kChunk);
-      }
-      {
-        const ScopedEnv set(kAqkDtype, "bf16");
-        bf16 = run_cuda(c, DType::f32, kChunk);
-      }
-      const double e_f16 = rel_error(f16.o, ref.o), e_bf16 = rel_error(bf16.o, ref.o);
-      std::printf("  %s: output error %.3e with float16 A_qk, %.3e with bfloat16\n",
-                  label.c_str(), e_f16, e_bf16);
-      const double tol = cuda_tolerance(kda.dtype, kChunk);
-      EXPECT_LT(e_f16, tol) << label;
-      EXPECT_LT(rel_error(f16.state, ref.state), tol) << label << ": final state";
-      EXPECT_LE(e_f16, 0.85 * e_bf16) << label;
+      expect_f16_aqk_closer(c, ref, label, 0.85);
     }
   }
   CaseConfig large_scale = gate_form_case(Mechanism::kda, 1, 150, 6103);
@@ -974,22 +984,7 @@ TEST(CudaChunk, F16AqkMatchesTheReferenceWhereItApplies) {
     for (const char* products : {static_cast<const char*>(nullptr), "mma_sync"}) {
       const ScopedEnv state_products(kStateProducts, products);
       const std::string label = what + (products ? ", mma.sync" : "");
-      Outputs f16, bf16;
-      {
-        const ScopedEnv set(kAqkDtype, "f16");
-        f16 = run_cuda(c, DType::f32, kChunk);
-      }
-      {
-        const ScopedEnv set(kAqkDtype, "bf16");
-        bf16 = run_cuda(c, DType::f32, kChunk);
-      }
-      const double e_f16 = rel_error(f16.o, ref.o), e_bf16 = rel_error(bf16.o, ref.o);
-      std::printf("  %s: output error %.3e with float16 A_qk, %.3e with bfloat16\n",
-                  label.c_str(), e_f16, e_bf16);
-      const double tol = cuda_tolerance(cfg.dtype, kChunk);
-      EXPECT_LT(e_f16, tol) << label;
-      EXPECT_LT(rel_error(f16.state, ref.state), tol) << label << ": final state";
-      EXPECT_LE(e_f16, 1.02 * e_bf16) << label;
+      const auto [f16, bf16] = expect_f16_aqk_closer(c, ref, label, 1.02);
       EXPECT_NE(f16.o, bf16.o) << label << ": the float16 form did not run";
     }
   }
