@@ -505,10 +505,10 @@ __device__ __forceinline__ void chunk_step_mma_sync(const StageOf<KP, kSplit>& s
 #pragma unroll
     for (int e = 0; e < 4; ++e) vn[nt].d[e] = u[nt].d[e] - vn[nt].d[e];
 
+  if (!kEnds) warp_product<KP, kChunk, true>(o, S.acc, st.qg);
   // A_qk is zero right of the diagonal, so token block kk of v_new only reaches output
   // tokens from 16 kk on.
   if (!kEnds && kF16) {  // as in chunk_step_wgmma
-    warp_product<KP, kChunk, true>(o, S.acc, st.qg);
     float row[2], row_inv[2];
     f16_row_scales(vn, row, row_inv);
     scale_rows_and_token_columns(o, row, st.inv_q());
@@ -517,7 +517,6 @@ __device__ __forceinline__ void chunk_step_mma_sync(const StageOf<KP, kSplit>& s
       warp_product<kChunk, kChunk, true, true, true>(o, vn, st.a_lo, row[0], row[1]);
     scale_rows_and_token_columns(o, row_inv, nullptr);
   } else if (!kEnds) {
-    warp_product<KP, kChunk, true>(o, S.acc, st.qg);
     if (tokens) scale_token_columns(o, st.inv_q());
     warp_product<kChunk, kChunk, true, true>(o, vn, st.a);
     if constexpr (kSplit) warp_product<kChunk, kChunk, true, true>(o, vn, st.a_lo);
