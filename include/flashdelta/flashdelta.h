@@ -42,7 +42,11 @@
 // offset) rather than access memory outside the tensors. The CUDA chunk schedule (sm_80 and
 // later) uses 64-token chunks whatever Options::chunk_size says, multiplies bfloat16
 // operands with float32 accumulation (float32 states) for every input dtype, and needs
-// temporary memory (ForwardArgs::workspace).
+// temporary memory (ForwardArgs::workspace). Its forward of long sequences over few heads may
+// run part of its kernels on a second stream of the library's (one per host thread, device
+// and `stream`), forked from `stream` and joined back to it before the call returns, so
+// that work queued on `stream` afterwards, or captured with it into a CUDA graph, follows
+// all of it (FLASHDELTA_CHUNK_PIECES=off keeps everything on `stream`).
 #pragma once
 
 #include "flashdelta/options.h"

@@ -1,16 +1,20 @@
 // Host side of the CUDA chunkwise forward: sizes the workspace of prepared chunk records
 // (cuda/chunk_params.h), takes the caller's or one from the stream-ordered allocator (no
 // synchronisation, capturable in CUDA graphs), and launches the chunk table, prepare and
-// state kernels.
+// state kernels, for long sequences over few heads in pieces whose state kernels run beside
+// the next piece's prepare kernel.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "cuda/chunk_params.h"
 #include "cuda/cuda.h"
+#include "cuda/forked_stream.h"
 #include "cuda/host_params.h"
 #include "cuda/workspace.h"
 
@@ -143,6 +147,88 @@ void check_block_counts(const Problem& p, const cuda::ChunkParams& c) {
                     std::to_string(state_blocks) + " state tiles");
 }
 
+// Piece `first` .. first + chunks - 1 of every sequence of the whole's (no cu_seqlens): the
+// token tensors from the piece's first token on, one run of state segments.
+cuda::ChunkParams piece_params(const cuda::ChunkParams& whole, int64_t first, int64_t chunks) {
+  cuda::ChunkParams c = whole;
+  const int64_t t0 = first * cuda::kChunk;
+  c.p.T = std::min(whole.p.T - t0, chunks * cuda::kChunk);
+  for (cuda::TokenTensor* x : {&c.p.q, &c.p.k, &c.p.v, &c.p.g, &c.p.beta, &c.p.o})
+    if (x->data)
+      x->data = static_cast<const char*>(x->data) + t0 * x->stride[1] * dtype_size(x->dtype);
+  c.chunks_per_row = chunks;
+  c.max_chunks = c.p.N * chunks;
+  c.segments = 1;
+  c.segment_chunks = chunks;
+  return c;
+}
+
+// The forward's launches and workspace: one piece (the whole, on the caller's stream), or
+// pieces (cuda_chunk_pieces) each with its regions after the one before's, then a float32
+// state [N, HV, K, V] that carries a piece's end state to the next (each piece's state
+// kernel reads it first and writes it last, as it does the caller's state in place). Not
+// for cu_seqlens, recorded chunk states (entries numbered by sequence, not by piece) or
+// sequences split into segments.
+class ForwardPlan {
+ public:
+  ForwardPlan(const cuda::ChunkParams& whole, bool varlen) {
+    const std::vector<int64_t> sizes =
+        varlen || whole.chunk_states.data || whole.segments > 1 || whole.max_chunks == 0
+            ? std::vector<int64_t>{whole.chunks_per_row}
+            : cuda_chunk_pieces(whole.p.N * whole.p.HV, whole.p.V, whole.chunks_per_row);
+    if (sizes.size() == 1) {
+      pieces_.push_back(whole);
+    } else {
+      int64_t first = 0;
+      for (const int64_t n : sizes) {
+        pieces_.push_back(piece_params(whole, first, n));
+        first += n;
+      }
+      carry_floats_ = whole.p.N * whole.p.HV * whole.p.K * whole.p.V;
+    }
+    layouts_.reserve(pieces_.size());  // they point into pieces_, which is complete
+    for (cuda::ChunkParams& c : pieces_) layouts_.push_back(layout_of(c, varlen));
+    carries_.add(carry_, carry_floats_);
+  }
+  ForwardPlan(const ForwardPlan&) = delete;
+  ForwardPlan& operator=(const ForwardPlan&) = delete;
+
+  int64_t bytes() const {
+    int64_t total = carries_.total();
+    for (const Carver& l : layouts_) total += l.total();
+    return total;
+  }
+  std::vector<cuda::ChunkParams>& pieces() { return pieces_; }
+
+  // Sets every piece's workspace pointers and its carried states.
+  void carve(char* base) {
+    for (const Carver& l : layouts_) {
+      l.carve(base);
+      base += l.total();
+    }
+    if (carry_floats_ == 0) return;
+    carries_.carve(base);
+    const int64_t K = pieces_[0].p.K, V = pieces_[0].p.V;
+    for (size_t i = 0; i + 1 < pieces_.size(); ++i) {
+      cuda::StateTensor carry;
+      carry.data = carry_;
+      carry.slot_stride = pieces_[0].p.HV * K * V;
+      carry.head_stride = K * V;
+      carry.key_stride = V;
+      carry.value_stride = 1;
+      pieces_[i].p.state_out = carry;
+      pieces_[i + 1].p.state_in = carry;
+    }
+  }
+
+ private:
+  std::vector<cuda::ChunkParams> pieces_;
+  std::vector<Carver> layouts_;
+  Carver carries_;
+  float* carry_ = nullptr;
+  int64_t carry_floats_ = 0;
+};
+
 }  // namespace
 
 int64_t cuda_chunk_state_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks) {
@@ -152,7 +238,7 @@ int64_t cuda_chunk_state_segments(int64_t scans, int64_t K, int64_t V, int64_t c
 int64_t cuda_chunk_workspace_bytes(const Problem& p) {
   cuda::ChunkParams c = chunk_params(p, ForwardIO{});
   check_block_counts(p, c);
-  return layout_of(c, p.cu_seqlens.present()).total();
+  return ForwardPlan(c, p.cu_seqlens.present()).bytes();
 }
 
 void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, void* workspace,
@@ -162,27 +248,47 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
   cuda::ChunkParams c = chunk_params(p, io);
   check_block_counts(p, c);
   const bool varlen = p.cu_seqlens.present();
-  const Carver layout = layout_of(c, varlen);
-  const int64_t bytes = layout.total();
+  // With recorded chunk states the plan is one piece, no larger than the size query's.
+  ForwardPlan plan(c, varlen);
+  const int64_t bytes = plan.bytes();
   const bool caller_memory = workspace != nullptr || workspace_bytes > 0;
   // The caller's workspace is checked before anything else (no GPU is needed to fail here).
   if (caller_memory) check_caller_workspace(workspace, workspace_bytes, bytes);
   require_sm80("the CUDA chunk schedule");
-  if (cuda::chunk_state_one_stage_only(c)) c.state_stages = 1;
-  c.sm_count = sm_count();
+  const bool one_stage = cuda::chunk_state_one_stage_only(c);
+  const int sms = sm_count();
+  for (cuda::ChunkParams& piece : plan.pieces()) {
+    if (one_stage) piece.state_stages = 1;
+    piece.sm_count = sms;
+  }
 
   const StreamWorkspace memory("CUDA chunk schedule", bytes, workspace, workspace_bytes, stream);
-  if (bytes > 0) layout.carve(memory.data());
-  if (varlen) {
-    cuda::launch_chunk_table(c, stream);
-    check_kernel_launch("CUDA chunk table");
+  if (bytes > 0) plan.carve(memory.data());
+  if (plan.pieces().size() == 1) {
+    cuda::ChunkParams& whole = plan.pieces()[0];
+    if (varlen) {
+      cuda::launch_chunk_table(whole, stream);
+      check_kernel_launch("CUDA chunk table");
+    }
+    if (whole.max_chunks > 0) {
+      cuda::launch_chunk_prepare(whole, stream);
+      check_kernel_launch("CUDA chunk prepare");
+    }
+    cuda::launch_chunk_state(whole, stream);
+    check_kernel_launch("CUDA chunk state");
+    return;
   }
-  if (c.max_chunks > 0) {
-    cuda::launch_chunk_prepare(c, stream);
+  // Each piece's prepare kernel on the caller's stream, its state kernel on the side stream
+  // once that prepare kernel is done (and the piece before's state kernel, in stream order);
+  // the side stream joins the caller's before the workspace is returned (declared after it).
+  ForkedStream side(stream, "the CUDA chunk schedule");
+  for (cuda::ChunkParams& piece : plan.pieces()) {
+    cuda::launch_chunk_prepare(piece, stream);
     check_kernel_launch("CUDA chunk prepare");
+    side.follow_caller();
+    cuda::launch_chunk_state(piece, side.side());
+    check_kernel_launch("CUDA chunk state");
   }
-  cuda::launch_chunk_state(c, stream);
-  check_kernel_launch("CUDA chunk state");
 }
 
 }  // namespace flashdelta::detail

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "core/problem.h"
 #include "reference/reference.h"
@@ -74,6 +75,15 @@ int64_t cuda_chunk_workspace_bytes(const Problem& p);
 // 1 otherwise), for `scans` (sequence, value head) pairs of V columns: split_scan
 // (cuda/host_params.h) under FLASHDELTA_CHUNK_STATE_SEGMENTS.
 int64_t cuda_chunk_state_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks);
+// Chunks of each piece, first to last, that the forward splits sequences of `chunks` chunks
+// into for `scans` (sequence, value head) pairs of V columns: one piece, or several whose
+// state kernels run beside the next piece's prepare kernel (the model in cuda/chunk.cpp).
+// FLASHDELTA_CHUNK_PIECES: unset or `auto` the model; `off` one piece; 1, 2, 3, 4 or 8
+// that many (at most `chunks`). Any other value throws Error(invalid_argument) naming the
+// variable. The forward takes one piece with cu_seqlens, recorded chunk states or where the
+// state kernel splits sequences into segments (cuda_chunk_state_segments above 1, e.g.
+// B=1 T=32768 H=16), whatever this says.
+std::vector<int64_t> cuda_chunk_pieces(int64_t scans, int64_t V, int64_t chunks);
 // The chunkwise backward (sm_80 or later); allocates its float32 workspace in stream order
 // (cuda_chunk_backward_workspace_bytes of it).
 void cuda_chunk_backward(const Problem& p, const BackwardArgs& args);

@@ -675,6 +675,130 @@ TEST(CudaChunk, SplitSequencesMatchTheReference) {
   EXPECT_EQ(first.chunks, second.chunks);
 }
 
+constexpr const char* kPieces = "FLASHDELTA_CHUNK_PIECES";
+
+// Host only: the pieces the forward splits long sequences over few heads into, their state
+// kernels beside the next piece's prepare kernel (cuda_chunk_pieces).
+TEST(CudaChunkPieces, FollowTheModelAndTheEnvironmentVariable) {
+  using detail::cuda_chunk_pieces;
+  using Sizes = std::vector<int64_t>;
+  for (const char* automatic : {static_cast<const char*>(nullptr), "", "auto"}) {
+    const ScopedEnv setting(kPieces, automatic);
+    // B=1 H=32 T=32768: 64 state blocks leave half of a 128-SM wave to prepare; each piece
+    // 0.5 x 30 / 32 times the one before.
+    EXPECT_EQ(cuda_chunk_pieces(32, 128, 512), (Sizes{286, 134, 63, 29}));
+    EXPECT_EQ(cuda_chunk_pieces(64, 128, 128), Sizes{128});  // H=64 T=8192: every SM's
+    EXPECT_EQ(cuda_chunk_pieces(128, 128, 64), Sizes{64});   // B=8 H=16
+    EXPECT_EQ(cuda_chunk_pieces(32, 256, 512), Sizes{512});  // K = V = 256: 128 blocks
+    EXPECT_EQ(cuda_chunk_pieces(32, 128, 31), Sizes{31});    // fewer than 32 chunks
+    // A state step outlasting a chunk's share of prepare: equal pieces.
+    EXPECT_EQ(cuda_chunk_pieces(16, 128, 512), (Sizes{128, 128, 128, 128}));
+    // The fourth and third pieces would be under 8 chunks.
+    EXPECT_EQ(cuda_chunk_pieces(32, 128, 48), (Sizes{33, 15}));
+    EXPECT_EQ(cuda_chunk_pieces(48, 128, 512), (Sizes{390, 98, 24}));  // q at its floor 1/4
+  }
+  for (const char* whole : {"off", "1"}) {
+    const ScopedEnv forced(kPieces, whole);
+    EXPECT_EQ(cuda_chunk_pieces(32, 128, 512), Sizes{512}) << whole;
+  }
+  {
+    const ScopedEnv forced(kPieces, "2");
+    EXPECT_EQ(cuda_chunk_pieces(64, 128, 128), (Sizes{102, 26}));  // where auto takes one
+  }
+  {
+    const ScopedEnv forced(kPieces, "8");
+    EXPECT_EQ(cuda_chunk_pieces(1, 64, 3), (Sizes{1, 1, 1}));  // at most the chunks
+    EXPECT_EQ(cuda_chunk_pieces(1, 64, 1), Sizes{1});
+  }
+  for (const char* bad : {"0", "5", "x", "auto ", "on"}) {
+    const ScopedEnv wrong(kPieces, bad);
+    try {
+      cuda_chunk_pieces(32, 128, 512);
+      ADD_FAILURE() << kPieces << ": accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(kPieces), std::string::npos) << e.what();
+    }
+  }
+}
+
+// A forward in pieces (each piece's state kernel on a second stream, starting from the
+// float32 state the piece before ended with) gives the outputs and final states of one piece
+// bit for bit: fixed length with B = 1 and 2, T not a multiple of the chunk (the last piece
+// partial), GVA, both state layouts, with and without an initial state, in place, KDA with
+// its fused transforms, Gated DeltaNet, the linear write, K = V = 128 (wgmma) and odd widths;
+// in the caller's workspace too (garbage-filled). And the pieces as the reference's; with
+// chunk states asked for, or cu_seqlens, one piece whatever the variable says.
+TEST(CudaChunk, PiecesMatchOnePieceBitwise) {
+  FLASHDELTA_REQUIRE_GPU();
+  CaseConfig kda = gate_form_case(Mechanism::kda, 1, 1000, 5900);  // GVA, V-first
+  kda.B = 1;
+  const CaseConfig cases[] = {
+      kda,
+      {.mechanism = Mechanism::gated_deltanet, .B = 2, .T = 700, .H = 1, .HV = 2, .K = 64,
+       .V = 96, .dtype = DType::f16, .layout = StateLayout::v_first, .gate_min = -0.05,
+       .seed = 5901},
+      {.mechanism = Mechanism::deltanet, .T = 640, .HV = 2, .K = 128, .V = 128,
+       .dtype = DType::bf16, .initial_state = false, .qk_l2norm = true, .seed = 5902},
+      {.mechanism = Mechanism::gla, .B = 2, .T = 333, .K = 40, .V = 70, .seed = 5903},
+  };
+  auto run = [](const Case& c, const char* pieces, bool in_place, bool caller_workspace) {
+    const ScopedEnv set(kPieces, pieces);
+    HostTensor o = c.make_output(DType::f32);
+    HostTensor s = in_place ? c.initial_state : c.make_state();
+    o.fill(kPoison);
+    if (!in_place) s.fill(kPoison);
+    ForwardArgs host = c.args(o, &s);
+    if (in_place) host.initial_state = s.view;
+    cli::DeviceForward d(host);
+    void* ws = nullptr;
+    if (caller_workspace) {
+      const size_t bytes = forward_workspace_bytes(d.args, c.options, kChunk);
+      EXPECT_EQ(cudaMalloc(&ws, bytes), cudaSuccess);
+      EXPECT_EQ(cudaMemset(ws, 0xff, bytes), cudaSuccess);
+      d.args.workspace = ws;
+      d.args.workspace_bytes = bytes;
+    }
+    forward(d.args, c.options, kChunk);
+    d.download_outputs(host);
+    if (ws) cudaFree(ws);
+    return std::make_pair(o.bytes, s.bytes);
+  };
+  // The size query (host arithmetic, the forward's own plan) says whether pieces run: their
+  // regions plus the carried state [N, HV, K, V] in float32.
+  auto workspace_bytes = [](const Case& c, const char* pieces) {
+    const ScopedEnv set(kPieces, pieces);
+    HostTensor o = c.make_output(DType::f32), s = c.make_state();
+    return forward_workspace_bytes(labelled_cuda(c.args(o, &s)), c.options, kChunk);
+  };
+  for (const CaseConfig& cfg : cases) {
+    const Case c = make_case(cfg);
+    const size_t carry = static_cast<size_t>(c.N * cfg.HV * cfg.K * cfg.V) * 4;
+    EXPECT_GE(workspace_bytes(c, "3"), workspace_bytes(c, "off") + carry) << describe(cfg);
+    const bool in_place = cfg.initial_state;
+    const auto whole = run(c, "off", in_place, false);
+    for (const char* pieces : {"2", "3", "8"})
+      for (const bool caller_workspace : {false, true}) {
+        const std::string what = describe(cfg) + ", " + pieces + " pieces" +
+                                 (caller_workspace ? ", caller's workspace" : "");
+        const auto split = run(c, pieces, in_place, caller_workspace);
+        EXPECT_EQ(split.first, whole.first) << what << ": outputs";
+        EXPECT_EQ(split.second, whole.second) << what << ": final states";
+      }
+    const ScopedEnv three(kPieces, "3");
+    expect_forward_matches_reference(c, describe(cfg) + ", 3 pieces", kChunk);
+  }
+  // Where the forward takes one piece whatever the variable says: recorded chunk states
+  // (numbered by sequence) and cu_seqlens; the size query asks for no less than either needs.
+  const ScopedEnv three(kPieces, "3");
+  expect_chunk_states_match(make_case(kda), DType::f32, "kda, 3 pieces asked, chunk states");
+  const CaseConfig varlen{.mechanism = Mechanism::gated_deltanet, .T = 2200, .HV = 2, .K = 64,
+                          .V = 64, .dtype = DType::bf16, .seqlens = {0, 2100, 1, 99},
+                          .seed = 5904};
+  expect_forward_matches_reference(make_case(varlen), "varlen, 3 pieces asked", kChunk);
+  EXPECT_EQ(workspace_bytes(make_case(varlen), "3"), workspace_bytes(make_case(varlen), "off"));
+}
+
 // Two runs' outputs, final states and chunk states within a relative tol of each other.
 void expect_runs_close(const ChunkStatesRun& a, const ChunkStatesRun& b, double tol,
                        const std::string& what) {

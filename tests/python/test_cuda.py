@@ -428,6 +428,34 @@ def test_chunk_schedule_on_cuda_matches_cpu():
     assert_same(s, s_cpu, 1e-2, "final_state")
 
 
+def test_chunk_forward_in_pieces_matches_one_piece_and_is_cuda_graph_capturable(monkeypatch):
+    """FLASHDELTA_CHUNK_PIECES=3: each piece's state kernel on the library's second stream,
+    forked from and joined to torch's current stream by events: the same bits as one piece,
+    eagerly on a torch side stream and replayed from a CUDA graph (whose capture fails on work
+    left unjoined on another stream)."""
+    a = cuda(make_inputs("kda", B=1, T=300, H=2, HV=4, K=64, V=64, dtype="bfloat16"))
+    call = lambda: flashdelta.chunk_kda(a["q"], a["k"], a["v"], a["g"], a["beta"],  # noqa
+                                        initial_state=a["initial_state"],
+                                        output_final_state=True)
+    monkeypatch.setenv("FLASHDELTA_CHUNK_PIECES", "off")
+    expected = call()
+    monkeypatch.setenv("FLASHDELTA_CHUNK_PIECES", "3")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, final = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    for what, got in (("eager", eager), ("graph", (o, final))):
+        assert torch.equal(got[0], expected[0]), f"{what}: o differs from one piece"
+        assert torch.equal(got[1], expected[1]), f"{what}: final state differs from one piece"
+
+
 def test_chunk_states_on_cuda_match_cpu():
     """return_intermediate_states: the CUDA state kernel writes h from its registers
     (bfloat16 products: agreement to bfloat16 precision); varlen with device-resident offsets
