@@ -70,8 +70,8 @@ SideStream* side_stream(cudaStream_t caller) {
 void check(cudaError_t err, const char* what, const char* call) {
   if (err == cudaSuccess) return;
   cudaGetLastError();  // not sticky: clear it for the caller's next check
-  throw Error(ErrorCode::runtime,
-              std::string(what) + ": " + call + " on its second stream: " + cudaGetErrorString(err));
+  throw Error(ErrorCode::runtime, std::string(what) + ": " + call + " on its second stream: " +
+                                      cudaGetErrorString(err));
 }
 
 }  // namespace
