@@ -26,14 +26,15 @@ constexpr const char* kPiecesSetting = "FLASHDELTA_CHUNK_PIECES";
 // The model, on a wave of 128 SMs as split_scan's (the same pieces on every GPU): while the
 // state kernel runs its blocks = scans x V / 64 (chunk_state_columns), prepare keeps
 // r = 1 - blocks / 128 of the chip, and a chunk's state step takes a = kStateOverPrepare /
-// scans of the prepare kernel's chip-wide time per chunk (KDA at K = V = 128: 1.012 / 1.074 ms at scans = 32). The state
-// kernel does not wait where each piece is q = min(1, r a) times the one before; the forward
-// then takes the first piece's prepare plus the whole state kernel: at that shape, four pieces
-// of 286, 134, 63 and 29 chunks model 1.61 ms against 2.09. Measured on an H100 (bench/NOTES.md
-// (cd)): 2.07-2.09 -> 1.86-1.93 ms, four pieces about as fast as eight and faster than two or
-// three; the model leaves out that the state kernels, sharing the memory with the prepare
-// kernels beside them, take ~22% longer. Not split (auto): fewer than kMinChunks chunks,
-// r below 1/4, or a last piece under kMinPieceChunks (fewer pieces first).
+// scans of the prepare kernel's chip-wide time per chunk (KDA at K = V = 128: 1.012 / 1.074 ms
+// at scans = 32). The state kernel does not wait where each piece is q = min(1, r a) times the
+// one before; the forward then takes the first piece's prepare plus the whole state kernel:
+// at that shape, four pieces of 286, 134, 63 and 29 chunks model 1.61 ms against 2.09.
+// Measured on an H100 (bench/NOTES.md (cd)): 2.07-2.09 -> 1.86-1.93 ms, four pieces about as
+// fast as eight and faster than two or three; the model leaves out that the state kernels,
+// sharing the memory with the prepare kernels beside them, take ~22% longer. Not split
+// (auto): fewer than kMinChunks chunks, r below 1/4, or a last piece under kMinPieceChunks
+// (fewer pieces first).
 constexpr int64_t kPiecesWave = 128, kMinChunks = 32, kMinPieceChunks = 8, kAutoPieces = 4;
 constexpr double kStateOverPrepare = 30.0;
 
