@@ -9,6 +9,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -210,13 +211,13 @@ class ForwardPlan {
     if (carry_floats_ == 0) return;
     carries_.carve(base);
     const int64_t K = pieces_[0].p.K, V = pieces_[0].p.V;
+    cuda::StateTensor carry;  // K-first, dense
+    carry.data = carry_;
+    carry.slot_stride = pieces_[0].p.HV * K * V;
+    carry.head_stride = K * V;
+    carry.key_stride = V;
+    carry.value_stride = 1;
     for (size_t i = 0; i + 1 < pieces_.size(); ++i) {
-      cuda::StateTensor carry;
-      carry.data = carry_;
-      carry.slot_stride = pieces_[0].p.HV * K * V;
-      carry.head_stride = K * V;
-      carry.key_stride = V;
-      carry.value_stride = 1;
       pieces_[i].p.state_out = carry;
       pieces_[i + 1].p.state_in = carry;
     }
@@ -265,29 +266,23 @@ void cuda_chunk_forward(const Problem& p, const ForwardIO& io, void* stream, voi
 
   const StreamWorkspace memory("CUDA chunk schedule", bytes, workspace, workspace_bytes, stream);
   if (bytes > 0) plan.carve(memory.data());
-  if (plan.pieces().size() == 1) {
-    cuda::ChunkParams& whole = plan.pieces()[0];
-    if (varlen) {
-      cuda::launch_chunk_table(whole, stream);
-      check_kernel_launch("CUDA chunk table");
-    }
-    if (whole.max_chunks > 0) {
-      cuda::launch_chunk_prepare(whole, stream);
+  if (varlen) {  // one piece
+    cuda::launch_chunk_table(plan.pieces()[0], stream);
+    check_kernel_launch("CUDA chunk table");
+  }
+  // Each piece's prepare kernel on the caller's stream; with more than one piece, its state
+  // kernel on the side stream once that prepare kernel is done (and the piece before's state
+  // kernel, in stream order), joined back to the caller's stream before the workspace is
+  // returned (declared after it).
+  std::optional<ForkedStream> side;
+  if (plan.pieces().size() > 1) side.emplace(stream, "the CUDA chunk schedule");
+  for (cuda::ChunkParams& piece : plan.pieces()) {
+    if (piece.max_chunks > 0) {
+      cuda::launch_chunk_prepare(piece, stream);
       check_kernel_launch("CUDA chunk prepare");
     }
-    cuda::launch_chunk_state(whole, stream);
-    check_kernel_launch("CUDA chunk state");
-    return;
-  }
-  // Each piece's prepare kernel on the caller's stream, its state kernel on the side stream
-  // once that prepare kernel is done (and the piece before's state kernel, in stream order);
-  // the side stream joins the caller's before the workspace is returned (declared after it).
-  ForkedStream side(stream, "the CUDA chunk schedule");
-  for (cuda::ChunkParams& piece : plan.pieces()) {
-    cuda::launch_chunk_prepare(piece, stream);
-    check_kernel_launch("CUDA chunk prepare");
-    side.follow_caller();
-    cuda::launch_chunk_state(piece, side.side());
+    if (side) side->follow_caller();
+    cuda::launch_chunk_state(piece, side ? side->side() : stream);
     check_kernel_launch("CUDA chunk state");
   }
 }

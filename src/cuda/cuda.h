@@ -77,7 +77,8 @@ int64_t cuda_chunk_workspace_bytes(const Problem& p);
 int64_t cuda_chunk_state_segments(int64_t scans, int64_t K, int64_t V, int64_t chunks);
 // Chunks of each piece, first to last, that the forward splits sequences of `chunks` chunks
 // into for `scans` (sequence, value head) pairs of V columns: one piece, or several whose
-// state kernels run beside the next piece's prepare kernel (the model in cuda/chunk.cpp).
+// state kernels run beside the next piece's prepare kernel (the model in
+// cuda/chunk_pieces.cpp).
 // FLASHDELTA_CHUNK_PIECES: unset or `auto` the model; `off` one piece; 1, 2, 3, 4 or 8
 // that many (at most `chunks`). Any other value throws Error(invalid_argument) naming the
 // variable. The forward takes one piece with cu_seqlens, recorded chunk states or where the
